@@ -1,0 +1,35 @@
+"""One family of errors for everything Purlin rejects or fails at.
+
+Every message states the rule that was broken and the values involved (rank, position, name,
+step, flag), so a user can fix the input without reading Purlin's source.
+"""
+
+from __future__ import annotations
+
+
+class PurlinError(Exception):
+    """Base class of every error Purlin raises on purpose."""
+
+
+class SpecError(PurlinError, ValueError):
+    """A collective, layout, op, dtype or size that does not make sense."""
+
+
+class PlanError(PurlinError):
+    """The planner cannot build a schedule for this collective with these options."""
+
+
+class VerificationError(PlanError):
+    """A schedule that does not compute its collective, races, or can deadlock."""
+
+
+class CapabilityError(PurlinError):
+    """A datapath asked to do something it cannot do (reduce on copy engines, a dtype, ...)."""
+
+
+class ExecutionError(PurlinError):
+    """Running a schedule failed."""
+
+
+class PurlinTimeoutError(ExecutionError, TimeoutError):
+    """A wait on a flag ran past its time limit; the message names rank, step, flag and values."""

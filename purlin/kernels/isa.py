@@ -1,0 +1,70 @@
+"""The instruction table the executor kernel interprets (pure Python: no Numba import).
+
+A lowered schedule is, per rank, an int64 table of ``ROW_WIDTH`` columns, sorted by lane; one
+row per Atom operation. Addresses are raw device addresses (unified virtual addressing), so a
+table for a new custom collective needs no recompilation.
+
+Flags are uint64 counters that only grow. A NOTIFY adds ``VALUE`` to the flag at ``FLAG`` with
+release semantics at system scope; each thread block of the notifying lane adds separately. A
+WAIT spins (acquire, system scope) until the flag reaches::
+
+    target = (epoch + EPOCH_OFFSET) * PER_CALL + VALUE        (satisfied at once if <= 0)
+
+where ``epoch`` is the number of earlier calls of this rank (a device counter the kernel bumps
+when its last block finishes), ``PER_CALL`` is the total the flag grows by in one call, and
+``EPOCH_OFFSET`` is 0 for this call or -1 / -2 to wait on an earlier call (acknowledgements).
+"""
+
+# opcodes (column OP)
+NOP, COPY, REDUCE, NOTIFY, WAIT = 0, 1, 2, 3, 4
+OPCODE_NAMES = {NOP: "nop", COPY: "copy", REDUCE: "reduce", NOTIFY: "notify", WAIT: "wait"}
+
+# dtype codes (column DTYPE)
+BF16, F16, F32, I32, F64 = 0, 1, 2, 3, 4
+DTYPE_CODES = {"bfloat16": BF16, "float16": F16, "float32": F32, "int32": I32, "float64": F64}
+ITEMSIZE = {BF16: 2, F16: 2, F32: 4, I32: 4, F64: 8}
+
+# reduce op codes (column REDOP); AVG sums then divides by DIVISOR
+SUM, MAX, MIN, AVG = 0, 1, 2, 3
+REDOP_CODES = {"sum": SUM, "max": MAX, "min": MIN, "avg": AVG}
+
+# columns
+OP = 0            # opcode
+LANE = 1          # lane that runs the row
+DTYPE = 2         # dtype code
+REDOP = 3         # reduce op code
+DST = 4           # destination address (COPY, REDUCE)
+COUNT = 5         # elements (COPY, REDUCE)
+NSRC = 6          # number of sources (REDUCE; COPY uses 1)
+SRC = 7           # index of the first source address in the rank's source pool
+FLAG = 8          # flag address (NOTIFY: usually a peer's; WAIT: this rank's)
+VALUE = 9         # NOTIFY: amount added per block; WAIT: target within the call
+PER_CALL = 10     # WAIT: how much the flag grows per call
+EPOCH_OFFSET = 11 # WAIT: 0 this call, -1 previous call, ...
+STEP = 12         # schedule step index (errors, traces)
+PEER = 13         # the other rank of the step (errors, traces); -1 if none
+DIVISOR = 14      # AVG: number of contributions
+RESERVED = 15
+ROW_WIDTH = 16
+
+# per-rank descriptor the kernel reads first (int64 each), DESC_WIDTH columns
+D_RANK = 0          # rank id (for error records)
+D_TABLE = 1         # address of the int64 table
+D_LANES = 2         # address of int64[nlanes + 1] row offsets: lane l runs rows [L[l], L[l+1])
+D_NLANES = 3
+D_SRCS = 4          # address of the int64 source-address pool
+D_EPOCH = 5         # address of a uint64 call counter (starts at 0)
+D_DONE = 6          # address of a uint64 finished-blocks counter (starts at 0)
+D_ERROR = 7         # address of int64[ERR_WIDTH] error record (code 0 = none)
+D_ABORT = 8         # address of a uint64 abort word shared by every rank of a cluster
+D_TRACE = 9         # address of int64 trace records, or 0 for no tracing
+D_TRACE_ROWS = 10   # rows per block in the trace buffer
+DESC_WIDTH = 12
+
+# error record written by a timed-out wait (int64 each)
+E_CODE, E_RANK, E_STEP, E_FLAG, E_EXPECTED, E_SEEN, E_LANE, E_BLOCK, E_PEER = range(9)
+ERR_WIDTH = 9
+ERR_NONE, ERR_TIMEOUT, ERR_ABORTED = 0, 1, 2
+
+# trace record (int64 each): row index, block within the lane, start ns, end ns
+TRACE_WIDTH = 4

@@ -1,0 +1,20 @@
+"""Spec layer: what a collective means (DESIGN.md §1).
+
+>>> from purlin.spec import collectives, reference
+>>> collectives.all_gather(3).output[2]
+(0, 1, 2)
+"""
+
+from purlin.spec import collectives
+from purlin.spec.collective import Collective
+from purlin.spec.collectives import STANDARD, standard
+from purlin.spec.dtypes import DTYPES, DType, dtype
+from purlin.spec.layout import Layout
+from purlin.spec.ops import Op, copy, reduce
+from purlin.spec.reference import reference
+from purlin.spec.sizing import Sizing, size
+
+__all__ = [
+    "Collective", "DType", "DTYPES", "Layout", "Op", "STANDARD", "Sizing", "collectives",
+    "copy", "dtype", "reduce", "reference", "size", "standard",
+]

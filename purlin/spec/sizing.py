@@ -1,0 +1,144 @@
+"""Sizing: a collective plus a message size and dtype gives chunk sizes and buffer offsets.
+
+The message size follows nccl-tests: it is the largest per-rank buffer (input or output) of the
+collective. Even chunks split it into equal parts; uneven chunks are given per name.
+
+>>> from purlin.spec import collectives
+>>> s = collectives.all_gather(4).sized(nbytes=1024, dtype="float32")
+>>> s.chunk_count(0), s.output_count(1), s.output_offset(1, 3)
+(64, 256, 192)
+>>> v = collectives.all_gather(2).sized(chunk_sizes={0: 3, 1: 5})
+>>> v.output_count(0), v.output_offset(0, 1)
+(8, 3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from purlin.errors import SpecError
+from purlin.spec.collective import Collective, _fmt
+from purlin.spec.dtypes import DType, dtype as as_dtype
+from purlin.spec.layout import Name
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Element counts for every chunk name of a collective, and the offsets they imply."""
+
+    collective: Collective
+    dtype: DType
+    chunks: tuple[tuple[Name, int], ...]  # (name, elements), in collective order
+
+    @property
+    def _count_of(self) -> dict:
+        return dict(self.chunks)
+
+    def chunk_count(self, name: Name) -> int:
+        """Elements in the chunk called ``name``."""
+        return self._count_of[name]
+
+    def _offsets(self, row) -> list[int]:
+        counts = self._count_of
+        out, at = [], 0
+        for name in row:
+            out.append(at)
+            at += counts[name]
+        return out
+
+    def input_offset(self, rank: int, pos: int) -> int:
+        return self._offsets(self.collective.input[rank])[pos]
+
+    def output_offset(self, rank: int, pos: int) -> int:
+        return self._offsets(self.collective.output[rank])[pos]
+
+    def input_count(self, rank: int) -> int:
+        return sum(self._count_of[n] for n in self.collective.input[rank])
+
+    def output_count(self, rank: int) -> int:
+        return sum(self._count_of[n] for n in self.collective.output[rank])
+
+    @property
+    def message_count(self) -> int:
+        """Elements in the largest per-rank buffer (nccl-tests' "size" over the itemsize)."""
+        n = self.collective.nranks
+        return max(max(self.input_count(r), self.output_count(r)) for r in range(n))
+
+    @property
+    def message_bytes(self) -> int:
+        return self.message_count * self.dtype.itemsize
+
+    @property
+    def is_even(self) -> bool:
+        return len({c for _, c in self.chunks}) <= 1
+
+    def __repr__(self) -> str:
+        counts = {c for _, c in self.chunks}
+        per = f"{counts.pop()} each" if len(counts) == 1 else "uneven"
+        return (f"Sizing({self.collective.name}, {self.dtype}, {len(self.chunks)} chunks "
+                f"of {per}, message {self.message_bytes} B)")
+
+
+def size(collective: Collective, count: int | None = None, *, nbytes: int | None = None,
+         dtype="float32", chunk_sizes: Mapping | Callable | None = None) -> Sizing:
+    """Give every chunk of ``collective`` an element count.
+
+    Either ``count`` (elements) or ``nbytes`` sets the message size, split evenly over the
+    chunks of the largest buffer; or ``chunk_sizes`` (a mapping or a function of the name)
+    sets each chunk's element count directly, for uneven (all-to-all-v style) collectives.
+    """
+    dt = as_dtype(dtype)
+    if collective.op.reduce_op == "avg" and not dt.is_float:
+        raise SpecError(
+            f"{collective.name}: reduce with avg needs a floating-point dtype, got {dt}: an "
+            "integer average would truncate"
+        )
+    names = collective.input.names()
+    if chunk_sizes is not None:
+        if count is not None or nbytes is not None:
+            raise SpecError("give either chunk_sizes or a message size (count/nbytes), not both")
+        get = chunk_sizes if callable(chunk_sizes) else _lookup(chunk_sizes)
+        chunks = []
+        for name in names:
+            value = get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SpecError(
+                    f"chunk {_fmt(name)!r} must have a whole, non-negative element count, "
+                    f"got {value!r}"
+                )
+            chunks.append((name, value))
+        return Sizing(collective, dt, tuple(chunks))
+
+    if nbytes is not None:
+        if count is not None:
+            raise SpecError("give count or nbytes, not both")
+        if nbytes % dt.itemsize:
+            raise SpecError(f"{nbytes} bytes is not a whole number of {dt} elements "
+                            f"({dt.itemsize} bytes each)")
+        count = nbytes // dt.itemsize
+    if count is None:
+        raise SpecError("a sizing needs count, nbytes or chunk_sizes")
+    if count < 0:
+        raise SpecError(f"message size must not be negative, got {count} elements")
+    n = collective.nranks
+    rows = [(f"input of rank {r}", collective.input[r]) for r in range(n)]
+    rows += [(f"output of rank {r}", collective.output[r]) for r in range(n)]
+    where, widest = max(rows, key=lambda item: len(item[1]))
+    if count % len(widest):
+        raise SpecError(
+            f"{count} elements do not divide into the {len(widest)} chunks of the {where} "
+            f"(the largest buffer of {collective.name}); use a multiple of {len(widest)} or "
+            "give chunk_sizes"
+        )
+    each = count // len(widest)
+    return Sizing(collective, dt, tuple((name, each) for name in names))
+
+
+def _lookup(mapping: Mapping):
+    def get(name):
+        if name not in mapping:
+            raise SpecError(f"chunk_sizes gives no size for chunk {_fmt(name)!r}")
+        return mapping[name]
+
+    return get
