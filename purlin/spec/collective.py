@@ -132,8 +132,9 @@ def _validate(c: Collective) -> None:
         raise SpecError("an empty collective: the layouts list no ranks")
     if not any(c.output):
         raise SpecError(f"an empty collective: no rank of the {c.nranks} has any output chunk")
-    if c.root is not None and not 0 <= c.root < c.nranks:
-        raise SpecError(f"root {c.root} is outside the ranks 0..{c.nranks - 1}")
+    if c.root is not None and (not isinstance(c.root, int) or isinstance(c.root, bool)
+                               or not 0 <= c.root < c.nranks):
+        raise SpecError(f"root {c.root!r} is outside the ranks 0..{c.nranks - 1}")
     for rank, row in enumerate(c.input):
         seen: dict = {}
         for pos, name in enumerate(row):

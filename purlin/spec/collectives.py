@@ -103,7 +103,7 @@ REDUCING = ("reduce-scatter", "all-reduce", "reduce")
 
 def standard(name: str, n: int, *, root: int = 0, op="sum") -> Collective:
     """Build a standard collective by its name (``"all-reduce"``, ``"all_gather"``, ...)."""
-    key = name.replace("_", "-").lower()
+    key = name.replace("_", "-").lower() if isinstance(name, str) else None
     if key not in STANDARD:
         raise SpecError(f"unknown collective {name!r}; the standard ones are "
                         f"{', '.join(STANDARD)}")

@@ -15,6 +15,7 @@ collective. Even chunks split it into equal parts; uneven chunks are given per n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Mapping
 
 from purlin.errors import SpecError
@@ -31,7 +32,7 @@ class Sizing:
     dtype: DType
     chunks: tuple[tuple[Name, int], ...]  # (name, elements), in collective order
 
-    @property
+    @cached_property
     def _count_of(self) -> dict:
         return dict(self.chunks)
 
@@ -39,25 +40,37 @@ class Sizing:
         """Elements in the chunk called ``name``."""
         return self._count_of[name]
 
-    def _offsets(self, row) -> list[int]:
+    def _offsets(self, layout) -> list[list[int]]:
+        """Per rank, the offset of every position, plus the buffer's total at the end."""
         counts = self._count_of
-        out, at = [], 0
-        for name in row:
-            out.append(at)
-            at += counts[name]
-        return out
+        table = []
+        for row in layout:
+            out, at = [], 0
+            for name in row:
+                out.append(at)
+                at += counts[name]
+            table.append(out + [at])
+        return table
+
+    @cached_property
+    def _input_offsets(self) -> list[list[int]]:
+        return self._offsets(self.collective.input)
+
+    @cached_property
+    def _output_offsets(self) -> list[list[int]]:
+        return self._offsets(self.collective.output)
 
     def input_offset(self, rank: int, pos: int) -> int:
-        return self._offsets(self.collective.input[rank])[pos]
+        return self._input_offsets[rank][pos]
 
     def output_offset(self, rank: int, pos: int) -> int:
-        return self._offsets(self.collective.output[rank])[pos]
+        return self._output_offsets[rank][pos]
 
     def input_count(self, rank: int) -> int:
-        return sum(self._count_of[n] for n in self.collective.input[rank])
+        return self._input_offsets[rank][-1]
 
     def output_count(self, rank: int) -> int:
-        return sum(self._count_of[n] for n in self.collective.output[rank])
+        return self._output_offsets[rank][-1]
 
     @property
     def message_count(self) -> int:
@@ -113,12 +126,14 @@ def size(collective: Collective, count: int | None = None, *, nbytes: int | None
     if nbytes is not None:
         if count is not None:
             raise SpecError("give count or nbytes, not both")
+        _check_whole(nbytes, "nbytes")
         if nbytes % dt.itemsize:
             raise SpecError(f"{nbytes} bytes is not a whole number of {dt} elements "
                             f"({dt.itemsize} bytes each)")
         count = nbytes // dt.itemsize
     if count is None:
         raise SpecError("a sizing needs count, nbytes or chunk_sizes")
+    _check_whole(count, "count")
     if count < 0:
         raise SpecError(f"message size must not be negative, got {count} elements")
     n = collective.nranks
@@ -142,3 +157,8 @@ def _lookup(mapping: Mapping):
         return mapping[name]
 
     return get
+
+
+def _check_whole(value, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise SpecError(f"{what} must be a whole number, got {value!r}")

@@ -1,0 +1,156 @@
+"""plan(): a pure function from a collective, a strategy and chunking to a verified Schedule.
+
+>>> from purlin.spec import collectives
+>>> s = plan(collectives.all_gather(4), "direct-push", nbytes=4096)
+>>> s.summary()["remote_hops"]
+12
+>>> plan(collectives.all_reduce(4), "ring", count=64, chunks=2).strategy
+'ring'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from purlin.errors import PlanError, SpecError
+from purlin.snac.ir import Schedule
+from purlin.snac.routes import Route, emit
+from purlin.snac.segments import segments
+from purlin.snac.strategies import STRATEGIES, check_strategy, parts_of
+from purlin.snac.verify import verify
+from purlin.spec.collective import Collective
+from purlin.spec.sizing import Sizing
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a datapath can do; the planner places reductions on ``reduce_engine`` when
+    ``can_reduce`` is False (copy engines feeding an SM reduction)."""
+
+    name: str = "cpu"
+    can_reduce: bool = True
+    reduce_engine: str = ""
+
+
+DEFAULT_COUNT_PER_CHUNK = 256
+
+
+def plan(collective: Collective, strategy: str = "direct-push", *, count: int | None = None,
+         nbytes: int | None = None, dtype="float32", chunk_sizes=None,
+         sizing: Sizing | None = None, chunks: int = 1, lanes: int = 1,
+         capabilities: Capabilities | None = None, check: bool = True) -> Schedule:
+    """Plan ``collective`` with ``strategy`` and verify the result (unless ``check=False``).
+
+    The size is given as ``count`` elements or ``nbytes`` of the largest per-rank buffer, or
+    per chunk with ``chunk_sizes``, or as a ready ``sizing``; with none of them every chunk gets
+    256 elements. ``chunks`` splits every transfer into that many pieces so hops pipeline;
+    ``lanes`` spreads the pieces over that many parallel workers per rank.
+    """
+    if sizing is None:
+        if count is None and nbytes is None and chunk_sizes is None:
+            chunk_sizes = {n: DEFAULT_COUNT_PER_CHUNK for n in collective.input.names()}
+        sizing = collective.sized(count, nbytes=nbytes, dtype=dtype, chunk_sizes=chunk_sizes)
+    elif sizing.collective != collective:
+        raise PlanError("the sizing given belongs to another collective")
+    for label, value in (("chunks", chunks), ("lanes", lanes)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"{label} must be a whole number >= 1, got {value!r}")
+    return _plan(sizing, strategy, chunks, lanes, capabilities or Capabilities(), check)
+
+
+@lru_cache(maxsize=256)
+def _plan(sizing: Sizing, strategy: str, chunks: int, lanes: int, caps: Capabilities,
+          check: bool) -> Schedule:
+    coll = sizing.collective
+    check_strategy(strategy, coll)
+    routes = build_routes(sizing, strategy, chunks, lanes)
+    engine_for = None
+    if not caps.can_reduce:
+        if not caps.reduce_engine:
+            if coll.op.is_reduce:
+                raise PlanError(f"datapath {caps.name!r} cannot reduce and names no engine to "
+                                f"place the reductions of {coll.name} on")
+        else:
+            engine_for = lambda op: caps.name if op == "copy" else caps.reduce_engine  # noqa
+    schedule, report = _safe_schedule(sizing, strategy, chunks, lanes, routes, engine_for)
+    if check:
+        (report or verify(schedule)).raise_if_failed()
+    return schedule
+
+
+def split(count: int, parts: int) -> list[tuple[int, int]]:
+    """``count`` elements as ``parts`` near-equal (start, count) pieces, empty ones dropped.
+
+    >>> split(10, 3)
+    [(0, 4), (4, 3), (7, 3)]
+    """
+    base, extra = divmod(count, parts)
+    out, at = [], 0
+    for k in range(parts):
+        c = base + (1 if k < extra else 0)
+        if c:
+            out.append((at, c))
+        at += c
+    return out
+
+
+def build_routes(sizing: Sizing, strategy: str, chunks: int, lanes: int) -> list[Route]:
+    coll = sizing.collective
+    fn = STRATEGIES[strategy]
+    op = coll.op.reduce_op if coll.op.is_reduce else "copy"
+    routes = []
+    for seg in segments(sizing):
+        for part, (pstart, pcount) in enumerate(split(seg.count, parts_of(seg, strategy))):
+            for k, (start, count) in enumerate(split(pcount, chunks)):
+                start += pstart
+                nodes = fn(seg, start, count, part, nranks=coll.nranks)
+                routes.append(Route(nodes, count, op, len(seg.sources),
+                                    seg.names_in(start, start + count),
+                                    lane=(part * chunks + k) % lanes, seq=k))
+    if not routes:
+        raise SpecError(f"{coll.name} moves no data: every chunk has 0 elements")
+    return routes
+
+
+def _schedule(sizing, strategy, chunks, lanes, emitted, copies) -> Schedule:
+    return Schedule(
+        collective=sizing.collective, dtype=sizing.dtype.name, chunk_counts=sizing.chunks,
+        strategy=strategy, chunks=chunks, lanes=lanes,
+        steps=tuple(tuple(r) for r in emitted.steps), scratch=tuple(emitted.scratch),
+        scratch_copies=copies)
+
+
+def _safe_schedule(sizing, strategy, chunks, lanes, routes, engine_for):
+    """Make scratch reuse across back-to-back calls safe at the least cost: a single scratch
+    area if the schedule's own waits already order the reuse, else two alternating areas,
+    else two areas plus acknowledgements for exactly the edges that still race. Returns the
+    schedule and its verification report (None where the final schedule is not verified yet)."""
+    n = sizing.collective.nranks
+    for copies in (1, 2):
+        emitted = emit(routes, n, copies=copies, engine_for=engine_for)
+        schedule = _schedule(sizing, strategy, chunks, lanes, emitted, copies)
+        report = verify(schedule, max_races=None)
+        if report.ok or not _scratch_races(report):
+            return schedule, report
+    acks = frozenset(_racing_edges(report, emitted, schedule))
+    emitted = emit(routes, n, acks=acks, copies=2, engine_for=engine_for)
+    return _schedule(sizing, strategy, chunks, lanes, emitted, 2), None
+
+
+def _scratch_races(report) -> bool:
+    return bool(report.races) and all(r.region.buffer == "scratch" for r in report.races) \
+        and not report.errors
+
+
+def _racing_edges(report, emitted, schedule) -> set[int]:
+    """Scratch edges whose landing region overlaps a race."""
+    racing = set()
+    for eid, (_producer, landing) in emitted.edges.items():
+        size = schedule.scratch[landing.rank]
+        for race in report.races:
+            reg = race.region
+            off = reg.offset % size if size else reg.offset
+            if reg.rank == landing.rank and off < landing.end and landing.offset < off + reg.count:
+                racing.add(eid)
+    return racing
