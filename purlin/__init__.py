@@ -10,10 +10,13 @@ from purlin.errors import (CapabilityError, ExecutionError, PlanError, PurlinErr
 from purlin.spec import (Collective, Layout, Op, collectives, copy, dtype, reduce, reference,
                          standard)
 
+from purlin.runtime import Cluster, run
+from purlin.snac import Schedule, plan, verify
+
 __version__ = "0.1.0"
 
 __all__ = [
     "CapabilityError", "Collective", "ExecutionError", "Layout", "Op", "PlanError",
     "PurlinError", "PurlinTimeoutError", "SpecError", "VerificationError", "collectives", "copy",
-    "dtype", "reduce", "reference", "standard",
+    "dtype", "reduce", "reference", "standard", "Cluster", "Schedule", "plan", "run", "verify",
 ]

@@ -232,6 +232,10 @@ class Schedule:
     def lane_steps(self, rank: int, lane: int) -> tuple[Step, ...]:
         return tuple(s for s in self.steps[rank] if s.lane == lane)
 
+    def divisor(self, step) -> int:
+        """For an ``avg`` step: how many inputs the average is over (its names' sources)."""
+        return len(self.collective.sources(step.names[0])) if step.names else 1
+
     def flags(self) -> dict[Flag, int]:
         """Every flag and how much it grows per call."""
         grow: dict[Flag, int] = {}

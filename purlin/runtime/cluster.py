@@ -1,0 +1,171 @@
+"""Clusters: which ranks run where, and binding a collective to them.
+
+>>> import numpy as np
+>>> from purlin.spec import collectives
+>>> ar = Cluster.cpu(2).bind(collectives.all_reduce(2), count=4, dtype="float64")
+>>> [o.tolist() for o in ar([np.arange(4.0), np.ones(4)])]
+[[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from purlin.errors import ExecutionError, PlanError, SpecError
+from purlin.snac.ir import Schedule
+from purlin.snac.planner import plan
+from purlin.spec.collective import Collective
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``kind`` is "cpu" (numpy, threads), "local" (one GPU per rank in this process) or
+    "virtual" (n ranks sharing one GPU, launched together)."""
+
+    kind: str
+    nranks: int
+    devices: tuple[int, ...] = ()
+
+    @classmethod
+    def cpu(cls, n: int) -> "Cluster":
+        """n ranks on the cpu datapath (works everywhere)."""
+        if not isinstance(n, int) or n < 1:
+            raise SpecError(f"a cluster needs at least 1 rank, got {n!r}")
+        return cls("cpu", n)
+
+    @classmethod
+    def local(cls, n: int | None = None) -> "Cluster":
+        """One rank per visible GPU (or the first ``n``), peer access enabled both ways."""
+        from purlin.atom import sm
+
+        return sm.local_cluster(cls, n)
+
+    @classmethod
+    def virtual(cls, n: int, device: int = 0) -> "Cluster":
+        """n ranks on one GPU, all resident in one launch."""
+        from purlin.atom import sm
+
+        return sm.virtual_cluster(cls, n, device)
+
+    @classmethod
+    def best(cls, n: int = 2) -> "Cluster":
+        """GPUs if there are enough for ``n`` ranks, else n virtual ranks on one GPU, else cpu."""
+        try:
+            from purlin.atom import sm
+
+            count = sm.device_count()
+        except Exception:
+            count = 0
+        if count >= n:
+            return cls.local(n)
+        if count >= 1:
+            return cls.virtual(n)
+        return cls.cpu(n)
+
+    @property
+    def datapath(self) -> str:
+        return "cpu" if self.kind == "cpu" else "sm"
+
+    def bind(self, collective: Collective, strategy: str = "direct-push", *, count=None,
+             nbytes=None, dtype="float32", chunk_sizes=None, sizing=None, chunks: int = 1,
+             lanes: int = 1, timeout: float = 5.0, **options) -> "Bound":
+        """Plan, verify and prepare ``collective`` for this cluster; call the result to run it.
+
+        Everything is allocated here (buffers, flags, instruction tables); a call only runs.
+        """
+        if collective.nranks != self.nranks:
+            raise PlanError(f"{collective.name} is declared for {collective.nranks} ranks but "
+                            f"the cluster has {self.nranks}")
+        if strategy == "auto":
+            from purlin.runtime.auto import choose
+
+            strategy, chunks, lanes = choose(collective, self, count=count, nbytes=nbytes,
+                                             dtype=dtype, chunk_sizes=chunk_sizes)
+        schedule = plan(collective, strategy, count=count, nbytes=nbytes, dtype=dtype,
+                        chunk_sizes=chunk_sizes, sizing=sizing, chunks=chunks, lanes=lanes)
+        if self.kind == "cpu":
+            return CpuBound(self, schedule, timeout)
+        from purlin.atom import sm
+
+        return sm.bind(self, schedule, timeout=timeout, **options)
+
+    def __repr__(self) -> str:
+        where = f" on GPUs {list(self.devices)}" if self.devices else ""
+        return f"Cluster.{self.kind}({self.nranks} ranks{where})"
+
+
+class Bound:
+    """A collective ready to run on a cluster: ``bound(inputs) -> outputs``."""
+
+    schedule: Schedule
+    cluster: Cluster
+
+    def check_inputs(self, inputs) -> list:
+        s = self.schedule
+        if len(inputs) != s.nranks:
+            raise ExecutionError(f"{s.collective.name} on {s.nranks} ranks needs {s.nranks} "
+                                 f"inputs, got {len(inputs)}")
+        sizing = s.sizing
+        out = []
+        for r, x in enumerate(inputs):
+            want = sizing.input_count(r)
+            if x is None:
+                if want:
+                    raise ExecutionError(f"rank {r} needs an input of {want} elements, got None")
+                out.append(x)
+                continue
+            n = int(np.prod(x.shape)) if hasattr(x, "shape") else len(x)
+            if n != want:
+                raise ExecutionError(f"input of rank {r} has {n} elements; this binding of "
+                                     f"{s.collective.name} expects {want}")
+            out.append(x)
+        return out
+
+
+class CpuBound(Bound):
+    """A schedule bound to the cpu datapath (numpy arrays in and out)."""
+
+    def __init__(self, cluster: Cluster, schedule: Schedule, timeout: float):
+        from purlin.runtime.threads import CpuRun
+
+        self.cluster, self.schedule = cluster, schedule
+        self.run = CpuRun(schedule, timeout)
+        self.last_trace: list = []
+
+    def __call__(self, inputs, out=None, trace: bool = False) -> list[np.ndarray]:
+        """Run once. ``inputs[r]`` is rank r's array (any shape, flattened); ``out`` may give
+        the output arrays; in-place (an output sharing memory with an input) is refused."""
+        s = self.schedule
+        inputs = self.check_inputs(inputs)
+        dt = self.run.np_dtype
+        flat_in = []
+        for r, x in enumerate(inputs):
+            if x is None:
+                flat_in.append(np.zeros(0, dtype=dt))
+                continue
+            x = np.asarray(x)
+            if x.dtype != dt:
+                raise ExecutionError(f"input of rank {r} is {x.dtype}; this binding moves {dt}")
+            flat_in.append(x.reshape(-1))
+        sizing = s.sizing
+        if out is None:
+            out = [np.empty(sizing.output_count(r), dtype=dt) for r in range(s.nranks)]
+        flat_out = []
+        for r, o in enumerate(out):
+            o = np.asarray(o)
+            if o.size != sizing.output_count(r) or o.dtype != dt:
+                raise ExecutionError(f"output of rank {r} must hold {sizing.output_count(r)} "
+                                     f"{dt} elements, got {o.size} {o.dtype}")
+            if any(np.shares_memory(o, x) for x in flat_in if x.size):
+                raise ExecutionError(f"output of rank {r} shares memory with an input: in-place "
+                                     "collectives are not supported; pass a separate output")
+            flat_out.append(o.reshape(-1))
+        records = [] if trace else None
+        self.run(flat_in, flat_out, records)
+        self.last_trace = records or []
+        return list(out)
+
+    def __repr__(self) -> str:
+        return f"<bound {self.schedule.title()} on {self.cluster}>"
