@@ -140,7 +140,7 @@ class CpuBound(Bound):
         s = self.schedule
         inputs = self.check_inputs(inputs)
         dt = self.run.np_dtype
-        flat_in = []
+        flat_in, given_in = [], []
         for r, x in enumerate(inputs):
             if x is None:
                 flat_in.append(np.zeros(0, dtype=dt))
@@ -148,22 +148,31 @@ class CpuBound(Bound):
             x = np.asarray(x)
             if x.dtype != dt:
                 raise ExecutionError(f"input of rank {r} is {x.dtype}; this binding moves {dt}")
+            given_in.append(x)  # reshape may copy (non-contiguous): check overlap on the original
             flat_in.append(x.reshape(-1))
         sizing = s.sizing
         if out is None:
             out = [np.empty(sizing.output_count(r), dtype=dt) for r in range(s.nranks)]
-        flat_out = []
+        if len(out) != s.nranks:
+            raise ExecutionError(f"{s.collective.name} on {s.nranks} ranks needs {s.nranks} "
+                                 f"outputs, got {len(out)}")
+        flat_out, copy_back = [], []
         for r, o in enumerate(out):
             o = np.asarray(o)
             if o.size != sizing.output_count(r) or o.dtype != dt:
                 raise ExecutionError(f"output of rank {r} must hold {sizing.output_count(r)} "
                                      f"{dt} elements, got {o.size} {o.dtype}")
-            if any(np.shares_memory(o, x) for x in flat_in if x.size):
+            if any(np.shares_memory(o, x) for x in given_in if x.size):
                 raise ExecutionError(f"output of rank {r} shares memory with an input: in-place "
                                      "collectives are not supported; pass a separate output")
-            flat_out.append(o.reshape(-1))
+            flat = o.reshape(-1)
+            if o.size and not np.shares_memory(flat, o):  # reshape copied: write back after
+                copy_back.append((o, flat))
+            flat_out.append(flat)
         records = [] if trace else None
         self.run(flat_in, flat_out, records)
+        for o, flat in copy_back:
+            np.copyto(o, flat.reshape(o.shape))
         self.last_trace = records or []
         return list(out)
 

@@ -88,7 +88,8 @@ class CpuRun:
                     continue
                 if isinstance(step, Consume) and step.waits:
                     for w in step.waits:
-                        target = (self.epoch + w.call) * self.per_call[w.flag] + w.value
+                        # a flag no step notifies grows by 0: wait (and time out) as on a GPU
+                        target = (self.epoch + w.call) * self.per_call.get(w.flag, 0) + w.value
                         if target > 0:
                             self.memory.wait(w.flag, target, deadline, where)
                     _record(trace, rank, lane, index, "wait", t0)

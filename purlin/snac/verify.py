@@ -204,6 +204,10 @@ class _Analysis:
                     self.errors.append(f"step {i} listed under rank {r} says it runs on rank "
                                        f"{st.rank}")
                     ok = False
+                if not 0 <= st.lane < self.s.lanes:  # executors index flags by lane
+                    self.errors.append(f"rank {r} step {i} runs on lane {st.lane}, outside the "
+                                       f"schedule's lanes 0..{self.s.lanes - 1}")
+                    ok = False
                 for w in st.waits:
                     if w.flag.owner != r:
                         self.errors.append(
