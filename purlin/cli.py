@@ -117,6 +117,137 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+PLAN_ARGS = COLLECTIVE_ARGS + (
+    arg("-s", "--strategy", default="direct-push",
+        help="direct-push, direct-pull, two-phase, ring or auto (default direct-push)"),
+    arg("-b", "--bytes", default="64KiB", metavar="SIZE",
+        help="message size: the largest per-rank buffer, e.g. 4096, 64KiB, 1MiB (default 64KiB)"),
+    arg("--dtype", default="float32", help="element type (default float32)"),
+    arg("--chunks", type=int, default=1, help="pieces per transfer (default 1)"),
+    arg("--lanes", type=int, default=1, help="parallel lanes per rank (default 1)"),
+)
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from text such as ``4096``, ``64KiB``, ``1MiB`` or ``2GB``.
+
+    >>> parse_size("64KiB"), parse_size("1MiB"), parse_size("512")
+    (65536, 1048576, 512)
+    """
+    raw = text.strip().lower().replace(" ", "")
+    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(digits):]
+    if not digits or unit not in _UNITS:
+        raise SpecError(f"cannot read size {text!r}; use bytes or a unit: KiB, MiB, GiB, KB, MB")
+    try:
+        value = float(digits) * _UNITS[unit]
+    except ValueError:
+        raise SpecError(f"cannot read size {text!r}") from None
+    if value != int(value) or value < 0:
+        raise SpecError(f"size {text!r} is not a whole, non-negative number of bytes")
+    return int(value)
+
+
+def plan_from(args: argparse.Namespace):
+    from purlin.runtime.auto import choose
+    from purlin.runtime.cluster import Cluster
+    from purlin.snac import plan
+
+    from purlin.spec.sizing import fit_nbytes
+
+    coll = collective_from(args)
+    asked = parse_size(args.bytes)
+    nbytes = fit_nbytes(coll, asked, args.dtype)
+    if nbytes != asked:
+        print(f"purlin: note: {asked} bytes do not split evenly into the chunks of "
+              f"{coll.name}; using {nbytes}", file=sys.stderr)
+    strategy, chunks, lanes = args.strategy, args.chunks, args.lanes
+    if strategy == "auto":
+        strategy, chunks, lanes = choose(coll, Cluster.cpu(coll.nranks), nbytes=nbytes,
+                                         dtype=args.dtype)
+    return plan(coll, strategy, nbytes=nbytes, dtype=args.dtype, chunks=chunks, lanes=lanes,
+                check=False)
+
+
+@command("plan", *PLAN_ARGS,
+         arg("--json", action="store_true", help="print the schedule as JSON"),
+         arg("--rank", type=int, action="append", help="show only this rank (repeatable)"))
+def plan_command(args: argparse.Namespace) -> int:
+    """Plan a collective, print its per-rank schedule and the verification report."""
+    from purlin.snac import verify
+
+    schedule = plan_from(args)
+    report = verify(schedule)
+    if args.json:
+        print(json.dumps({"schedule": schedule.to_json(), "verified": report.ok,
+                          "problems": report.errors + [r.message for r in report.races]}))
+    else:
+        print(schedule.render(args.rank))
+        summary = schedule.summary()
+        print(f"summary: {summary['steps']}, {summary['remote_hops']} remote hops, "
+              f"{summary['total_link_bytes']} bytes over links")
+        print(report)
+    return 0 if report.ok else 1
+
+
+@command("run", *PLAN_ARGS,
+         arg("--datapath", choices=("cpu", "sm"), default="cpu",
+             help="cpu (numpy, default) or sm (GPUs)"),
+         arg("--calls", type=int, default=3, help="back-to-back calls to run (default 3)"),
+         arg("--seed", type=int, default=0, help="random seed of the inputs"))
+def run_command(args: argparse.Namespace) -> int:
+    """Plan, verify and run a collective; check every call against the reference."""
+    import time
+
+    import numpy as np
+
+    from purlin.runtime.cluster import Cluster
+    from purlin.spec.reference import reference
+
+    schedule = plan_from(args)
+    from purlin.snac import verify
+
+    verify(schedule, raise_on_error=True)
+    n = schedule.nranks
+    cluster = Cluster.cpu(n) if args.datapath == "cpu" else Cluster.best(n)
+    bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
+                         chunks=schedule.chunks, lanes=schedule.lanes)
+    sizing = schedule.sizing
+    rng = np.random.default_rng(args.seed)
+    print(f"{schedule.title()} on {cluster}")
+    worst = 0.0
+    for call in range(args.calls):
+        inputs = [_random_input(rng, sizing.input_count(r), schedule.dtype) for r in range(n)]
+        t0 = time.perf_counter()
+        outputs = bound(inputs)
+        took = time.perf_counter() - t0
+        expect = reference(sizing, [x.astype(np.float64) for x in inputs])
+        err = max((float(np.max(np.abs(np.asarray(_host(o), dtype=np.float64) - e)))
+                   if len(e) else 0.0) for o, e in zip(outputs, expect))
+        worst = max(worst, err)
+        print(f"call {call}: {took * 1e3:8.2f} ms, max |error| vs reference {err:.3g}")
+    tol = {"float16": 1e-2, "bfloat16": 5e-2}.get(schedule.dtype, 1e-6)
+    ok = worst <= tol * max(1, n)
+    print("result: " + ("matches the reference" if ok else f"WRONG (max error {worst:.3g})"))
+    return 0 if ok else 1
+
+
+def _random_input(rng, count, dtype):
+    import numpy as np
+
+    if dtype.startswith("int"):
+        return rng.integers(-100, 100, size=count).astype(dtype)
+    host = "float32" if dtype == "bfloat16" else dtype
+    return (rng.standard_normal(count) + 0.5).astype(host)
+
+
+def _host(x):
+    return x.float().cpu().numpy() if hasattr(x, "cpu") else x
+
+
 # -- entry point -------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(

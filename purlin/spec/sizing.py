@@ -162,3 +162,18 @@ def _lookup(mapping: Mapping):
 def _check_whole(value, what: str) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise SpecError(f"{what} must be a whole number, got {value!r}")
+
+
+def fit_nbytes(collective: Collective, nbytes: int, dtype="float32") -> int:
+    """The largest message size <= ``nbytes`` that splits evenly into the collective's chunks
+    (at least one element per chunk).
+
+    >>> from purlin.spec import collectives
+    >>> fit_nbytes(collectives.all_gather(3), 1000, "float32")
+    996
+    """
+    dt = as_dtype(dtype)
+    n = collective.nranks
+    widest = max(max(len(collective.input[r]), len(collective.output[r])) for r in range(n))
+    count = max(widest, nbytes // dt.itemsize // widest * widest)
+    return count * dt.itemsize
