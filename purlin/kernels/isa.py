@@ -59,6 +59,7 @@ D_ERROR = 7         # address of int64[ERR_WIDTH] error record (code 0 = none)
 D_ABORT = 8         # address of a uint64 abort word shared by every rank of a cluster
 D_TRACE = 9         # address of int64 trace records, or 0 for no tracing
 D_TRACE_ROWS = 10   # rows per block in the trace buffer
+D_TABLE_ODD = 11    # address of the table used on odd calls (two scratch copies), else = D_TABLE
 DESC_WIDTH = 12
 
 # error record written by a timed-out wait (int64 each)

@@ -1,0 +1,137 @@
+"""All-reduce on 2 GPUs: Purlin's strategies and configurations against NCCL and PyTorch
+symmetric memory, all in one run, CUDA graphs for everyone; plus eager host time per call.
+
+    PYTHONPATH=. python3 bench/gpu_allreduce.py --out $OUT/allreduce.json [--quick]
+
+Prints the best Purlin configuration per size next to NCCL with ratios, then every point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+from purlin.bench.metrics import table  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
+
+
+def candidates(nbytes: int):
+    """(strategy, chunks, lanes, blocks_per_lane) worth trying at this size."""
+    if nbytes <= 64 * KiB:
+        return [(s, 1, 1, 1) for s in ("direct-push", "direct-pull", "two-phase", "ring")]
+    if nbytes <= 1 * MiB:
+        return [("direct-push", 1, 4, 2), ("direct-push", 2, 8, 2), ("direct-pull", 1, 8, 2),
+                ("two-phase", 1, 4, 4), ("two-phase", 2, 8, 2), ("ring", 2, 8, 2)]
+    if nbytes <= 16 * MiB:
+        return [("direct-push", 4, 16, 4), ("direct-pull", 4, 16, 4), ("two-phase", 4, 16, 4),
+                ("two-phase", 8, 16, 8), ("ring", 4, 16, 4), ("direct-push", 8, 32, 4)]
+    return [("direct-push", 16, 16, 8), ("direct-pull", 16, 16, 8), ("two-phase", 16, 16, 8),
+            ("two-phase", 32, 32, 4), ("ring", 16, 16, 8), ("two-phase", 8, 8, 16)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="allreduce.json")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-baselines", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from purlin.bench.providers import time_purlin
+    from purlin.bench.torch_dist import run_baselines
+    from purlin.runtime import Cluster
+    from purlin.spec import collectives
+
+    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
+            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+            "gpus": [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())],
+            "commit": _commit()}
+    print(json.dumps(info))
+    cluster = Cluster.local(2)
+    coll = collectives.all_reduce(2)
+    records, failures = [], []
+    for nbytes in SIZES:
+        for strategy, chunks, lanes, bpl in candidates(nbytes)[: 2 if args.quick else None]:
+            try:
+                rec = time_purlin(cluster, coll, nbytes, args.dtype, strategy, chunks, lanes,
+                                  bpl, mode="graph", ops=50, repeats=15)
+                records.append(rec)
+                print(f"  {nbytes:>10} {strategy:>12} c{chunks} l{lanes} b{bpl}: "
+                      f"{rec.time_us:9.2f} us  busbw {rec.busbw_gbs:6.1f}  wrong {rec.wrong}",
+                      flush=True)
+            except Exception:
+                failures.append({"nbytes": nbytes, "config": [strategy, chunks, lanes, bpl],
+                                 "error": traceback.format_exc(limit=4)})
+                print(f"  {nbytes:>10} {strategy} c{chunks} l{lanes} b{bpl}: FAILED\n"
+                      + failures[-1]["error"], flush=True)
+            torch.cuda.empty_cache()
+    for nbytes in (8 * KiB, 64 * KiB):
+        try:
+            rec = time_purlin(cluster, coll, nbytes, args.dtype, "direct-push", 1, 1, 1,
+                              mode="eager", ops=200, repeats=10)
+            records.append(rec)
+        except Exception:
+            failures.append({"nbytes": nbytes, "eager": True,
+                             "error": traceback.format_exc(limit=4)})
+    baselines = []
+    if not args.no_baselines:
+        points = [("nccl", "all-reduce", s, args.dtype, "sum", "graph") for s in SIZES]
+        points += [("nccl", "all-reduce", s, args.dtype, "sum", "eager")
+                   for s in (8 * KiB, 64 * KiB)]
+        points += [(p, "all-reduce", s, args.dtype, "sum", "graph")
+                   for p in ("symm-one-shot", "symm-two-shot") for s in SIZES]
+        baselines = run_baselines(points, world=2)
+    everything = records + baselines
+    print()
+    print(table(everything))
+    print()
+    print(summary(records, baselines))
+    with open(args.out, "w") as f:
+        json.dump({"info": info, "records": [r.to_dict() for r in everything],
+                   "failures": failures}, f, indent=1)
+    return 0
+
+
+def summary(records, baselines) -> str:
+    lines = [f"{'size':>10} {'purlin best':>34} {'us':>8} {'nccl us':>8} {'ratio':>6} "
+             f"{'busbw':>6} {'nccl busbw':>10}"]
+    for nbytes in SIZES:
+        mine = [r for r in records if r.nbytes == nbytes and r.mode == "graph" and r.wrong == 0]
+        nccl = [r for r in baselines if r.nbytes == nbytes and r.provider == "nccl"
+                and r.mode == "graph"]
+        if not mine:
+            continue
+        best = min(mine, key=lambda r: r.time_us)
+        cfg = (f"{best.extra['strategy']} c{best.extra['chunks']} l{best.extra['lanes']} "
+               f"b{best.extra['blocks_per_lane']}")
+        n_us = nccl[0].time_us if nccl else float("nan")
+        n_bw = nccl[0].busbw_gbs if nccl else float("nan")
+        lines.append(f"{nbytes:>10} {cfg:>34} {best.time_us:8.2f} {n_us:8.2f} "
+                     f"{n_us / best.time_us:6.2f} {best.busbw_gbs:6.1f} {n_bw:10.1f}")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return os.environ.get("PURLIN_COMMIT", "unknown")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Lower a verified Schedule to the executor kernel's instruction tables (purlin.kernels.isa).
+
+Pure numpy: it needs only the base address of every buffer, so it is unit-tested without a GPU
+and the same tables serve real GPUs and the CUDA simulator.
+
+* Data steps become COPY / REDUCE rows, preceded by one WAIT row per wait of a Consume.
+* A Notify becomes a NOTIFY row that adds 1 per thread block of the lane, so WAIT targets and
+  per-call growth are multiplied by ``blocks_per_lane``.
+* When a lane has several blocks and a step reads what an earlier step of the same lane wrote
+  (or writes what it read), a lane barrier (NOTIFY + WAIT on a lane-local flag) separates them, since
+  different blocks may own different parts of the two regions.
+* With two scratch copies, each rank gets an even and an odd table (scratch addresses shifted);
+  both share one source pool, the odd table indexing its second half.
+
+>>> from purlin.spec import collectives
+>>> from purlin.snac import plan
+>>> s = plan(collectives.all_reduce(2), "direct-push", count=8)
+>>> bases = {(r, b): (1 + 3 * r + i) << 20 for r in range(2)
+...          for i, b in enumerate(("input", "output", "scratch"))}
+>>> low = lower(s, bases, {r: (8 + r) << 20 for r in range(2)}, blocks_per_lane=1)
+>>> [OPCODE_NAMES[op] for op in low[0].tables[0][:, OP]]
+['copy', 'notify', 'wait', 'reduce']
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from purlin.errors import CapabilityError
+from purlin.kernels.isa import (AVG, COPY, COUNT, DIVISOR, DST, DTYPE, DTYPE_CODES,
+                                EPOCH_OFFSET, FLAG, LANE, NOTIFY, NSRC, OP, OPCODE_NAMES, PEER,
+                                PER_CALL, REDOP, REDOP_CODES, REDUCE, ROW_WIDTH, SRC, STEP, VALUE,
+                                WAIT)
+from purlin.snac.ir import Consume, Flag, Notify, Region, Schedule
+from purlin.spec.dtypes import dtype as as_dtype
+
+__all__ = ["LoweredRank", "flag_slots", "lower", "OPCODE_NAMES"]
+
+
+@dataclass
+class LoweredRank:
+    """One rank's tables (one per scratch parity), lane row offsets and source pool."""
+
+    rank: int
+    tables: list[np.ndarray]      # int64[rows, ROW_WIDTH], even then (maybe) odd
+    lane_offsets: np.ndarray      # int64[nlanes + 1]
+    srcs: np.ndarray              # int64 source-address pool
+    lane_barriers: int            # lane-barrier flags used per call (per lane, max)
+
+
+def flag_slots(nranks: int, lanes: int) -> int:
+    """uint64 flags per rank: one per (src rank, src lane), then one lane barrier per lane."""
+    return nranks * lanes + lanes
+
+
+def _flag_address(flag_bases, flag: Flag, nlanes: int) -> int:
+    return flag_bases[flag.owner] + 8 * (flag.src * nlanes + flag.lane)
+
+
+def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: int = 1,
+          scratch_bytes: dict | None = None) -> list[LoweredRank]:
+    """Instruction tables for every rank of ``schedule``.
+
+    ``bases[(rank, buffer)]`` is the device address of that buffer (buffer in input, output,
+    scratch); ``flag_bases[rank]`` the address of the rank's flag array (``flag_slots`` uint64).
+    ``scratch_bytes[rank]`` is the byte size of one scratch copy (default: from the schedule).
+    """
+    dt = as_dtype(schedule.dtype)
+    if dt.name not in DTYPE_CODES:
+        raise CapabilityError(f"the sm datapath moves {', '.join(DTYPE_CODES)}, not {dt.name}")
+    item = dt.itemsize
+    n, nlanes, bpl = schedule.nranks, schedule.lanes, blocks_per_lane
+    per_call = schedule.flags()
+    copy_bytes = scratch_bytes or {r: schedule.scratch[r] * item for r in range(n)}
+    parities = range(schedule.scratch_copies)
+
+    def address(region: Region, parity: int) -> int:
+        base = bases[(region.rank, region.buffer)] + region.offset * item
+        return base + (parity * copy_bytes[region.rank] if region.buffer == "scratch" else 0)
+
+    out = []
+    for rank in range(n):
+        lanes_rows: list[list[tuple]] = [[] for _ in range(nlanes)]
+        barriers = [0] * nlanes
+        written: list[list[Region]] = [[] for _ in range(nlanes)]
+        read: list[list[Region]] = [[] for _ in range(nlanes)]
+        for index, step in enumerate(schedule.steps[rank]):
+            rows = lanes_rows[step.lane]
+            if isinstance(step, Notify):
+                rows.append(("notify", index, step))
+                continue
+            reads = step.srcs if step.moves_data else ()
+            dst = (step.dst,) if step.moves_data else ()
+            if bpl > 1 and (any(r.overlaps(w) for r in reads for w in written[step.lane]) or
+                            any(d.overlaps(r) for d in dst for r in read[step.lane])):
+                barriers[step.lane] += 1
+                rows.append(("barrier", index, barriers[step.lane]))
+                written[step.lane], read[step.lane] = [], []
+            if isinstance(step, Consume):
+                for w in step.waits:
+                    rows.append(("wait", index, w))
+            if step.moves_data:
+                rows.append(("data", index, step))
+                written[step.lane].append(step.dst)
+                read[step.lane].extend(step.srcs)
+        pool: list[int] = []
+        tables = []
+        for parity in parities:
+            table = []
+            for lane, rows in enumerate(lanes_rows):
+                for kind, index, item_ in rows:
+                    table.extend(_rows(kind, index, item_, lane, rank, parity, pool, address,
+                                       flag_bases, per_call, nlanes, bpl, barriers[lane], n,
+                                       schedule))
+            tables.append(np.array(table, dtype=np.int64).reshape(-1, ROW_WIDTH))
+        counts = [sum(_row_count(kind, bpl) for kind, _, _ in rows) for rows in lanes_rows]
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        out.append(LoweredRank(rank, tables, offsets, np.array(pool or [0], dtype=np.int64),
+                               max(barriers)))
+    return out
+
+
+def _row_count(kind: str, bpl: int) -> int:
+    return 2 if kind == "barrier" else 1
+
+
+def _rows(kind, index, item, lane, rank, parity, pool, address, flag_bases, per_call, nlanes,
+          bpl, lane_barriers, nranks, schedule):
+    row = [0] * ROW_WIDTH
+    row[LANE], row[STEP], row[PEER] = lane, index, -1
+    if kind == "notify":
+        row[OP], row[FLAG], row[VALUE] = NOTIFY, _flag_address(flag_bases, item.flag, nlanes), 1
+        row[PEER] = item.flag.owner
+        return [row]
+    if kind == "wait":
+        w = item
+        row[OP], row[FLAG] = WAIT, _flag_address(flag_bases, w.flag, nlanes)
+        row[VALUE], row[PER_CALL], row[EPOCH_OFFSET] = w.value * bpl, per_call[w.flag] * bpl, w.call
+        row[PEER] = w.flag.src
+        return [row]
+    if kind == "barrier":
+        flag = flag_bases[rank] + 8 * (nranks * nlanes + lane)
+        notify, wait = list(row), list(row)
+        notify[OP], notify[FLAG], notify[VALUE] = NOTIFY, flag, 1
+        wait[OP], wait[FLAG] = WAIT, flag
+        wait[VALUE], wait[PER_CALL] = item * bpl, lane_barriers * bpl
+        return [notify, wait]
+    step = item
+    dtype_code = DTYPE_CODES[schedule.dtype]
+    row[DTYPE], row[COUNT], row[DST] = dtype_code, step.dst.count, address(step.dst, parity)
+    row[SRC], row[NSRC] = len(pool), len(step.srcs)
+    pool.extend(address(src, parity) for src in step.srcs)
+    others = {r.rank for r in (*step.srcs, step.dst)} - {rank}
+    row[PEER] = min(others) if others else -1
+    if step.op == "copy":
+        row[OP] = COPY
+    else:
+        row[OP], row[REDOP] = REDUCE, REDOP_CODES[step.op]
+        if step.op == "avg":
+            row[REDOP], row[DIVISOR] = AVG, schedule.divisor(step)
+    return [row]

@@ -1,0 +1,334 @@
+"""The sm datapath: Numba CUDA executor kernels over NVLink, driven from PyTorch tensors.
+
+Binding a schedule allocates everything once (input, output and scratch buffers, flags, control
+words, instruction tables, launchers); a call only launches one executor per device (one for
+all ranks of a virtual cluster). Buffers are PyTorch tensors, launches go on PyTorch's current
+stream, so a bound collective can be captured in a ``torch.cuda.CUDAGraph``: flags only grow,
+and replays need no reset.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
+from purlin.kernels import isa
+from purlin.snac.planner import Capabilities
+
+CAPABILITIES = Capabilities(name="sm", can_reduce=True)
+TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32")
+DEFAULT_THREADS = 512
+
+
+def _torch():
+    try:
+        import torch
+    except ModuleNotFoundError:
+        raise CapabilityError("the sm datapath needs PyTorch with CUDA: pip install torch") \
+            from None
+    if not torch.cuda.is_available():
+        raise CapabilityError("the sm datapath needs a CUDA GPU; none is visible here "
+                              "(use Cluster.cpu(n) for the cpu datapath)")
+    return torch
+
+
+def device_count() -> int:
+    try:
+        import torch
+    except ModuleNotFoundError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def enable_peer_access(devices) -> None:
+    """Enable peer access between every pair of ``devices``, both ways, through Numba's
+    context API (a kernel touching peer memory without it kills the CUDA context; PyTorch's
+    own copies do not enable it for kernels)."""
+    from numba import cuda
+    from numba.cuda.cudadrv.driver import CudaAPIError
+
+    contexts = {}
+    for d in devices:
+        with cuda.gpus[d]:
+            contexts[d] = cuda.current_context()
+    for a in devices:
+        for b in devices:
+            if a == b:
+                continue
+            with cuda.gpus[a]:
+                if not contexts[a].can_access_peer(b):
+                    raise CapabilityError(f"GPU {a} cannot access GPU {b} directly (no "
+                                          "NVLink/P2P); the sm datapath needs peer access")
+                try:
+                    contexts[a].enable_peer_access(contexts[b].handle)
+                except CudaAPIError as exc:
+                    if int(exc.code) != 704:  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+                        raise CapabilityError(f"enabling peer access from GPU {a} to GPU {b} "
+                                              f"failed: {exc}") from None
+
+
+def local_cluster(cls, n=None):
+    torch = _torch()
+    count = torch.cuda.device_count()
+    n = count if n is None else n
+    if n > count:
+        raise CapabilityError(f"Cluster.local({n}) needs {n} GPUs; {count} are visible")
+    devices = tuple(range(n))
+    enable_peer_access(devices)
+    return cls("local", n, devices)
+
+
+def virtual_cluster(cls, n, device=0):
+    torch = _torch()
+    if device >= torch.cuda.device_count():
+        raise CapabilityError(f"GPU {device} is not visible ({torch.cuda.device_count()} GPUs)")
+    return cls("virtual", n, (device,) * n)
+
+
+def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
+         threads: int = DEFAULT_THREADS, trace_rows: int = 0):
+    return SmBound(cluster, schedule, timeout=timeout, blocks_per_lane=blocks_per_lane,
+                   threads=threads, trace_rows=trace_rows)
+
+
+def default_blocks_per_lane(message_bytes: int, lanes: int, sms: int = 132) -> int:
+    """Enough blocks to keep NVLink busy on large messages, one on small ones."""
+    want = max(1, min(sms // max(lanes, 1), message_bytes // (256 * 1024)))
+    return int(want)
+
+
+class SmBound:
+    """A schedule bound to GPUs. ``inputs[r]``/``outputs[r]`` are the rank's tensors; write the
+    inputs in place and call :meth:`launch` (no copies), or call the object with tensors."""
+
+    def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows):
+        from purlin.atom.lowering import flag_slots, lower
+        from purlin.kernels.launch import Launcher
+
+        torch = _torch()
+        if schedule.dtype not in TORCH_DTYPES:
+            raise CapabilityError(f"the sm datapath moves {', '.join(TORCH_DTYPES)}, not "
+                                  f"{schedule.dtype}")
+        self.cluster, self.schedule, self.timeout = cluster, schedule, timeout
+        self.torch = torch
+        n, lanes = schedule.nranks, schedule.lanes
+        sizing = schedule.sizing
+        tdt = getattr(torch, schedule.dtype)
+        item = sizing.dtype.itemsize
+        bpl = blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes)
+        self.blocks_per_lane = bpl
+        devs = cluster.devices
+        self.devices = devs
+        self.inputs, self.outputs, self.scratch, self.flags, self.control = [], [], [], [], []
+        for r in range(n):
+            dev = torch.device("cuda", devs[r])
+            self.inputs.append(torch.zeros(max(sizing.input_count(r), 1), dtype=tdt, device=dev))
+            self.outputs.append(torch.zeros(max(sizing.output_count(r), 1), dtype=tdt,
+                                            device=dev))
+            scratch_bytes = _round16(schedule.scratch[r] * item)
+            self.scratch.append(torch.zeros(max(scratch_bytes * schedule.scratch_copies, 16),
+                                            dtype=torch.uint8, device=dev))
+            self.flags.append(torch.zeros(flag_slots(n, lanes), dtype=torch.int64, device=dev))
+            # epoch, done, error record
+            self.control.append(torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev))
+        self.abort = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", devs[0]))
+        self._scratch_bytes = {r: _round16(schedule.scratch[r] * item) for r in range(n)}
+        bases = {}
+        for r in range(n):
+            bases[(r, "input")] = self.inputs[r].data_ptr()
+            bases[(r, "output")] = self.outputs[r].data_ptr()
+            bases[(r, "scratch")] = self.scratch[r].data_ptr()
+        lowered = lower(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
+                        blocks_per_lane=bpl, scratch_bytes=self._scratch_bytes)
+        self.lowered = lowered
+        self.trace_rows = trace_rows
+        self._keep = []
+        self.traces = []
+        descs = []
+        for r, low in enumerate(lowered):
+            dev = torch.device("cuda", devs[r])
+            even = torch.from_numpy(low.tables[0]).to(dev)
+            odd = torch.from_numpy(low.tables[-1]).to(dev)
+            lane_offsets = torch.from_numpy(low.lane_offsets).to(dev)
+            srcs = torch.from_numpy(low.srcs).to(dev)
+            self._keep += [even, odd, lane_offsets, srcs]
+            trace = None
+            if trace_rows:
+                trace = torch.zeros(lanes * bpl * trace_rows * isa.TRACE_WIDTH,
+                                    dtype=torch.int64, device=dev)
+            self.traces.append(trace)
+            ctl = self.control[r].data_ptr()
+            desc = [0] * isa.DESC_WIDTH
+            desc[isa.D_RANK] = r
+            desc[isa.D_TABLE] = even.data_ptr()
+            desc[isa.D_TABLE_ODD] = odd.data_ptr()
+            desc[isa.D_LANES] = lane_offsets.data_ptr()
+            desc[isa.D_NLANES] = lanes
+            desc[isa.D_SRCS] = srcs.data_ptr()
+            desc[isa.D_EPOCH] = ctl
+            desc[isa.D_DONE] = ctl + 8
+            desc[isa.D_ERROR] = ctl + 16
+            desc[isa.D_ABORT] = self.abort.data_ptr()
+            desc[isa.D_TRACE] = trace.data_ptr() if trace is not None else 0
+            desc[isa.D_TRACE_ROWS] = trace_rows
+            descs.append(desc)
+        # one launch per device: a virtual cluster packs all its ranks into one launch
+        self.launches = []
+        groups: dict[int, list[int]] = {}
+        for r, d in enumerate(devs):
+            groups.setdefault(d, []).append(r)
+        for d, ranks in groups.items():
+            table = torch.tensor([descs[r] for r in ranks], dtype=torch.int64,
+                                 device=torch.device("cuda", d))
+            self._keep.append(table)
+            launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=lanes,
+                                blocks_per_lane=bpl, threads=threads)
+            _check_resident(torch, d, launcher, cluster.kind)
+            self.launches.append((d, launcher, table.data_ptr(), ranks))
+        self.timeout_ns = int(timeout * 1e9)
+        self.calls = 0
+        torch.cuda.synchronize()
+
+    # -- running -----------------------------------------------------------------------------
+    def launch(self, streams=None) -> None:
+        """Launch one call on every device (asynchronous; on each device's current stream, or
+        on ``streams[device]`` given as raw stream handles)."""
+        torch = self.torch
+        for d, launcher, desc, _ in self.launches:
+            stream = streams[d] if streams else torch.cuda.current_stream(d).cuda_stream
+            launcher(desc, stream, self.timeout_ns)
+        self.calls += 1
+
+    def capture(self, ops: int = 1) -> "GraphSet":
+        """Capture ``ops`` back-to-back calls into one CUDA graph per device; replaying the set
+        runs them again (flags keep growing, so nothing needs resetting)."""
+        torch = self.torch
+        graphs = []
+        self.synchronize()
+        for d, launcher, desc, _ in self.launches:
+            with torch.cuda.device(d):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    stream = torch.cuda.current_stream(d).cuda_stream
+                    for _ in range(ops):
+                        launcher(desc, stream, self.timeout_ns)
+            graphs.append((d, graph))
+        return GraphSet(self, graphs, ops)
+
+    def synchronize(self) -> None:
+        for d in sorted(set(self.devices)):
+            self.torch.cuda.synchronize(d)
+
+    def check(self) -> None:
+        """Raise PurlinTimeoutError if any rank recorded a timed-out wait (synchronizes)."""
+        self.synchronize()
+        records = [c[2:].cpu().numpy() for c in self.control]
+        failed = [(r, rec) for r, rec in enumerate(records) if rec[isa.E_CODE] != isa.ERR_NONE]
+        if not failed:
+            return
+        first = next(((r, rec) for r, rec in failed if rec[isa.E_CODE] == isa.ERR_TIMEOUT),
+                     failed[0])
+        r, rec = first
+        step = int(rec[isa.E_STEP])
+        flag_rank, flag_index = self._flag_of(int(rec[isa.E_FLAG]))
+        lanes = self.schedule.lanes
+        bpl = self.blocks_per_lane
+        what = (f"flag(r{flag_rank}<-r{flag_index // lanes}.l{flag_index % lanes})"
+                if flag_index < self.schedule.nranks * lanes else f"lane barrier of r{flag_rank}")
+        raise PurlinTimeoutError(
+            f"rank {r} step {step} (lane {int(rec[isa.E_LANE])}, block {int(rec[isa.E_BLOCK])}) "
+            f"timed out after {self.timeout:.3g} s waiting on {what} from rank "
+            f"{int(rec[isa.E_PEER])}: expected >= {int(rec[isa.E_EXPECTED])} "
+            f"({int(rec[isa.E_EXPECTED]) // bpl} notifies x {bpl} blocks), saw "
+            f"{int(rec[isa.E_SEEN])}; the bound collective must be bound again")
+
+    def _flag_of(self, address: int):
+        for r, f in enumerate(self.flags):
+            base = f.data_ptr()
+            if base <= address < base + 8 * f.numel():
+                return r, (address - base) // 8
+        return -1, -1
+
+    def __call__(self, inputs=None, out=None, trace: bool = False):
+        """Copy ``inputs`` (tensors, one per rank) in, run once, wait, check and return the
+        outputs (views of the bound output buffers, or copies into ``out``)."""
+        if inputs is not None:
+            if len(inputs) != self.schedule.nranks:
+                raise ExecutionError(f"need {self.schedule.nranks} inputs, got {len(inputs)}")
+            for r, x in enumerate(inputs):
+                if x is None:
+                    continue
+                x = _as_tensor(self.torch, x)
+                want = self.schedule.sizing.input_count(r)
+                if x.numel() != want:
+                    raise ExecutionError(f"input of rank {r} has {x.numel()} elements; this "
+                                         f"binding expects {want}")
+                if not x.is_contiguous():
+                    raise ExecutionError(f"input of rank {r} is not contiguous; pass "
+                                         "x.contiguous()")
+                self.inputs[r][:want].copy_(x.reshape(-1).to(self.inputs[r].dtype))
+        self.launch()
+        self.check()
+        sizing = self.schedule.sizing
+        outs = [self.outputs[r][:sizing.output_count(r)] for r in range(self.schedule.nranks)]
+        if out is not None:
+            for o, v in zip(out, outs):
+                o.reshape(-1).copy_(v)
+            return out
+        return outs
+
+    def read_trace(self):
+        """Raw trace records per rank: int64[blocks, trace_rows, 4] (row, sub, start, end)."""
+        self.synchronize()
+        bpr = self.schedule.lanes * self.blocks_per_lane
+        return [None if t is None else t.cpu().numpy().reshape(bpr, self.trace_rows, 4)
+                for t in self.traces]
+
+    def __repr__(self) -> str:
+        return (f"<bound {self.schedule.title()} on {self.cluster}, {self.blocks_per_lane} "
+                f"block(s) per lane>")
+
+
+class GraphSet:
+    """CUDA graphs of a bound collective, one per device, replayed together."""
+
+    def __init__(self, bound, graphs, ops):
+        self.bound, self.graphs, self.ops = bound, graphs, ops
+
+    def replay(self) -> None:
+        for _, graph in self.graphs:
+            graph.replay()
+        self.bound.calls += self.ops
+
+
+def _round16(nbytes: int) -> int:
+    return (nbytes + 15) // 16 * 16
+
+
+def _as_tensor(torch, x):
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.as_tensor(np.asarray(x))
+
+
+def _check_resident(torch, device, launcher, kind) -> None:
+    """All blocks of a launch must be resident at once, or a wait could starve its producer."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_sm = max(1, 65536 // (launcher.threads * 128))  # registers: launch bound allows 128
+    if launcher.grid > sms * per_sm:
+        raise CapabilityError(
+            f"{launcher.grid} blocks of {launcher.threads} threads cannot all be resident on GPU "
+            f"{device} ({sms} SMs); use fewer lanes or blocks per lane"
+            + (" or fewer virtual ranks" if kind == "virtual" else ""))
+
+
+def wall_clock_us(fn, repeat: int = 100) -> float:
+    """Median host time of ``fn()`` in microseconds (for eager-call measurements)."""
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)

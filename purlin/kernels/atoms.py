@@ -1,0 +1,310 @@
+"""Atom device functions: copy and reduce over raw addresses, split over cooperating threads.
+
+Every function takes ``(tid, nthreads)``: the caller's index among ``nthreads`` threads that
+share the work (a lane's blocks times their threads). Thread ``tid`` handles units
+``tid, tid + nthreads, ...``, so neighbouring threads touch neighbouring 16-byte words.
+
+* ``copy_bytes`` is dtype-agnostic: 16-byte vectors where source and destination can be
+  aligned together (after a short byte head), else the widest unit their offset allows, and a
+  byte tail.
+* ``reduce_row`` reduces ``nsrc`` sources into one destination in one pass (each destination
+  word is written once): sum, max, min, or avg (sum, then divide by ``divisor``). bfloat16
+  and float16 are reduced in float32 and rounded to nearest even; int32 sums wrap like int32
+  (avg divides the exact sum, truncating toward zero); float32 and float64 stay in their type.
+  Vectors are used where every address has the same offset modulo 16 (after a scalar head);
+  otherwise, and for the tail, one element at a time. Addresses must be aligned to the element
+  size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from purlin.kernels.intrinsics import (bits_to_f32, device, f16x2_to_f32, f32x2_to_bf16x2,
+                                       f32x2_to_f16x2, load_f32, load_f64, load_i32, load_i64,
+                                       load_u8, load_u16, load_u32, load_v2_f64, load_v4_f32,
+                                       load_v4_i32, load_v4_u32, store_f32, store_f64, store_i64,
+                                       store_u8, store_u16, store_u32, store_v2_f64, store_v4_f32,
+                                       store_v4_i32, store_v4_u32)
+from purlin.kernels.isa import AVG, BF16, F16, F32, F64, I32, MAX, MIN
+
+# ---------------------------------------------------------------------------------------- copy
+
+
+@device
+def _copy_v16(dst, src, nvec, tid, nthreads):
+    """16-byte words, four in flight per thread before their stores."""
+    i = tid
+    while i + 3 * nthreads < nvec:
+        a = load_v4_u32(src + i * 16)
+        b = load_v4_u32(src + (i + nthreads) * 16)
+        c = load_v4_u32(src + (i + 2 * nthreads) * 16)
+        d = load_v4_u32(src + (i + 3 * nthreads) * 16)
+        store_v4_u32(dst + i * 16, a)
+        store_v4_u32(dst + (i + nthreads) * 16, b)
+        store_v4_u32(dst + (i + 2 * nthreads) * 16, c)
+        store_v4_u32(dst + (i + 3 * nthreads) * 16, d)
+        i += 4 * nthreads
+    while i < nvec:
+        store_v4_u32(dst + i * 16, load_v4_u32(src + i * 16))
+        i += nthreads
+
+
+@device
+def _copy_units(dst, src, nunits, width, tid, nthreads):
+    """Units of 8, 4, 2 or 1 bytes (both addresses aligned to ``width``)."""
+    i = tid
+    while i < nunits:
+        at = i * width
+        if width == 8:
+            store_i64(dst + at, load_i64(src + at))
+        elif width == 4:
+            store_u32(dst + at, load_u32(src + at))
+        elif width == 2:
+            store_u16(dst + at, load_u16(src + at))
+        else:
+            store_u8(dst + at, load_u8(src + at))
+        i += nthreads
+
+
+@device
+def copy_bytes(dst, src, nbytes, tid, nthreads):
+    """Copy ``nbytes`` from ``src`` to ``dst`` (non-overlapping), shared by ``nthreads``."""
+    width = 16
+    while width > 1 and ((dst - src) & (width - 1)) != 0:
+        width >>= 1
+    head = min((width - (dst & (width - 1))) & (width - 1), nbytes)
+    nunits = (nbytes - head) // width
+    _copy_units(dst, src, head, 1, tid, nthreads)
+    if width == 16:
+        _copy_v16(dst + head, src + head, nunits, tid, nthreads)
+    else:
+        _copy_units(dst + head, src + head, nunits, width, tid, nthreads)
+    done = head + nunits * width
+    _copy_units(dst + done, src + done, nbytes - done, 1, tid, nthreads)
+
+
+# -------------------------------------------------------------------------------------- reduce
+
+
+@device
+def _combine(a, b, op):
+    """One step of the reduction; max and min let a NaN through, as numpy does."""
+    if op == MAX:
+        return a if (a >= b or a != a) else b
+    if op == MIN:
+        return a if (a <= b or a != a) else b
+    return a + b
+
+
+@device
+def _avg_float(a, op, divisor):
+    if op == AVG:
+        return a / divisor
+    return a
+
+
+@device
+def _avg_int(a, op, divisor):
+    """Integer average truncated toward zero (like C and NCCL)."""
+    if op == AVG:
+        q = abs(a) // divisor
+        return -q if a < 0 else q
+    return a
+
+
+@device
+def _unpack_half2(word, dt):
+    """Two 16-bit floats in a 32-bit word to (low, high) float32."""
+    if dt == BF16:
+        return bits_to_f32((word & 0xFFFF) << 16), bits_to_f32(word & 0xFFFF0000)
+    return f16x2_to_f32(word)
+
+
+@device
+def _pack_half2(lo, hi, dt):
+    if dt == BF16:
+        return f32x2_to_bf16x2(lo, hi)
+    return f32x2_to_f16x2(lo, hi)
+
+
+@device
+def _reduce_v16_half(dst, pool, nsrc, base, nvec, dt, op, divisor, tid, nthreads):
+    """bfloat16 / float16: eight elements per 16-byte word, accumulated in float32."""
+    first = load_i64(pool)
+    div = np.float32(divisor)
+    i = tid
+    while i < nvec:
+        at = base + i * 16
+        w = load_v4_u32(first + at)
+        a0, a1 = _unpack_half2(w[0], dt)
+        a2, a3 = _unpack_half2(w[1], dt)
+        a4, a5 = _unpack_half2(w[2], dt)
+        a6, a7 = _unpack_half2(w[3], dt)
+        for s in range(1, nsrc):
+            v = load_v4_u32(load_i64(pool + s * 8) + at)
+            b0, b1 = _unpack_half2(v[0], dt)
+            b2, b3 = _unpack_half2(v[1], dt)
+            b4, b5 = _unpack_half2(v[2], dt)
+            b6, b7 = _unpack_half2(v[3], dt)
+            a0 = _combine(a0, b0, op)
+            a1 = _combine(a1, b1, op)
+            a2 = _combine(a2, b2, op)
+            a3 = _combine(a3, b3, op)
+            a4 = _combine(a4, b4, op)
+            a5 = _combine(a5, b5, op)
+            a6 = _combine(a6, b6, op)
+            a7 = _combine(a7, b7, op)
+        store_v4_u32(dst + at, (
+            _pack_half2(_avg_float(a0, op, div), _avg_float(a1, op, div), dt),
+            _pack_half2(_avg_float(a2, op, div), _avg_float(a3, op, div), dt),
+            _pack_half2(_avg_float(a4, op, div), _avg_float(a5, op, div), dt),
+            _pack_half2(_avg_float(a6, op, div), _avg_float(a7, op, div), dt)))
+        i += nthreads
+
+
+@device
+def _reduce_v16_f32(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads):
+    first = load_i64(pool)
+    div = np.float32(divisor)
+    i = tid
+    while i < nvec:
+        at = base + i * 16
+        a0, a1, a2, a3 = load_v4_f32(first + at)
+        for s in range(1, nsrc):
+            b0, b1, b2, b3 = load_v4_f32(load_i64(pool + s * 8) + at)
+            a0 = _combine(a0, b0, op)
+            a1 = _combine(a1, b1, op)
+            a2 = _combine(a2, b2, op)
+            a3 = _combine(a3, b3, op)
+        store_v4_f32(dst + at, (_avg_float(a0, op, div), _avg_float(a1, op, div),
+                                _avg_float(a2, op, div), _avg_float(a3, op, div)))
+        i += nthreads
+
+
+@device
+def _reduce_v16_i32(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads):
+    """int32 in int64 registers: exact sums, wrapped to 32 bits by the store."""
+    first = load_i64(pool)
+    i = tid
+    while i < nvec:
+        at = base + i * 16
+        x = load_v4_i32(first + at)
+        a0, a1, a2, a3 = np.int64(x[0]), np.int64(x[1]), np.int64(x[2]), np.int64(x[3])
+        for s in range(1, nsrc):
+            b0, b1, b2, b3 = load_v4_i32(load_i64(pool + s * 8) + at)
+            a0 = _combine(a0, np.int64(b0), op)
+            a1 = _combine(a1, np.int64(b1), op)
+            a2 = _combine(a2, np.int64(b2), op)
+            a3 = _combine(a3, np.int64(b3), op)
+        store_v4_i32(dst + at, (_avg_int(a0, op, divisor), _avg_int(a1, op, divisor),
+                                _avg_int(a2, op, divisor), _avg_int(a3, op, divisor)))
+        i += nthreads
+
+
+@device
+def _reduce_v16_f64(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads):
+    first = load_i64(pool)
+    div = np.float64(divisor)
+    i = tid
+    while i < nvec:
+        at = base + i * 16
+        a0, a1 = load_v2_f64(first + at)
+        for s in range(1, nsrc):
+            b0, b1 = load_v2_f64(load_i64(pool + s * 8) + at)
+            a0 = _combine(a0, b0, op)
+            a1 = _combine(a1, b1, op)
+        store_v2_f64(dst + at, (_avg_float(a0, op, div), _avg_float(a1, op, div)))
+        i += nthreads
+
+
+@device
+def _load_as_f32(addr, dt):
+    if dt == BF16:
+        return bits_to_f32(load_u16(addr) << 16)
+    if dt == F16:
+        return f16x2_to_f32(load_u16(addr))[0]
+    return load_f32(addr)
+
+
+@device
+def _store_from_f32(addr, x, dt):
+    if dt == BF16:
+        store_u16(addr, f32x2_to_bf16x2(x, x))
+    elif dt == F16:
+        store_u16(addr, f32x2_to_f16x2(x, x))
+    else:
+        store_f32(addr, x)
+
+
+@device
+def _reduce_scalar(dst, pool, nsrc, first, count, dt, op, divisor, tid, nthreads):
+    """Elements ``[first, first + count)`` one at a time (heads, tails, misaligned rows)."""
+    size = itemsize(dt)
+    e = first + tid
+    end = first + count
+    while e < end:
+        at = e * size
+        if dt == F64:
+            a = load_f64(load_i64(pool) + at)
+            for s in range(1, nsrc):
+                a = _combine(a, load_f64(load_i64(pool + s * 8) + at), op)
+            store_f64(dst + at, _avg_float(a, op, np.float64(divisor)))
+        elif dt == I32:
+            n = np.int64(load_i32(load_i64(pool) + at))
+            for s in range(1, nsrc):
+                n = _combine(n, np.int64(load_i32(load_i64(pool + s * 8) + at)), op)
+            store_u32(dst + at, _avg_int(n, op, divisor))
+        else:
+            x = _load_as_f32(load_i64(pool) + at, dt)
+            for s in range(1, nsrc):
+                x = _combine(x, _load_as_f32(load_i64(pool + s * 8) + at, dt), op)
+            _store_from_f32(dst + at, _avg_float(x, op, np.float32(divisor)), dt)
+        e += nthreads
+
+
+@device
+def itemsize(dt):
+    """Bytes per element of a dtype code."""
+    if dt == BF16 or dt == F16:
+        return 2
+    if dt == F64:
+        return 8
+    return 4
+
+
+@device
+def _reduce_vectors(dst, pool, nsrc, base, nvec, dt, op, divisor, tid, nthreads):
+    """16-byte words ``[0, nvec)`` starting ``base`` bytes into every buffer."""
+    if dt == BF16 or dt == F16:
+        _reduce_v16_half(dst, pool, nsrc, base, nvec, dt, op, divisor, tid, nthreads)
+    elif dt == F32:
+        _reduce_v16_f32(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads)
+    elif dt == I32:
+        _reduce_v16_i32(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads)
+    else:
+        _reduce_v16_f64(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads)
+
+
+@device
+def reduce_row(dst, pool, nsrc, count, dt, op, divisor, tid, nthreads):
+    """``dst[i] = op(src_0[i], ..., src_{nsrc-1}[i])`` for ``count`` elements of dtype ``dt``.
+
+    ``pool`` is the address of ``nsrc`` consecutive int64 source addresses.
+    """
+    size = itemsize(dt)
+    phase = dst & 15
+    aligned = phase % size == 0
+    for s in range(nsrc):
+        if (load_i64(pool + s * 8) & 15) != phase:
+            aligned = False
+    head = count
+    nvec = 0
+    if aligned:
+        head = min(count, ((16 - phase) & 15) // size)
+        nvec = (count - head) * size // 16
+    _reduce_scalar(dst, pool, nsrc, 0, head, dt, op, divisor, tid, nthreads)
+    if nvec > 0:
+        _reduce_vectors(dst, pool, nsrc, head * size, nvec, dt, op, divisor, tid, nthreads)
+    tail = head + nvec * (16 // size)
+    _reduce_scalar(dst, pool, nsrc, tail, count - tail, dt, op, divisor, tid, nthreads)

@@ -1,0 +1,193 @@
+"""The executor kernel: interprets the per-rank instruction table of ``isa.py``.
+
+``executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns)``, all int64:
+
+* ``desc_ptr`` -- address of ``nranks_in_launch`` descriptors of ``DESC_WIDTH`` int64 each;
+* the grid is split evenly by rank: block ``b`` serves rank slot ``b // blocks_per_rank``,
+  lane ``(b % blocks_per_rank) // blocks_per_lane`` and sub-block ``b % blocks_per_lane``
+  (``blocks_per_rank = gridDim.x // nranks_in_launch``; every rank of a launch has the same
+  lane count, padded with empty lanes). Blocks whose lane has no rows only check in at the end;
+* ``timeout_ns`` -- how long one WAIT may spin before it records a timeout (must be > 0).
+
+Thread 0 reads the rank's EPOCH once at block start; on odd epochs the rows come from
+``D_TABLE_ODD`` (same lane offsets and source pool; 0 means "use D_TABLE"). Each block walks
+its lane's rows in order, with a ``syncthreads`` after every row. COPY and REDUCE split the
+elements over the lane's blocks x threads. NOTIFY: after that barrier, thread 0
+fences and adds VALUE (each block of the lane adds separately). WAIT: thread 0 spins with
+acquire loads; on expiry it writes the error record, raises the shared ABORT word and the
+block leaves its rows; a block that sees ABORT while waiting leaves too, recording
+``ERR_ABORTED`` if its rank has no record yet.
+
+Every block, finished or aborted, then adds one to DONE; the block that brings it to
+``blocks_per_rank`` resets DONE to 0 and bumps EPOCH. After an error the host must reset the
+flags, EPOCH, ABORT and the error record before the next call (the flags no longer match).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from purlin.kernels.atoms import copy_bytes, itemsize, reduce_row
+from purlin.kernels.intrinsics import (SIMULATOR, atomic_add, atomic_cas, device, fence_system,
+                                       globaltimer, load_acquire, load_i64, red_release_add,
+                                       store_i64)
+from purlin.kernels.isa import (COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, D_LANES,
+                                D_NLANES, D_RANK, D_SRCS, D_TABLE, D_TABLE_ODD, D_TRACE,
+                                D_TRACE_ROWS, DESC_WIDTH, DIVISOR, DST, DTYPE, E_BLOCK, E_CODE,
+                                E_EXPECTED, E_FLAG, E_LANE, E_PEER, E_RANK, E_SEEN, E_STEP,
+                                EPOCH_OFFSET, ERR_ABORTED, ERR_TIMEOUT, FLAG, NOTIFY, NSRC, OP,
+                                PEER, PER_CALL, REDOP, REDUCE, ROW_WIDTH, SRC, STEP, TRACE_WIDTH,
+                                VALUE, WAIT)
+
+SIGNATURE = "void(int64, int64, int64, int64)"
+MAX_THREADS = 512   # launch bound: keeps the kernel within 128 registers per thread
+SPINS_PER_CHECK = 64  # acquire loads between two looks at the clock and the ABORT word
+EPOCH_SLOT = 2  # shared-memory slot holding the epoch thread 0 read at block start
+
+
+@device
+def _get(addr, column):
+    return load_i64(addr + column * 8)
+
+
+@device
+def _wait(flag, target, timeout_ns, abort):
+    """Spin until the flag reaches ``target``: returns (0 | ERR_TIMEOUT | ERR_ABORTED, seen)."""
+    seen = load_acquire(flag)
+    if seen >= target:
+        return 0, seen
+    deadline = globaltimer() + timeout_ns
+    spins = 0
+    while True:
+        seen = load_acquire(flag)
+        if seen >= target:
+            return 0, seen
+        spins += 1
+        if spins % SPINS_PER_CHECK == 0:
+            if load_acquire(abort) != 0:
+                return ERR_ABORTED, seen
+            if globaltimer() > deadline:
+                return ERR_TIMEOUT, seen
+
+
+@device
+def _record(desc, code, row, target, seen, lane, sub):
+    """Claim the rank's error record (first writer wins) and fill it; raise ABORT on timeout."""
+    err = _get(desc, D_ERROR)
+    if atomic_cas(err + E_CODE * 8, 0, code) == 0:
+        store_i64(err + E_RANK * 8, _get(desc, D_RANK))
+        store_i64(err + E_STEP * 8, _get(row, STEP))
+        store_i64(err + E_FLAG * 8, _get(row, FLAG))
+        store_i64(err + E_EXPECTED * 8, target)
+        store_i64(err + E_SEEN * 8, seen)
+        store_i64(err + E_LANE * 8, lane)
+        store_i64(err + E_BLOCK * 8, sub)
+        store_i64(err + E_PEER * 8, _get(row, PEER))
+    if code == ERR_TIMEOUT:
+        fence_system()
+        red_release_add(_get(desc, D_ABORT), 1)
+
+
+@device
+def _run_row(desc, row, epoch, lane, sub, tid, lane_tid, lane_threads, timeout_ns):
+    """Execute one row; returns a nonzero error code when the block must leave."""
+    op = _get(row, OP)
+    if op == COPY:
+        nbytes = _get(row, COUNT) * itemsize(_get(row, DTYPE))
+        src = load_i64(_get(desc, D_SRCS) + _get(row, SRC) * 8)
+        copy_bytes(_get(row, DST), src, nbytes, lane_tid, lane_threads)
+    elif op == REDUCE:
+        pool = _get(desc, D_SRCS) + _get(row, SRC) * 8
+        reduce_row(_get(row, DST), pool, _get(row, NSRC), _get(row, COUNT), _get(row, DTYPE),
+                   _get(row, REDOP), _get(row, DIVISOR), lane_tid, lane_threads)
+    elif op == NOTIFY:
+        # the barrier after the previous row ordered every thread's writes before this
+        if tid == 0:
+            fence_system()
+            red_release_add(_get(row, FLAG), _get(row, VALUE))
+    elif op == WAIT:
+        if tid == 0:
+            target = (epoch + _get(row, EPOCH_OFFSET)) * _get(row, PER_CALL) + _get(row, VALUE)
+            if target > 0:
+                code, seen = _wait(_get(row, FLAG), target, timeout_ns, _get(desc, D_ABORT))
+                if code != 0:
+                    _record(desc, code, row, target, seen, lane, sub)
+                    return code
+    return 0
+
+
+@device
+def _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared):
+    tid = cuda.threadIdx.x
+    lane_tid = sub * cuda.blockDim.x + tid
+    lane_threads = blocks_per_lane * cuda.blockDim.x
+    epoch = shared[EPOCH_SLOT]
+    table = _get(desc, D_TABLE)
+    if epoch & 1:
+        odd = _get(desc, D_TABLE_ODD)
+        if odd != 0:
+            table = odd
+    begin = load_i64(_get(desc, D_LANES) + lane * 8)
+    end = load_i64(_get(desc, D_LANES) + lane * 8 + 8)
+    trace = _get(desc, D_TRACE)
+    trace_rows = _get(desc, D_TRACE_ROWS)
+    for r in range(begin, end):
+        i = r - begin
+        t_start = 0
+        if trace != 0 and tid == 0:
+            t_start = globaltimer()
+        row = table + r * (ROW_WIDTH * 8)
+        code = _run_row(desc, row, epoch, lane, sub, tid, lane_tid, lane_threads, timeout_ns)
+        if code != 0:
+            shared[i & 1] = code  # two status slots: nobody can still be reading this one
+        cuda.syncthreads()
+        if trace != 0 and tid == 0 and i < trace_rows:
+            rec = trace + (block_in_rank * trace_rows + i) * (TRACE_WIDTH * 8)
+            store_i64(rec, r)
+            store_i64(rec + 8, sub)
+            store_i64(rec + 16, t_start)
+            store_i64(rec + 24, globaltimer())
+        if shared[i & 1] != 0:
+            return
+
+
+@device
+def _check_out(desc, blocks_per_rank):
+    """Thread 0: count this block done; the rank's last block resets DONE and bumps EPOCH."""
+    done = _get(desc, D_DONE)
+    fence_system()
+    if atomic_add(done, 1) == blocks_per_rank - 1:
+        store_i64(done, 0)
+        atomic_add(_get(desc, D_EPOCH), 1)
+        fence_system()
+
+
+def _kernel(fn):
+    """``cuda.jit`` with the launch bound (the simulator's ``jit`` takes none)."""
+    return cuda.jit(fn) if SIMULATOR else cuda.jit(launch_bounds=MAX_THREADS)(fn)
+
+
+@_kernel
+def executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns):
+    """Run every rank's table of this launch (see the module docstring)."""
+    blocks_per_rank = cuda.gridDim.x // nranks_in_launch
+    slot = cuda.blockIdx.x // blocks_per_rank
+    if slot >= nranks_in_launch:
+        return
+    block_in_rank = cuda.blockIdx.x - slot * blocks_per_rank
+    lane = block_in_rank // blocks_per_lane
+    sub = block_in_rank - lane * blocks_per_lane
+    desc = desc_ptr + slot * (DESC_WIDTH * 8)
+
+    # [status of even rows, status of odd rows, this call's epoch (read once)]
+    shared = cuda.shared.array(3, np.int64)
+    if cuda.threadIdx.x == 0:
+        shared[0] = 0
+        shared[1] = 0
+        shared[EPOCH_SLOT] = load_acquire(_get(desc, D_EPOCH))
+    cuda.syncthreads()
+    if lane < _get(desc, D_NLANES):
+        _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared)
+    if cuda.threadIdx.x == 0:
+        _check_out(desc, blocks_per_rank)

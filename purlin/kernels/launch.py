@@ -1,0 +1,111 @@
+"""Build once, launch cheaply: the executor on one device with a fixed grid.
+
+A :class:`Launcher` compiles (once per process) and loads the executor for its device when it
+is made; a call then only writes the four int64 arguments into a parameter block made at
+construction and calls ``cuLaunchKernel`` from ``cuda.bindings`` -- no Numba argument typing,
+no array conversion. The kernel handle is a context-independent ``CUkernel``, so the launch
+runs on whichever device owns the stream; that also makes it capturable into a CUDA graph
+when the stream is capturing.
+
+    launcher = Launcher(device=0, nlanes=4, blocks_per_lane=8, threads=512)
+    launcher(desc_ptr, stream=torch.cuda.current_stream(0).cuda_stream)
+
+Under ``NUMBA_ENABLE_CUDASIM=1`` the same object launches through the simulator (the stream is
+ignored there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from purlin.errors import ExecutionError, SpecError
+from purlin.kernels.executor import MAX_THREADS, SIGNATURE, executor
+from purlin.kernels.intrinsics import SIMULATOR
+
+DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
+
+
+class Launcher:
+    """Launches the executor over ``nranks_in_launch`` ranks of ``nlanes`` lanes each.
+
+    The grid is ``nranks_in_launch * nlanes * blocks_per_lane`` blocks of ``threads`` threads.
+    Call it with the address of the ranks' descriptors (int64[nranks_in_launch, DESC_WIDTH] in
+    device memory), a CUDA stream handle as an int (0: the legacy default stream of this
+    device) and optionally a per-wait time limit in nanoseconds.
+    """
+
+    def __init__(self, device: int = 0, nranks_in_launch: int = 1, nlanes: int = 1,
+                 blocks_per_lane: int = 1, threads: int = 256):
+        for name, value in (("nranks_in_launch", nranks_in_launch), ("nlanes", nlanes),
+                            ("blocks_per_lane", blocks_per_lane), ("threads", threads)):
+            if int(value) < 1:
+                raise SpecError(f"Launcher needs {name} >= 1, got {value}")
+        if threads > MAX_THREADS:
+            raise SpecError(f"the executor is compiled for at most {MAX_THREADS} threads per "
+                            f"block, got threads={threads}")
+        self.device = int(device)
+        self.nranks_in_launch = int(nranks_in_launch)
+        self.blocks_per_lane = int(blocks_per_lane)
+        self.threads = int(threads)
+        self.grid = self.nranks_in_launch * int(nlanes) * self.blocks_per_lane
+        self.registers = None  # per thread, once loaded on a GPU
+        if SIMULATOR:
+            self._launch = self._launch_simulated
+            return
+        self._load()
+        self._launch = self._launch_driver
+
+    def __call__(self, desc_ptr: int, stream: int = 0,
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS) -> None:
+        self._launch(desc_ptr, stream, timeout_ns)
+
+    def __repr__(self) -> str:
+        return (f"Launcher(device={self.device}, grid={self.grid}, threads={self.threads}, "
+                f"nranks_in_launch={self.nranks_in_launch}, "
+                f"blocks_per_lane={self.blocks_per_lane})")
+
+    # -- driver path ---------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        from cuda.bindings import driver
+        from numba import cuda
+
+        with cuda.gpus[self.device]:
+            kernel = executor.compile(SIGNATURE)
+            kernel.bind()
+            # numba-cuda keeps the loaded function on its code library, one per device
+            cufunc = kernel._codelibrary.get_cufunc()
+            self._context = cuda.current_context().handle
+        self.registers = cufunc.attrs.regs
+        self._driver = driver
+        self._function = driver.CUfunction(int(cufunc.handle))
+        self._values = (ctypes.c_int64 * 4)(0, self.nranks_in_launch, self.blocks_per_lane, 0)
+        base = ctypes.addressof(self._values)
+        self._params = (ctypes.c_void_p * 4)(*(base + 8 * i for i in range(4)))
+        self._params_addr = ctypes.addressof(self._params)
+        self._streams = {}
+
+    def _launch_driver(self, desc_ptr, stream, timeout_ns) -> None:
+        values = self._values
+        values[0] = desc_ptr
+        values[3] = timeout_ns
+        handle = self._streams.get(stream)
+        if handle is None:
+            handle = self._streams[stream] = self._driver.CUstream(stream)
+        if stream == 0:  # the NULL stream belongs to whichever context is current
+            self._driver.cuCtxPushCurrent(self._context)
+            (err,) = self._driver.cuLaunchKernel(self._function, self.grid, 1, 1, self.threads,
+                                                 1, 1, 0, handle, self._params_addr, 0)
+            self._driver.cuCtxPopCurrent()
+        else:
+            (err,) = self._driver.cuLaunchKernel(self._function, self.grid, 1, 1, self.threads,
+                                                 1, 1, 0, handle, self._params_addr, 0)
+        if err:
+            raise ExecutionError(f"cuLaunchKernel of the executor on device {self.device} "
+                                 f"failed: {err!r} (grid {self.grid} x {self.threads})")
+
+    # -- simulator path ------------------------------------------------------------------------
+
+    def _launch_simulated(self, desc_ptr, stream, timeout_ns) -> None:
+        executor[self.grid, self.threads](int(desc_ptr), self.nranks_in_launch,
+                                          self.blocks_per_lane, int(timeout_ns))

@@ -1,0 +1,385 @@
+"""The executor kernel and its atoms, run in Numba's CUDA simulator.
+
+The simulator must be switched on before ``numba.cuda`` is first imported, so the cases below
+run in one child process (``NUMBA_ENABLE_CUDASIM=1 python tests/test_kernels_sim.py OUT``)
+and each pytest test checks the verdict of one case. The simulator runs blocks one after
+another and fences are no-ops: every WAIT here is either satisfied already or meant to time out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+GUARD = 0xA5
+
+
+def _aligned(nbytes: int, offset: int = 0, guard: int = 64) -> tuple[np.ndarray, int]:
+    """A byte buffer filled with GUARD and an address 16-byte aligned plus ``offset`` inside it,
+    with ``guard`` bytes either side."""
+    raw = np.full(nbytes + 2 * guard + 16, GUARD, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 16 + guard
+    return raw, raw.ctypes.data + start + offset
+
+
+def _guards_intact(raw: np.ndarray, addr: int, nbytes: int) -> bool:
+    at = addr - raw.ctypes.data
+    return bool((raw[:at] == GUARD).all() and (raw[at + nbytes:] == GUARD).all())
+
+
+def _view(raw: np.ndarray, addr: int, count: int, dtype) -> np.ndarray:
+    at = addr - raw.ctypes.data
+    return raw[at: at + count * np.dtype(dtype).itemsize].view(dtype)
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, round to nearest even (NaN not used here)."""
+    b = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# ------------------------------------------------------------------------------------ copies
+
+
+@case
+def copy_bytes_every_offset_and_length():
+    """copy_bytes for every relative misalignment 0..15 and lengths 0..40, 3 threads."""
+    from purlin.kernels.atoms import copy_bytes
+
+    rng = np.random.default_rng(0)
+    for src_off in (0, 1, 8):
+        for dst_off in range(16):
+            for n in list(range(41)) + [97, 256]:
+                src_raw, src = _aligned(n, src_off)
+                dst_raw, dst = _aligned(n, dst_off)
+                src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
+                for tid in range(3):
+                    copy_bytes(dst, src, n, tid, 3)
+                got = _view(dst_raw, dst, n, np.uint8)
+                want = _view(src_raw, src, n, np.uint8)
+                assert np.array_equal(got, want), (src_off, dst_off, n)
+                assert _guards_intact(dst_raw, dst, n), (src_off, dst_off, n)
+
+
+@case
+def copy_rows_aligned_and_misaligned():
+    """COPY rows through the executor: aligned f32, bf16 at odd 2-byte offsets, 2 lanes x 2."""
+    from purlin.kernels import isa, sim
+
+    rng = np.random.default_rng(1)
+    jobs = []  # (src_raw, dst_raw, src, dst, count, dtype)
+    for count, dtype, code, s_off, d_off in [(37, np.float32, isa.F32, 0, 0),
+                                             (1000, np.float32, isa.F32, 0, 0),
+                                             (45, np.uint16, isa.BF16, 2, 6),
+                                             (33, np.uint16, isa.F16, 6, 6),
+                                             (21, np.float64, isa.F64, 8, 8)]:
+        nbytes = count * np.dtype(dtype).itemsize
+        src_raw, src = _aligned(nbytes, s_off)
+        dst_raw, dst = _aligned(nbytes, d_off)
+        src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
+        jobs.append((src_raw, dst_raw, src, dst, count, dtype, code))
+    lanes = [[], []]
+    for i, (_, _, src, dst, count, _, code) in enumerate(jobs):
+        lanes[i % 2].append(sim.copy_row(dst, src, count, dtype=code, step=i))
+    rank = sim.HostRank(0, lanes, blocks_per_lane=2)
+    sim.run_simulated([rank], blocks_per_lane=2, threads=4)
+    for src_raw, dst_raw, src, dst, count, dtype, _ in jobs:
+        got, want = _view(dst_raw, dst, count, dtype), _view(src_raw, src, count, dtype)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (count, dtype)
+        assert _guards_intact(dst_raw, dst, got.nbytes), (count, dtype)
+    assert rank.error_record["code"] == 0
+
+
+# ----------------------------------------------------------------------------------- reduces
+
+
+def _expected(srcs: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
+    """What the kernel computes: accumulate in order, in float32 for 16-bit floats."""
+    if dtype in ("bfloat16", "float16"):
+        vals = [_bf16_to_f32(s) if dtype == "bfloat16" else s.view(np.float16).astype(np.float32)
+                for s in srcs]
+    elif dtype == "int32":
+        vals = [s.astype(np.int64) for s in srcs]
+    else:
+        vals = list(srcs)
+    acc = vals[0].copy()
+    for v in vals[1:]:
+        acc = {"sum": acc + v, "avg": acc + v, "max": np.maximum(acc, v),
+               "min": np.minimum(acc, v)}[op]
+    if op == "avg":
+        if dtype == "int32":
+            acc = np.sign(acc) * (np.abs(acc) // len(srcs))
+        else:
+            acc = acc / acc.dtype.type(len(srcs))
+    if dtype == "bfloat16":
+        return _bf16_bits(acc)
+    if dtype == "float16":
+        return acc.astype(np.float16).view(np.uint16)
+    if dtype == "int32":
+        return acc.astype(np.int32)  # wraps like the kernel's 32-bit store
+    return acc
+
+
+def _random(rng, dtype: str, count: int) -> np.ndarray:
+    if dtype == "bfloat16":
+        return _bf16_bits(rng.standard_normal(count).astype(np.float32) * 10)
+    if dtype == "float16":
+        return (rng.standard_normal(count) * 10).astype(np.float16).view(np.uint16)
+    if dtype == "int32":
+        return rng.integers(-2**31, 2**31, count, dtype=np.int64).astype(np.int32)
+    return (rng.standard_normal(count) * 10).astype(dtype)
+
+
+def _reduce_case(dtype: str, offsets: tuple[int, int, int, int], count: int = 45):
+    """Reduce 3 sources with every op (4 rows over 2 lanes x 2 blocks); exact vs numpy."""
+    from purlin.kernels import isa, sim
+
+    code = isa.DTYPE_CODES[dtype]
+    store = np.dtype(np.uint16 if dtype in ("bfloat16", "float16") else dtype)
+    size = np.dtype(store).itemsize
+    rng = np.random.default_rng(zlib.crc32(f"{dtype}{offsets}".encode()))
+    ops = ["sum", "max", "min", "avg"]
+    keep, lanes, checks = [], [[], []], []
+    for i, op in enumerate(ops):
+        srcs, addrs = [], []
+        for off in offsets[1:]:
+            raw, addr = _aligned(count * size, off)
+            _view(raw, addr, count, store)[:] = _random(rng, dtype, count)
+            srcs.append(_view(raw, addr, count, store).copy())
+            addrs.append(addr)
+            keep.append(raw)
+        out_raw, out = _aligned(count * size, offsets[0])
+        keep.append(out_raw)
+        lanes[i % 2].append(sim.reduce_row(out, addrs, count, dtype=code,
+                                           redop=isa.REDOP_CODES[op], step=i))
+        checks.append((op, out_raw, out, srcs))
+    rank = sim.HostRank(0, lanes, blocks_per_lane=2)
+    sim.run_simulated([rank], blocks_per_lane=2, threads=4)
+    for op, out_raw, out, srcs in checks:
+        got = _view(out_raw, out, count, store)
+        want = _expected(srcs, dtype, op)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (
+            f"{dtype} {op} offsets {offsets}: got {got[:8]} want {want[:8]}")
+        assert _guards_intact(out_raw, out, got.nbytes), f"{dtype} {op}: wrote outside"
+
+
+for _dtype in ("bfloat16", "float16", "float32", "int32", "float64"):
+    for _name, _offsets in (("aligned", (0, 0, 0, 0)),
+                            ("same_phase", (8, 8, 8, 8)),
+                            ("mixed_phase", (0, 8, 0, 8))):
+        def _make(dtype=_dtype, offsets=_offsets):
+            return lambda: _reduce_case(dtype, offsets)
+
+        _fn = _make()
+        _fn.__name__ = f"reduce_3_sources_{_dtype}_{_name}"
+        case(_fn)
+
+
+@case
+def half_conversions_round_to_nearest_even():
+    """The simulated bf16/f16 packers round ties to even and keep NaN a NaN."""
+    from purlin.kernels import intrinsics as I
+
+    ties = np.array([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.0e38, 1e-40],
+                    dtype=np.float32)
+    for x in ties:
+        word = I.f32x2_to_bf16x2(x, np.float32(0))
+        assert word & 0xFFFF == int(_bf16_bits(np.array([x]))[0]), x
+        assert word >> 16 == 0
+    nan = I.f32x2_to_bf16x2(np.float32("nan"), np.float32(1))
+    assert np.isnan(I.bits_to_f32((nan & 0xFFFF) << 16))
+    assert I.f32x2_to_f16x2(np.float32(1 + 2**-11), np.float32(-2)) == (
+        int(np.float16(1.0).view(np.uint16)) | int(np.float16(-2.0).view(np.uint16)) << 16)
+
+
+# ----------------------------------------------------------------------- flags, epochs, errors
+
+
+@case
+def notify_and_satisfied_waits_across_epochs():
+    """NOTIFY adds VALUE per block; WAIT targets follow the epoch; the 3rd call times out."""
+    from purlin.kernels import isa, sim
+
+    flags = np.zeros(4, dtype=np.uint64)
+    flags[0] = 5
+    flags[2] = 7
+    addr = flags.ctypes.data
+    lanes = [[sim.notify_row(addr + 8, value=3, step=0),
+              sim.wait_row(addr, value=2, per_call=2, step=1),          # (epoch)*2 + 2 <= 5
+              sim.wait_row(addr + 16, value=7, per_call=7, epoch_offset=-1, step=2),  # 7 * epoch
+              sim.notify_row(addr + 24, value=1, step=3)]]
+    rank = sim.HostRank(3, lanes, blocks_per_lane=2)
+    for call in range(2):
+        sim.run_simulated([rank], blocks_per_lane=2, threads=4, timeout_ns=10**9)
+        assert rank.error_record["code"] == 0, rank.error_record
+        assert int(rank.epoch[0]) == call + 1 and int(rank.done[0]) == 0
+        assert int(flags[1]) == 6 * (call + 1) and int(flags[3]) == 2 * (call + 1)
+    # epoch 2: the first wait now needs 2 * 2 + 2 = 6 > 5
+    sim.run_simulated([rank], blocks_per_lane=2, threads=4, timeout_ns=1_000_000)
+    rec = rank.error_record
+    assert rec == {"code": isa.ERR_TIMEOUT, "rank": 3, "step": 1, "flag": addr, "expected": 6,
+                   "seen": 5, "lane": 0, "block": 0, "peer": -1}, rec
+    assert int(rank.abort[0]) >= 1
+    assert int(flags[1]) == 6 * 2 + 3 * 2, "the NOTIFY before the wait ran in both blocks"
+    assert int(flags[3]) == 4, "rows after a failed wait must not run"
+    assert int(rank.epoch[0]) == 3 and int(rank.done[0]) == 0, "every block still checks out"
+
+
+@case
+def timeout_record_and_abort_across_ranks():
+    """Rank 0 times out; rank 1 in the same launch sees ABORT and records ERR_ABORTED."""
+    from purlin.kernels import isa, sim
+
+    flags = np.zeros(3, dtype=np.uint64)
+    marker = np.zeros(4, dtype=np.float32)
+    one = np.ones(4, dtype=np.float32)
+    abort = np.zeros(1, dtype=np.uint64)
+    f = flags.ctypes.data
+    rank0 = sim.HostRank(0, [
+        [sim.wait_row(f, value=1, per_call=1, step=4, peer=1),
+         sim.copy_row(marker.ctypes.data, one.ctypes.data, 4, step=5)],
+        [sim.wait_row(f + 8, value=1, per_call=1, step=6, peer=1)],
+    ], blocks_per_lane=2, abort=abort)
+    rank1 = sim.HostRank(1, [[sim.wait_row(f + 16, value=9, per_call=9, step=7, peer=0)]],
+                         blocks_per_lane=2, abort=abort)
+    start = time.perf_counter()
+    sim.run_simulated([rank0, rank1], blocks_per_lane=2, threads=2, timeout_ns=20_000_000)
+    elapsed = time.perf_counter() - start
+    rec0, rec1 = rank0.error_record, rank1.error_record
+    assert rec0 == {"code": isa.ERR_TIMEOUT, "rank": 0, "step": 4, "flag": f, "expected": 1,
+                    "seen": 0, "lane": 0, "block": 0, "peer": 1}, rec0
+    assert rec1["code"] == isa.ERR_ABORTED and rec1["rank"] == 1 and rec1["step"] == 7, rec1
+    assert rec1["expected"] == 9 and rec1["peer"] == 0, rec1
+    assert int(abort[0]) >= 1
+    assert not marker.any(), "the copy after the failed wait ran"
+    assert elapsed < 5, f"waits after ABORT should end at once, took {elapsed:.1f} s"
+    for rank in (rank0, rank1):
+        assert int(rank.epoch[0]) == 1 and int(rank.done[0]) == 0
+
+
+@case
+def epochs_bump_per_launch_with_padded_lanes():
+    """Two ranks, 3 and 1 lanes (rank 1 padded): each EPOCH counts launches, DONE returns to 0."""
+    from purlin.kernels import sim
+
+    ranks = [sim.HostRank(0, [[], [], []], blocks_per_lane=2),
+             sim.HostRank(1, [[]], blocks_per_lane=2, abort=None)]
+    for call in range(3):
+        sim.run_simulated(ranks, blocks_per_lane=2, threads=2)
+        for rank in ranks:
+            assert int(rank.epoch[0]) == call + 1 and int(rank.done[0]) == 0
+
+
+@case
+def odd_calls_run_the_odd_table():
+    """Even epochs run D_TABLE, odd epochs D_TABLE_ODD (one shared source pool)."""
+    from purlin.kernels import sim
+
+    a, b = np.full(8, 1.0, dtype=np.float32), np.full(8, 2.0, dtype=np.float32)
+    out = np.zeros(8, dtype=np.float32)
+    rank = sim.HostRank(0, [[sim.copy_row(out.ctypes.data, a.ctypes.data, 8)]],
+                        odd_lanes=[[sim.copy_row(out.ctypes.data, b.ctypes.data, 8)]])
+    assert rank.pool.tolist() == [a.ctypes.data, b.ctypes.data]
+    for call, want in enumerate([1.0, 2.0, 1.0, 2.0]):
+        out[:] = 0
+        sim.run_simulated([rank], threads=2)
+        assert (out == want).all(), (call, out)
+
+
+@case
+def trace_records_when_tracing_is_on():
+    """Thread 0 writes (row, sub-block, start, end) per row; rows past D_TRACE_ROWS are not."""
+    from purlin.kernels import isa, sim
+
+    flags = np.zeros(2, dtype=np.uint64)
+    f = flags.ctypes.data
+    lanes = [[sim.notify_row(f + 8)],
+             [sim.notify_row(f), sim.notify_row(f), sim.notify_row(f)]]
+    rank = sim.HostRank(0, lanes, blocks_per_lane=2, trace_rows=2)
+    # one spare block's worth of records after the 4 real ones catches writes past the end
+    rank.trace = np.full((5, 2, isa.TRACE_WIDTH), -1, dtype=np.int64)
+    rank.desc[isa.D_TRACE] = rank.trace.ctypes.data
+    sim.run_simulated([rank], blocks_per_lane=2, threads=2)
+    trace = rank.trace  # [block_in_rank, trace_rows, TRACE_WIDTH]
+    for block in range(4):
+        lane, sub = divmod(block, 2)
+        rows = [0] if lane == 0 else [1, 2]  # lane 1's third row (3) is past D_TRACE_ROWS
+        for i, row in enumerate(rows):
+            r, s, t0, t1 = trace[block, i]
+            assert (r, s) == (row, sub), (block, trace[block])
+            assert 0 < t0 <= t1, (block, trace[block])
+        if lane == 0:
+            assert (trace[block, 1] == -1).all(), "wrote an unused slot"
+    assert (trace[4] == -1).all(), "wrote past the trace buffer"
+    assert int(flags[0]) == 6 and int(flags[1]) == 2
+
+    plain = sim.HostRank(0, lanes, blocks_per_lane=2)  # tracing off: D_TRACE is 0
+    sim.run_simulated([plain], blocks_per_lane=2, threads=2)
+    assert plain.desc[isa.D_TRACE] == 0 and int(flags[0]) == 12
+
+
+# ------------------------------------------------------------------------ pytest entry points
+
+
+@pytest.fixture(scope="module")
+def verdicts(tmp_path_factory):
+    pytest.importorskip("numba.cuda", reason="numba-cuda is needed for the kernel simulator")
+    out = tmp_path_factory.mktemp("sim") / "verdicts.json"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    if not out.exists():
+        pytest.fail(f"the simulator process failed (rc {proc.returncode}):\n"
+                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_in_simulator(name, verdicts):
+    assert name in verdicts, f"case {name} did not run"
+    assert verdicts[name] == "ok", verdicts[name]
+
+
+def _run_all(out: str) -> None:
+    from numba.cuda import config
+
+    if not config.ENABLE_CUDASIM:
+        raise SystemExit("set NUMBA_ENABLE_CUDASIM=1 before running the simulator cases")
+    verdicts = {}
+    for name, fn in CASES.items():
+        try:
+            fn()
+            verdicts[name] = "ok"
+        except Exception:  # noqa: BLE001 - every failure is reported to the parent test
+            verdicts[name] = traceback.format_exc()
+    Path(out).write_text(json.dumps(verdicts, indent=1))
+
+
+if __name__ == "__main__":
+    _run_all(sys.argv[1])
