@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
 
 import numpy as np
 
@@ -52,16 +53,20 @@ def reduce_into(dst: np.ndarray, srcs, op: str, divisor: int = 1) -> None:
 
 
 class CpuMemory:
-    """Flags of every rank: counters indexed by (src rank, lane), one condition per rank."""
+    """Flags of every rank: counters keyed by (src rank, lane), one condition per rank.
+
+    Keyed, not laid out as src * lanes + lane: a flag outside that grid (an unverified
+    schedule) is then a counter nobody adds to, which times out, instead of another flag's.
+    """
 
     def __init__(self, nranks: int, lanes: int):
         self.nranks, self.lanes = nranks, lanes
-        self.counters = [np.zeros(nranks * lanes, dtype=np.int64) for _ in range(nranks)]
+        self.counters = [defaultdict(int) for _ in range(nranks)]
         self.conds = [threading.Condition() for _ in range(nranks)]
         self.abort = threading.Event()
 
-    def _index(self, flag: Flag) -> int:
-        return flag.src * self.lanes + flag.lane
+    def _index(self, flag: Flag) -> tuple[int, int]:
+        return flag.src, flag.lane
 
     def notify(self, flag: Flag, amount: int = 1) -> None:
         """Atom notify: add ``amount`` to ``flag`` and wake its owner's waiters."""

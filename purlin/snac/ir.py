@@ -274,11 +274,14 @@ class Schedule:
                 kinds[s.kind] = kinds.get(s.kind, 0) + 1
                 if not s.moves_data:
                     continue
-                for src in s.srcs:
-                    for a, b in ((src.rank, s.dst.rank),):
-                        if a != b:
-                            links[(a, b)] = links.get((a, b), 0) + src.count * item
-                            hops += 1
+                # data crosses a link into the rank running the step (remote reads) and out of
+                # it (a remote write): a push that reduces local sources sends one result
+                moves = [(src.rank, s.rank, src.count) for src in s.srcs]
+                moves.append((s.rank, s.dst.rank, s.dst.count))
+                for a, b, count in moves:
+                    if a != b:
+                        links[(a, b)] = links.get((a, b), 0) + count * item
+                        hops += 1
         return {"steps": kinds, "remote_hops": hops, "link_bytes": links,
                 "total_link_bytes": sum(links.values())}
 
