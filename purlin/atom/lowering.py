@@ -137,7 +137,9 @@ def _rows(kind, index, item, lane, rank, parity, pool, address, flag_bases, per_
     if kind == "wait":
         w = item
         row[OP], row[FLAG] = WAIT, _flag_address(flag_bases, w.flag, nlanes)
-        row[VALUE], row[PER_CALL], row[EPOCH_OFFSET] = w.value * bpl, per_call[w.flag] * bpl, w.call
+        row[VALUE], row[EPOCH_OFFSET] = w.value * bpl, w.call
+        # a flag nobody notifies grows by 0 per call: the wait then times out, as it should
+        row[PER_CALL] = per_call.get(w.flag, 0) * bpl
         row[PEER] = w.flag.src
         return [row]
     if kind == "barrier":

@@ -210,8 +210,11 @@ class SmBound:
         for d, launcher, desc, _ in self.launches:
             with torch.cuda.device(d):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    stream = torch.cuda.current_stream(d).cuda_stream
+                # a capture stream of this device: torch's default capture stream is shared by
+                # all graphs of the process and belongs to whichever device made it first
+                capture_stream = torch.cuda.Stream(device=d)
+                with torch.cuda.graph(graph, stream=capture_stream):
+                    stream = capture_stream.cuda_stream
                     for _ in range(ops):
                         launcher(desc, stream, self.timeout_ns)
             graphs.append((d, graph))

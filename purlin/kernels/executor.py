@@ -13,8 +13,8 @@ Thread 0 reads the rank's EPOCH once at block start; on odd epochs the rows come
 ``D_TABLE_ODD`` (same lane offsets and source pool; 0 means "use D_TABLE"). Each block walks
 its lane's rows in order, with a ``syncthreads`` after every row. COPY and REDUCE split the
 elements over the lane's blocks x threads. NOTIFY: after that barrier, thread 0
-fences and adds VALUE (each block of the lane adds separately). WAIT: thread 0 spins with
-acquire loads; on expiry it writes the error record, raises the shared ABORT word and the
+adds VALUE with a system-scope release, which is cumulative over the block's
+writes (each block of the lane adds separately). WAIT: thread 0 spins with acquire loads; on expiry it writes the error record, raises the shared ABORT word and the
 block leaves its rows; a block that sees ABORT while waiting leaves too, recording
 ``ERR_ABORTED`` if its rank has no record yet.
 
@@ -43,6 +43,8 @@ from purlin.kernels.isa import (COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, 
 SIGNATURE = "void(int64, int64, int64, int64)"
 MAX_THREADS = 512   # launch bound: keeps the kernel within 128 registers per thread
 SPINS_PER_CHECK = 64  # acquire loads between two looks at the clock and the ABORT word
+WINDOW = 32           # table rows a block keeps in shared memory at a time (4 KiB)
+WINDOW_WORDS = WINDOW * ROW_WIDTH
 EPOCH_SLOT = 2  # shared-memory slot holding the epoch thread 0 read at block start
 
 
@@ -90,27 +92,31 @@ def _record(desc, code, row, target, seen, lane, sub):
 
 
 @device
-def _run_row(desc, row, epoch, lane, sub, tid, lane_tid, lane_threads, timeout_ns):
-    """Execute one row; returns a nonzero error code when the block must leave."""
-    op = _get(row, OP)
+def _run_row(desc, row, rows, base, epoch, lane, sub, tid, lane_tid, lane_threads, timeout_ns):
+    """Execute one row, read from the block's shared copy ``rows[base:base + ROW_WIDTH]``
+    (``row`` is its global address, for error records); returns a nonzero error code when the
+    block must leave."""
+    op = rows[base + OP]
     if op == COPY:
-        nbytes = _get(row, COUNT) * itemsize(_get(row, DTYPE))
-        src = load_i64(_get(desc, D_SRCS) + _get(row, SRC) * 8)
-        copy_bytes(_get(row, DST), src, nbytes, lane_tid, lane_threads)
+        nbytes = rows[base + COUNT] * itemsize(rows[base + DTYPE])
+        src = load_i64(_get(desc, D_SRCS) + rows[base + SRC] * 8)
+        copy_bytes(rows[base + DST], src, nbytes, lane_tid, lane_threads)
     elif op == REDUCE:
-        pool = _get(desc, D_SRCS) + _get(row, SRC) * 8
-        reduce_row(_get(row, DST), pool, _get(row, NSRC), _get(row, COUNT), _get(row, DTYPE),
-                   _get(row, REDOP), _get(row, DIVISOR), lane_tid, lane_threads)
+        pool = _get(desc, D_SRCS) + rows[base + SRC] * 8
+        reduce_row(rows[base + DST], pool, rows[base + NSRC], rows[base + COUNT],
+                   rows[base + DTYPE], rows[base + REDOP], rows[base + DIVISOR], lane_tid,
+                   lane_threads)
     elif op == NOTIFY:
         # the barrier after the previous row ordered every thread's writes before this
+        # release, and a release at system scope is cumulative: no separate fence is needed
         if tid == 0:
-            fence_system()
-            red_release_add(_get(row, FLAG), _get(row, VALUE))
+            red_release_add(rows[base + FLAG], rows[base + VALUE])
     elif op == WAIT:
         if tid == 0:
-            target = (epoch + _get(row, EPOCH_OFFSET)) * _get(row, PER_CALL) + _get(row, VALUE)
+            target = ((epoch + rows[base + EPOCH_OFFSET]) * rows[base + PER_CALL]
+                      + rows[base + VALUE])
             if target > 0:
-                code, seen = _wait(_get(row, FLAG), target, timeout_ns, _get(desc, D_ABORT))
+                code, seen = _wait(rows[base + FLAG], target, timeout_ns, _get(desc, D_ABORT))
                 if code != 0:
                     _record(desc, code, row, target, seen, lane, sub)
                     return code
@@ -118,7 +124,7 @@ def _run_row(desc, row, epoch, lane, sub, tid, lane_tid, lane_threads, timeout_n
 
 
 @device
-def _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared):
+def _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared, rows):
     tid = cuda.threadIdx.x
     lane_tid = sub * cuda.blockDim.x + tid
     lane_threads = blocks_per_lane * cuda.blockDim.x
@@ -132,35 +138,44 @@ def _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, share
     end = load_i64(_get(desc, D_LANES) + lane * 8 + 8)
     trace = _get(desc, D_TRACE)
     trace_rows = _get(desc, D_TRACE_ROWS)
-    for r in range(begin, end):
-        i = r - begin
-        t_start = 0
-        if trace != 0 and tid == 0:
-            t_start = globaltimer()
-        row = table + r * (ROW_WIDTH * 8)
-        code = _run_row(desc, row, epoch, lane, sub, tid, lane_tid, lane_threads, timeout_ns)
-        if code != 0:
-            shared[i & 1] = code  # two status slots: nobody can still be reading this one
+    for w in range(begin, end, WINDOW):
+        # the block copies the next window of rows into shared memory in one coalesced pass:
+        # every later field read is a shared-memory load, not an L2 round trip
+        n = min(WINDOW, end - w)
+        for k in range(tid, n * ROW_WIDTH, cuda.blockDim.x):
+            rows[k] = load_i64(table + (w * ROW_WIDTH + k) * 8)
         cuda.syncthreads()
-        if trace != 0 and tid == 0 and i < trace_rows:
-            rec = trace + (block_in_rank * trace_rows + i) * (TRACE_WIDTH * 8)
-            store_i64(rec, r)
-            store_i64(rec + 8, sub)
-            store_i64(rec + 16, t_start)
-            store_i64(rec + 24, globaltimer())
-        if shared[i & 1] != 0:
-            return
+        for j in range(n):
+            r = w + j
+            i = r - begin
+            t_start = 0
+            if trace != 0 and tid == 0:
+                t_start = globaltimer()
+            row = table + r * (ROW_WIDTH * 8)
+            code = _run_row(desc, row, rows, j * ROW_WIDTH, epoch, lane, sub, tid, lane_tid,
+                            lane_threads, timeout_ns)
+            if code != 0:
+                shared[i & 1] = code  # two status slots: nobody can still be reading this one
+            cuda.syncthreads()
+            if trace != 0 and tid == 0 and i < trace_rows:
+                rec = trace + (block_in_rank * trace_rows + i) * (TRACE_WIDTH * 8)
+                store_i64(rec, r)
+                store_i64(rec + 8, sub)
+                store_i64(rec + 16, t_start)
+                store_i64(rec + 24, globaltimer())
+            if shared[i & 1] != 0:
+                return
 
 
 @device
 def _check_out(desc, blocks_per_rank):
     """Thread 0: count this block done; the rank's last block resets DONE and bumps EPOCH."""
     done = _get(desc, D_DONE)
-    fence_system()
+    # both counters are private to this GPU: acq_rel atomics at GPU scope order them, and the
+    # next launch on the stream sees the new epoch once this kernel has finished
     if atomic_add(done, 1) == blocks_per_rank - 1:
         store_i64(done, 0)
         atomic_add(_get(desc, D_EPOCH), 1)
-        fence_system()
 
 
 def _kernel(fn):
@@ -182,12 +197,13 @@ def executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns):
 
     # [status of even rows, status of odd rows, this call's epoch (read once)]
     shared = cuda.shared.array(3, np.int64)
+    rows = cuda.shared.array(WINDOW_WORDS, np.int64)
     if cuda.threadIdx.x == 0:
         shared[0] = 0
         shared[1] = 0
         shared[EPOCH_SLOT] = load_acquire(_get(desc, D_EPOCH))
     cuda.syncthreads()
     if lane < _get(desc, D_NLANES):
-        _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared)
+        _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared, rows)
     if cuda.threadIdx.x == 0:
         _check_out(desc, blocks_per_rank)
