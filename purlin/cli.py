@@ -235,6 +235,55 @@ def run_command(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+@command("trace", *PLAN_ARGS,
+         arg("--out", default="timeline.html", help="HTML file of the figure"),
+         arg("--perfetto", metavar="JSON", help="also write a Chrome/Perfetto trace"),
+         arg("--profile", default="H200", help="hardware profile of the prediction"),
+         arg("--measure", action="store_true",
+             help="also run it (GPUs where present, else the cpu datapath) and draw the "
+                  "measured timeline under the predicted one"))
+def trace_command(args: argparse.Namespace) -> int:
+    """Draw the predicted (and optionally measured) SNAC timeline of a collective."""
+    import numpy as np
+
+    from purlin.runtime.cluster import Cluster
+    from purlin.snac import verify
+    from purlin.trace import from_cpu, from_sm, predict, to_perfetto
+    from purlin.viz import compare_figure, timeline_figure, to_html
+
+    schedule = plan_from(args)
+    verify(schedule, raise_on_error=True)
+    predicted = predict(schedule, args.profile)
+    shown, fig = predicted, None
+    if args.measure:
+        cluster = Cluster.best(schedule.nranks)
+        options = {} if cluster.kind == "cpu" else {"trace_rows": 256}
+        bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
+                             chunks=schedule.chunks, lanes=schedule.lanes, **options)
+        rng = np.random.default_rng(0)
+        inputs = [_random_input(rng, schedule.sizing.input_count(r), schedule.dtype)
+                  for r in range(schedule.nranks)]
+        if cluster.kind == "cpu":
+            bound(inputs, trace=True)
+            shown = from_cpu(bound)
+        else:
+            from purlin.atom.sm import clock_pair
+            from purlin.trace import measure_clocks
+
+            clocks = measure_clocks(clock_pair, sorted(set(cluster.devices)))
+            bound(inputs)
+            shown = from_sm(bound, clocks)
+        fig = compare_figure(predicted, shown, title=schedule.title())
+        print(f"measured on {cluster}: {shown.duration_ns / 1e3:.2f} us")
+    print(f"predicted ({args.profile}): {predicted.duration_ns / 1e3:.2f} us")
+    fig = fig or timeline_figure(predicted, title=schedule.title())
+    print(f"wrote {to_html(fig, args.out)}")
+    if args.perfetto:
+        to_perfetto(shown, args.perfetto)
+        print(f"wrote {args.perfetto} (open in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
 def _random_input(rng, count, dtype):
     import numpy as np
 

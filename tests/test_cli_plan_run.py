@@ -63,3 +63,16 @@ def test_parse_size_units_and_errors():
             assert "size" in str(exc)
         else:
             raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_trace_writes_html_and_perfetto_with_a_measured_cpu_timeline(capsys, tmp_path):
+    pytest = __import__("pytest")
+    pytest.importorskip("plotly", reason="plotly draws the figure (pip install .[viz])")
+    html, trace = tmp_path / "t.html", tmp_path / "t.json"
+    code, out, err = run(capsys, "trace", "all-gather", "-n", "3", "-s", "ring", "-b", "3KiB",
+                         "--measure", "--out", str(html), "--perfetto", str(trace))
+    assert code == 0, err
+    assert "measured on Cluster.cpu(3 ranks)" in out and "predicted (H200)" in out
+    assert html.stat().st_size > 10_000 and "plotly" in html.read_text()[:200_000].lower()
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["ph"] for e in events} >= {"X", "s", "f"}

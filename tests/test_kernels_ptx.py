@@ -134,3 +134,14 @@ def test_launcher_rejects_bad_grids_before_touching_a_gpu():
         Launcher(0, threads=1024)
     with pytest.raises(SpecError, match="blocks_per_lane >= 1"):
         Launcher(0, blocks_per_lane=0)
+
+
+def test_clock_pingpong_compiles_with_timer_and_system_scope_flags():
+    from numba import types
+
+    from purlin.kernels import clock
+    from purlin.kernels.compat import compile_ptx
+
+    ptx = compile_ptx(clock.pingpong.py_func, (types.int64,) * 5)
+    for needle in ("%globaltimer", "ld.acquire.sys", "red.release.sys"):
+        assert needle in ptx, needle

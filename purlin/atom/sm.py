@@ -306,6 +306,27 @@ class GraphSet:
         self.bound.calls += self.ops
 
 
+def clock_pair(reference: int, device: int, rounds: int = 64):
+    """Stamp arrays ``(t_send, t_remote, t_back)`` of a flag ping-pong between two GPUs (peer
+    access must be enabled), for :func:`purlin.trace.measure_clocks`."""
+    torch = _torch()
+    from purlin.kernels.clock import pingpong
+
+    flags = {d: torch.zeros(1, dtype=torch.int64, device=f"cuda:{d}") for d in (reference, device)}
+    stamps = {d: torch.zeros(3 * rounds, dtype=torch.int64, device=f"cuda:{d}")
+              for d in (reference, device)}
+    streams = {d: torch.cuda.Stream(device=d) for d in (reference, device)}
+    for d, peer, first in ((device, reference, 0), (reference, device, 1)):
+        with torch.cuda.device(d), torch.cuda.stream(streams[d]):
+            pingpong[1, 32, streams[d].cuda_stream](flags[d].data_ptr(), flags[peer].data_ptr(),
+                                                     stamps[d].data_ptr(), rounds, first)
+    for d in (reference, device):
+        streams[d].synchronize()
+    a = stamps[reference].cpu().numpy().reshape(rounds, 3)
+    b = stamps[device].cpu().numpy().reshape(rounds, 3)
+    return a[:, 0], b[:, 1], a[:, 2]
+
+
 def _round16(nbytes: int) -> int:
     return (nbytes + 15) // 16 * 16
 

@@ -1,0 +1,102 @@
+"""Measured SNAC timelines on 2 GPUs next to calibrated predictions.
+
+    PYTHONPATH=. python3 bench/gpu_timeline.py --out DIR
+
+1. measures the offset between the GPUs' clocks with a flag ping-pong (and its uncertainty);
+2. times a few all-reduce schedules under CUDA graphs and calibrates the cost model on them;
+3. traces one 1 MiB bf16 all-reduce for two strategies and writes predicted-vs-measured
+   figures (HTML) and Perfetto traces into DIR; prints how close prediction and measurement are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+KiB, MiB = 1 << 10, 1 << 20
+STRATEGIES = {"direct-push": (1, 4, 2), "two-phase": (1, 4, 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import numpy as np
+    import torch
+
+    from purlin.atom.sm import clock_pair
+    from purlin.bench.providers import time_graph
+    from purlin.runtime import Cluster
+    from purlin.spec import collectives
+    from purlin.trace import (calibrate, from_sm, get_profile, measure_clocks, predict,
+                              to_perfetto)
+    from purlin.viz import compare_figure, to_html
+
+    cluster = Cluster.local(2)
+    clocks = measure_clocks(lambda a, b: clock_pair(a, b, 64), [0, 1])
+    offset, uncertainty = clocks.offset_ns(1), clocks.uncertainty_ns(1)
+    print(f"clock offset GPU1-GPU0: {offset:.0f} ns +- {uncertainty:.0f} ns")
+    coll = collectives.all_reduce(2)
+
+    measurements, rows = [], []
+    for strategy, (chunks, lanes, bpl) in STRATEGIES.items():
+        for nbytes in (8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB):
+            bound = cluster.bind(coll, strategy, nbytes=nbytes, dtype="bfloat16",
+                                 chunks=chunks, lanes=lanes, blocks_per_lane=bpl)
+            per_op = float(np.median(time_graph(torch, bound, 20, 10)))
+            measurements.append((bound.schedule, per_op * 1e3))
+            rows.append({"strategy": strategy, "nbytes": nbytes, "graph_us": per_op})
+            del bound
+    base = get_profile("H200-measured")
+    profile = calibrate(measurements, base=base, fit=("alpha_ns", "link_bandwidth",
+                                                      "launch_ns"),
+                        name="H200-calibrated", path=out / "profile-h200-calibrated.json")
+    for row, (schedule, ns) in zip(rows, measurements):
+        row["predicted_base_us"] = predict(schedule, base).duration_ns / 1e3
+        row["predicted_calibrated_us"] = predict(schedule, profile).duration_ns / 1e3
+    print(f"calibrated: alpha {profile.alpha_ns:.0f} ns, link {profile.link_bandwidth / 1e9:.0f} "
+          f"GB/s, launch {profile.launch_ns:.0f} ns")
+    print(f"{'strategy':>12} {'bytes':>9} {'graph us':>9} {'pred(base)':>10} {'pred(cal)':>10}")
+    for r in rows:
+        print(f"{r['strategy']:>12} {r['nbytes']:>9} {r['graph_us']:9.2f} "
+              f"{r['predicted_base_us']:10.2f} {r['predicted_calibrated_us']:10.2f}")
+
+    traced = []
+    for strategy, (chunks, lanes, bpl) in STRATEGIES.items():
+        bound = cluster.bind(coll, strategy, nbytes=1 * MiB, dtype="bfloat16", chunks=chunks,
+                             lanes=lanes, blocks_per_lane=bpl, trace_rows=64)
+        for _ in range(20):
+            bound.launch()
+        bound.check()
+        measured = from_sm(bound, clocks)
+        predicted = predict(bound.schedule, profile)
+        problems = measured.check(tolerance_ns=2 * uncertainty + 1000)
+        fig = compare_figure(predicted, measured,
+                             title=f"all-reduce 1 MiB bf16, {strategy}, 2 x H200")
+        html = to_html(fig, out / f"timeline-allreduce-1MiB-{strategy}.html")
+        to_perfetto(measured, out / f"perfetto-allreduce-1MiB-{strategy}.json")
+        traced.append({"strategy": strategy, "measured_us": measured.duration_ns / 1e3,
+                       "predicted_us": predicted.duration_ns / 1e3, "events": len(measured.events),
+                       "consistency_problems": [str(p) for p in problems][:5],
+                       "html": html.name})
+        print(f"traced {strategy}: measured {measured.duration_ns / 1e3:.2f} us, predicted "
+              f"{predicted.duration_ns / 1e3:.2f} us, {len(measured.events)} events, "
+              f"{len(problems)} consistency problems")
+    (out / "timeline.json").write_text(json.dumps({
+        "clock": {"offset_ns": offset, "uncertainty_ns": uncertainty},
+        "profile": json.loads((out / "profile-h200-calibrated.json").read_text()),
+        "graph_vs_predicted": rows, "traced": traced}, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
