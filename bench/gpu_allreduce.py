@@ -28,17 +28,22 @@ SIZES = [8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
 
 
 def candidates(nbytes: int):
-    """(strategy, chunks, lanes, blocks_per_lane) worth trying at this size."""
+    """(strategy, chunks, lanes, blocks_per_lane) worth trying at this size (lanes x blocks
+    within the 132 SMs)."""
+    if nbytes <= 8 * KiB:
+        return [("direct-push", 1, 1, 1), ("direct-push", 1, 1, 2), ("direct-pull", 1, 1, 1),
+                ("two-phase", 1, 1, 1)]
     if nbytes <= 64 * KiB:
-        return [(s, 1, 1, 1) for s in ("direct-push", "direct-pull", "two-phase", "ring")]
+        return [("direct-push", 1, 1, 4), ("direct-push", 1, 1, 8), ("two-phase", 1, 2, 4),
+                ("direct-pull", 1, 1, 4)]
     if nbytes <= 1 * MiB:
-        return [("direct-push", 1, 4, 2), ("direct-push", 2, 8, 2), ("direct-pull", 1, 8, 2),
-                ("two-phase", 1, 4, 4), ("two-phase", 2, 8, 2), ("ring", 2, 8, 2)]
+        return [("two-phase", 1, 2, 32), ("two-phase", 1, 2, 16), ("direct-push", 1, 1, 64),
+                ("direct-pull", 1, 1, 64), ("ring", 1, 2, 32), ("two-phase", 2, 4, 16)]
     if nbytes <= 16 * MiB:
-        return [("direct-push", 4, 16, 4), ("direct-pull", 4, 16, 4), ("two-phase", 4, 16, 4),
-                ("two-phase", 8, 16, 8), ("ring", 4, 16, 4), ("direct-push", 8, 32, 4)]
-    return [("direct-push", 16, 16, 8), ("direct-pull", 16, 16, 8), ("two-phase", 16, 16, 8),
-            ("two-phase", 32, 32, 4), ("ring", 16, 16, 8), ("two-phase", 8, 8, 16)]
+        return [("two-phase", 2, 2, 64), ("two-phase", 4, 4, 32), ("two-phase", 8, 8, 16),
+                ("direct-pull", 1, 1, 128), ("direct-pull", 4, 4, 32), ("direct-push", 4, 4, 32)]
+    return [("direct-pull", 4, 4, 32), ("direct-pull", 1, 1, 128), ("direct-pull", 16, 8, 16),
+            ("two-phase", 4, 2, 64), ("two-phase", 8, 4, 32), ("direct-push", 8, 4, 32)]
 
 
 def main() -> int:

@@ -7,8 +7,9 @@ and the same tables serve real GPUs and the CUDA simulator.
 * A Notify becomes a NOTIFY row that adds 1 per thread block of the lane, so WAIT targets and
   per-call growth are multiplied by ``blocks_per_lane``.
 * When a lane has several blocks and a step reads what an earlier step of the same lane wrote
-  (or writes what it read), a lane barrier (NOTIFY + WAIT on a lane-local flag) separates them, since
-  different blocks may own different parts of the two regions.
+  (or writes what it read), a lane barrier (NOTIFY + WAIT on a lane-local flag) separates them,
+  since different blocks may own different parts of the two regions -- unless both steps cover
+  exactly the same, 16-byte aligned region, where every thread only meets its own words.
 * With two scratch copies, each rank gets an even and an odd table (scratch addresses shifted);
   both share one source pool, the odd table indexing its second half.
 
@@ -80,12 +81,19 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
         base = bases[(region.rank, region.buffer)] + region.offset * item
         return base + (parity * copy_bytes[region.rank] if region.buffer == "scratch" else 0)
 
+    def aligned(step) -> bool:
+        """Every address of the step is 16-byte aligned (in both scratch parities), so the
+        atoms give each 16-byte word of a region to the same thread whatever the step, and the
+        sub-16-byte tail to block 0."""
+        return all(address(r, p) % 16 == 0 for r in (*step.srcs, step.dst) for p in parities)
+
     out = []
     for rank in range(n):
         lanes_rows: list[list[tuple]] = [[] for _ in range(nlanes)]
         barriers = [0] * nlanes
-        written: list[list[Region]] = [[] for _ in range(nlanes)]
-        read: list[list[Region]] = [[] for _ in range(nlanes)]
+        # regions the lane wrote / read since its last barrier, with "was the step aligned"
+        written: list[list[tuple]] = [[] for _ in range(nlanes)]
+        read: list[list[tuple]] = [[] for _ in range(nlanes)]
         for index, step in enumerate(schedule.steps[rank]):
             rows = lanes_rows[step.lane]
             if isinstance(step, Notify):
@@ -93,8 +101,9 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
                 continue
             reads = step.srcs if step.moves_data else ()
             dst = (step.dst,) if step.moves_data else ()
-            if bpl > 1 and (any(r.overlaps(w) for r in reads for w in written[step.lane]) or
-                            any(d.overlaps(r) for d in dst for r in read[step.lane])):
+            ok = step.moves_data and aligned(step)
+            if bpl > 1 and (any(_conflict(r, ok, w) for r in reads for w in written[step.lane])
+                            or any(_conflict(d, ok, r) for d in dst for r in read[step.lane])):
                 barriers[step.lane] += 1
                 rows.append(("barrier", index, barriers[step.lane]))
                 written[step.lane], read[step.lane] = [], []
@@ -103,8 +112,8 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
                     rows.append(("wait", index, w))
             if step.moves_data:
                 rows.append(("data", index, step))
-                written[step.lane].append(step.dst)
-                read[step.lane].extend(step.srcs)
+                written[step.lane].append((step.dst, ok))
+                read[step.lane].extend((src, ok) for src in step.srcs)
         pool: list[int] = []
         tables = []
         for parity in parities:
@@ -120,6 +129,17 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
         out.append(LoweredRank(rank, tables, offsets, np.array(pool or [0], dtype=np.int64),
                                max(barriers)))
     return out
+
+
+def _conflict(region: Region, aligned: bool, earlier: tuple) -> bool:
+    """Does touching ``region`` need a lane barrier after ``earlier`` = (region, aligned)?
+
+    Not when both steps cover exactly the same region with aligned addresses: then each
+    thread only touches words it touched itself, and the barrier between rows orders them."""
+    other, other_aligned = earlier
+    if not region.overlaps(other):
+        return False
+    return not (region == other and aligned and other_aligned)
 
 
 def _row_count(kind: str, bpl: int) -> int:

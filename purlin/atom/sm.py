@@ -94,8 +94,9 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
 
 
 def default_blocks_per_lane(message_bytes: int, lanes: int, sms: int = 132) -> int:
-    """Enough blocks to keep NVLink busy on large messages, one on small ones."""
-    want = max(1, min(sms // max(lanes, 1), message_bytes // (256 * 1024)))
+    """About 16 KiB of the message per block (a block pushes ~20 GB/s over NVLink), within
+    one block per SM for the whole launch; one block for small messages."""
+    want = max(1, min(sms // max(lanes, 1), message_bytes // (16 * 1024)))
     return int(want)
 
 
@@ -316,10 +317,13 @@ def clock_pair(reference: int, device: int, rounds: int = 64):
     stamps = {d: torch.zeros(3 * rounds, dtype=torch.int64, device=f"cuda:{d}")
               for d in (reference, device)}
     streams = {d: torch.cuda.Stream(device=d) for d in (reference, device)}
+    from numba import cuda
+
     for d, peer, first in ((device, reference, 0), (reference, device, 1)):
-        with torch.cuda.device(d), torch.cuda.stream(streams[d]):
-            pingpong[1, 32, streams[d].cuda_stream](flags[d].data_ptr(), flags[peer].data_ptr(),
-                                                     stamps[d].data_ptr(), rounds, first)
+        with cuda.gpus[d]:
+            stream = cuda.external_stream(streams[d].cuda_stream)
+            pingpong[1, 32, stream](flags[d].data_ptr(), flags[peer].data_ptr(),
+                                    stamps[d].data_ptr(), rounds, first)
     for d in (reference, device):
         streams[d].synchronize()
     a = stamps[reference].cpu().numpy().reshape(rounds, 3)
