@@ -70,6 +70,19 @@ def main() -> int:
         print(f"{r['strategy']:>12} {r['nbytes']:>9} {r['graph_us']:9.2f} "
               f"{r['predicted_base_us']:10.2f} {r['predicted_calibrated_us']:10.2f}")
 
+    floor = launch_floor(torch)
+    print(f"empty executor launch under a CUDA graph: {floor:.2f} us per op")
+    small = cluster.bind(coll, "direct-push", nbytes=8 * KiB, dtype="bfloat16",
+                         blocks_per_lane=1, trace_rows=16)
+    for _ in range(50):
+        small.launch()
+    small.check()
+    t8 = from_sm(small, clocks)
+    print("8 KiB direct-push, one eager call, per event (rank, lane, kind, step, start, us):")
+    for e in sorted(t8.events, key=lambda e: (e.rank, e.start_ns)):
+        print(f"  r{e.rank} l{e.lane} {e.kind:>8} step {e.step:>2} "
+              f"{(e.start_ns - t8.start_ns) / 1e3:7.2f} {(e.end_ns - e.start_ns) / 1e3:6.2f}")
+
     traced = []
     for strategy, (chunks, lanes, bpl) in STRATEGIES.items():
         bound = cluster.bind(coll, strategy, nbytes=1 * MiB, dtype="bfloat16", chunks=chunks,
@@ -94,8 +107,40 @@ def main() -> int:
     (out / "timeline.json").write_text(json.dumps({
         "clock": {"offset_ns": offset, "uncertainty_ns": uncertainty},
         "profile": json.loads((out / "profile-h200-calibrated.json").read_text()),
-        "graph_vs_predicted": rows, "traced": traced}, indent=1, default=str))
+        "graph_vs_predicted": rows, "traced": traced, "empty_launch_graph_us": floor,
+        "events_8KiB": [e.__dict__ if hasattr(e, "__dict__") else str(e) for e in t8.events]},
+        indent=1, default=str))
     return 0
+
+
+def launch_floor(torch, ops: int = 50) -> float:
+    """Per-op time of executor launches with no rows (launch + epoch bookkeeping only)."""
+    from purlin.kernels import isa
+    from purlin.kernels.launch import Launcher
+
+    ctl = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device="cuda:0")
+    abort = torch.zeros(1, dtype=torch.int64, device="cuda:0")
+    desc = [0] * isa.DESC_WIDTH
+    desc[isa.D_EPOCH], desc[isa.D_DONE] = ctl.data_ptr(), ctl.data_ptr() + 8
+    desc[isa.D_ERROR], desc[isa.D_ABORT] = ctl.data_ptr() + 16, abort.data_ptr()
+    table = torch.tensor([desc], dtype=torch.int64, device="cuda:0")
+    launcher = Launcher(device=0, nranks_in_launch=1, nlanes=1, blocks_per_lane=1, threads=512)
+    stream = torch.cuda.Stream(device=0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(ops):
+            launcher(table.data_ptr(), stream.cuda_stream, 10**9)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / ops)
+    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":
