@@ -1,0 +1,399 @@
+"""Process mode on GPUs: purlin.torch.Communicator against NCCL, one process per GPU.
+
+    PYTHONPATH=. python bench/process_mode_gpu.py --out $OUT        # 2 GPUs, ~2-4 minutes
+
+Spawns one process per GPU (torch.multiprocessing, NCCL, the sm datapath on PyTorch symmetric
+memory) and checks, for bf16 / fp16 / fp32 and message sizes 16 B .. 256 MiB (nccl-tests
+convention: the largest per-rank buffer), that every function -- all_reduce (sum, max, avg),
+all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, broadcast, reduce -- gives
+exactly NCCL's result (integer-valued data, so every sum is exact in every dtype), twice per
+size with new data, and notes any fallback. Then:
+
+* graph:   comm.all_reduce captured in a CUDA graph (after one eager call), replayed 100 times
+           with new inputs copied in before each replay; every result compared with NCCL's;
+* latency: all_reduce bf16 per op from CUDA-graph replays (20 ops per graph), Purlin vs NCCL,
+           and the wall time per eager call up to 1 MiB;
+* timeout: rank 1 skips a call; rank 0's check() must raise PurlinTimeoutError naming rank 1.
+
+Prints tables and writes ``<out>/process_mode_gpu.json`` (``--out`` may name a .json file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+            "NVSHMEM_DISABLE_NVLS": "1"}
+os.environ.update(SAFE_ENV)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+KiB, MiB = 1 << 10, 1 << 20
+DTYPES = ("bfloat16", "float16", "float32")
+FUNCTIONS = ("all_reduce:sum", "all_reduce:max", "all_reduce:avg", "all_gather", "reduce_scatter",
+             "all_to_all", "broadcast", "reduce")
+
+
+def sizes(lo: int, hi: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def _data(torch, rank, salt, count, dtype, device):
+    gen = torch.Generator(device=device).manual_seed(7919 * salt + 31 * rank + count)
+    return torch.randint(-8, 9, (count,), generator=gen, device=device).to(dtype)
+
+
+def check_function(torch, dist, comm, fn, nbytes, dtype, rank, n, device, salt):
+    """Wrong elements of Purlin's result against NCCL's for one call (-1: not applicable)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    count = nbytes // item
+    R = dist.ReduceOp
+    name, _, op = fn.partition(":")
+    if name == "all_reduce":
+        if count < 1:
+            return -1
+        x = _data(torch, rank, salt, count, dtype, device)
+        ref = x.clone()
+        rop = getattr(R, op.upper())
+        dist.all_reduce(ref, op=rop)
+        comm.all_reduce(x, op=rop)
+        return int((x != ref).sum())
+    if name == "all_gather":
+        part = count // n
+        if part < 1:
+            return -1
+        inp = _data(torch, rank, salt, part, dtype, device)
+        out = torch.full((part * n,), 99, dtype=dtype, device=device)
+        ref = torch.empty_like(out)
+        dist.all_gather_into_tensor(ref, inp)
+        comm.all_gather_into_tensor(out, inp)
+        return int((out != ref).sum())
+    if name == "reduce_scatter":
+        part = count // n
+        if part < 1:
+            return -1
+        inp = _data(torch, rank, salt, part * n, dtype, device)
+        out = torch.full((part,), 99, dtype=dtype, device=device)
+        ref = torch.empty_like(out)
+        dist.reduce_scatter_tensor(ref, inp)
+        comm.reduce_scatter_tensor(out, inp)
+        return int((out != ref).sum())
+    if name == "all_to_all":
+        part = count // n
+        if part < 1:
+            return -1
+        inp = _data(torch, rank, salt, part * n, dtype, device)
+        out = torch.full_like(inp, 99)
+        ref = torch.empty_like(inp)
+        dist.all_to_all_single(ref, inp)
+        comm.all_to_all_single(out, inp)
+        return int((out != ref).sum())
+    if count < 1:
+        return -1
+    root = salt % n
+    t = _data(torch, rank, salt, count, dtype, device)
+    ref = t.clone()
+    if name == "broadcast":
+        dist.broadcast(ref, src=root)
+        comm.broadcast(t, src=root)
+    else:
+        dist.reduce(ref, dst=root)
+        comm.reduce(t, dst=root)
+    return int((t != ref).sum())
+
+
+def correctness(torch, dist, comm, rank, n, device, opts):
+    rows = []
+    for dtype_name in DTYPES:
+        dtype = getattr(torch, dtype_name)
+        for nbytes in opts["sizes"]:
+            for fn in FUNCTIONS:
+                wrong, err = 0, None
+                t0 = time.perf_counter()
+                try:
+                    for salt in range(2):
+                        w = check_function(torch, dist, comm, fn, nbytes, dtype, rank, n, device,
+                                           salt)
+                        if w < 0:
+                            wrong = -1
+                            break
+                        wrong += w
+                    torch.cuda.synchronize()
+                    comm.check()
+                except Exception:  # noqa: BLE001 - record and go on
+                    err = traceback.format_exc(limit=4)
+                rows.append({"function": fn, "dtype": dtype_name, "nbytes": nbytes,
+                             "wrong": wrong, "error": err,
+                             "seconds": time.perf_counter() - t0})
+                if err and "failed earlier" in err:
+                    return rows
+    return rows
+
+
+def graph_check(torch, dist, comm, rank, n, device, opts):
+    """Capture comm.all_reduce, replay with new inputs, compare each result with NCCL's."""
+    out = []
+    for nbytes in (8 * KiB, 1 * MiB, 32 * MiB):
+        dtype = torch.bfloat16
+        count = nbytes // 2
+        static = _data(torch, rank, 0, count, dtype, device)
+        comm.all_reduce(static)  # the eager first call prepares this size
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            comm.all_reduce(static)
+        wrong = 0
+        for i in range(opts["replays"]):
+            x = _data(torch, rank, i + 1, count, dtype, device)
+            ref = x.clone()
+            dist.all_reduce(ref)
+            static.copy_(x)
+            graph.replay()
+            wrong += int((static != ref).sum())
+        torch.cuda.synchronize()
+        comm.check()
+        out.append({"nbytes": nbytes, "replays": opts["replays"], "wrong": wrong})
+    return out
+
+
+def _time_graph(torch, dist, fn, ops, repeats):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ops):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    per_op = []
+    for _ in range(repeats):
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        per_op.append(start.elapsed_time(end) * 1e3 / ops)
+    per_op.sort()
+    return per_op[len(per_op) // 2]
+
+
+def _time_eager(torch, dist, fn, calls):
+    """Wall time per call of ``calls`` back-to-back eager calls (host cost included)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
+def latency(torch, dist, comm, rank, n, device, opts):
+    rows = []
+    for nbytes in opts["latency_sizes"]:
+        x = _data(torch, rank, 0, nbytes // 2, torch.bfloat16, device)
+        ops = 20 if nbytes <= 4 * MiB else 5
+        purlin_us = _time_graph(torch, dist, lambda: comm.all_reduce(x), ops, 5)
+        nccl_us = _time_graph(torch, dist, lambda: dist.all_reduce(x), ops, 5)
+        eager = [_time_eager(torch, dist, fn, 200) if nbytes <= MiB else float("nan")
+                 for fn in (lambda: comm.all_reduce(x), lambda: dist.all_reduce(x))]
+        t = torch.tensor([purlin_us, nccl_us] + eager, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        rows.append({"nbytes": nbytes, "purlin_us": t[0].item(), "nccl_us": t[1].item(),
+                     "purlin_eager_us": t[2].item(), "nccl_eager_us": t[3].item()})
+    torch.cuda.synchronize()
+    comm.check()
+    return rows
+
+
+def timeout_check(torch, dist, rank, n, device):
+    from purlin.errors import PurlinTimeoutError
+    from purlin.torch import Communicator
+
+    comm = Communicator(staging_bytes=16 * MiB, timeout=1.0)
+    x = torch.ones(1024, device=device)
+    comm.all_reduce(x)  # prepared and in step
+    torch.cuda.synchronize()
+    result = {"raised": None, "seconds": None}
+    if rank == 0:
+        t0 = time.perf_counter()
+        comm.all_reduce(x)  # rank 1 never joins this call
+        torch.cuda.synchronize()
+        try:
+            comm.check()
+        except PurlinTimeoutError as exc:
+            result["raised"] = str(exc)
+        result["seconds"] = time.perf_counter() - t0
+    dist.barrier()
+    return result
+
+
+def worker(rank, n, opts):
+    import torch
+    import torch.distributed as dist
+
+    from purlin.torch import Communicator
+
+    warnings.simplefilter("ignore", FutureWarning)
+    device = torch.device("cuda", torch.cuda.current_device())
+    report = {"rank": rank}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RuntimeWarning)
+        t0 = time.perf_counter()
+        comm = Communicator(staging_bytes=opts["staging"], timeout=10.0)
+        report["setup_s"] = time.perf_counter() - t0
+        for section, fn in (("correctness", correctness), ("graph", graph_check),
+                            ("latency", latency)):
+            if section not in opts["sections"]:
+                continue
+            try:
+                report[section] = fn(torch, dist, comm, rank, n, device, opts)
+            except Exception:  # noqa: BLE001
+                report[section] = {"error": traceback.format_exc(limit=6)}
+        report["evictions"] = comm.evictions
+        report["fallbacks"] = sorted({str(w.message) for w in caught
+                                      if "falls back" in str(w.message)})
+    if "timeout" in opts["sections"]:
+        try:
+            report["timeout"] = timeout_check(torch, dist, rank, n, device)
+        except Exception:  # noqa: BLE001
+            report["timeout"] = {"error": traceback.format_exc(limit=6)}
+    return report
+
+
+def human(nbytes: int) -> str:
+    for unit, size in (("MiB", MiB), ("KiB", KiB)):
+        if nbytes >= size:
+            return f"{nbytes // size} {unit}"
+    return f"{nbytes} B"
+
+
+def print_report(reports) -> bool:
+    ok = True
+    r0 = reports[0]
+    print(f"setup (symmetric memory rendezvous): {r0.get('setup_s', float('nan')):.2f} s")
+    rows = {}
+    for rep in reports:
+        corr = rep.get("correctness")
+        if isinstance(corr, dict):
+            print(f"rank {rep['rank']} correctness failed:\n{corr['error']}")
+            ok = False
+            continue
+        for row in corr or []:
+            key = (row["dtype"], row["nbytes"], row["function"])
+            prev = rows.get(key)
+            if prev is None or row["error"] or row["wrong"] > 0:
+                rows[key] = row
+    if rows:
+        print("\ncorrectness against NCCL (wrong elements over 2 calls; '-' not applicable)")
+        print(f"{'dtype':>9} {'size':>9} " + " ".join(f"{f:>15}" for f in FUNCTIONS))
+        for dtype in DTYPES:
+            for nbytes in sorted({k[1] for k in rows}):
+                cells = []
+                for fn in FUNCTIONS:
+                    row = rows.get((dtype, nbytes, fn))
+                    if row is None:
+                        cells.append("?")
+                    elif row["error"]:
+                        cells.append("ERROR")
+                        ok = False
+                    elif row["wrong"] < 0:
+                        cells.append("-")
+                    else:
+                        cells.append(str(row["wrong"]))
+                        ok &= row["wrong"] == 0
+                print(f"{dtype:>9} {human(nbytes):>9} " + " ".join(f"{c:>15}" for c in cells))
+        errors = [r for r in rows.values() if r["error"]]
+        for r in errors[:3]:
+            print(f"\n{r['function']} {r['dtype']} {human(r['nbytes'])}:\n{r['error']}")
+    for rep in reports:
+        g = rep.get("graph")
+        if isinstance(g, dict):
+            print(f"rank {rep['rank']} graph check failed:\n{g['error']}")
+            ok = False
+        elif g:
+            print(f"rank {rep['rank']} graph replays: " + ", ".join(
+                f"{human(x['nbytes'])}: {x['wrong']} wrong in {x['replays']}" for x in g))
+            ok &= all(x["wrong"] == 0 for x in g)
+    lat = r0.get("latency")
+    if isinstance(lat, dict):
+        print(f"latency failed:\n{lat['error']}")
+        ok = False
+    elif lat:
+        print("\nall_reduce bf16 per op (us; slowest rank): CUDA graph replays, and eager calls "
+              "(host cost included)")
+        print(f"{'size':>9} {'purlin':>9} {'nccl':>9} {'speedup':>8} {'eager purlin':>13} "
+              f"{'eager nccl':>11}")
+        for x in lat:
+            print(f"{human(x['nbytes']):>9} {x['purlin_us']:9.1f} {x['nccl_us']:9.1f} "
+                  f"{x['nccl_us'] / x['purlin_us']:8.2f} {x['purlin_eager_us']:13.1f} "
+                  f"{x['nccl_eager_us']:11.1f}")
+    t = r0.get("timeout")
+    if t:
+        print(f"\ntimeout: {t}")
+        ok &= bool(t.get("raised")) and "rank 1" in t.get("raised", "")
+    for rep in reports:
+        if rep.get("fallbacks"):
+            print(f"rank {rep['rank']} fallbacks: {rep['fallbacks']}")
+        print(f"rank {rep['rank']} evictions: {rep.get('evictions')}")
+    print("\nPASS" if ok else "\nFAIL")
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--max-bytes", type=int, default=256 * MiB)
+    ap.add_argument("--staging", type=int, default=2560 * MiB)
+    ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--sections", default="correctness,graph,latency,timeout")
+    args = ap.parse_args(argv)
+    from purlin.torch.testing import run_processes
+
+    opts = {"sizes": sizes(16, args.max_bytes) + [14, 6 * KiB + 6, 3 * MiB + 2],
+            "latency_sizes": [s for s in (8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB)
+                              if s <= args.max_bytes],
+            "staging": args.staging, "replays": args.replays,
+            "sections": set(args.sections.split(","))}
+    t0 = time.time()
+    outcomes = run_processes(worker, args.world, opts, backend="nccl", timeout=540,
+                             pg_timeout=120)
+    reports = []
+    for rank, (status, value) in enumerate(outcomes):
+        if status != "ok":
+            print(f"rank {rank} {status}: {value}")
+            reports.append({"rank": rank, "failed": str(value)})
+        else:
+            reports.append(value)
+    ok = print_report(reports) and all(s == "ok" for s, _ in outcomes)
+    out = Path(args.out)
+    path = out if out.suffix == ".json" else out / "process_mode_gpu.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"ok": ok, "seconds": time.time() - t0, "reports": reports},
+                               indent=1, default=str))
+    print(f"wrote {path} ({time.time() - t0:.0f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

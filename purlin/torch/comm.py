@@ -1,0 +1,522 @@
+"""``Communicator``: Purlin collectives for a ``torch.distributed`` process group.
+
+One process per GPU (or per CPU rank), as with NCCL. The communicator owns a symmetric staging
+area -- PyTorch symmetric memory on GPUs (datapath ``"sm"``), shared-memory blocks on the CPU
+(``"cpu"``) -- and runs SNAC schedules in it. Every (collective, size, dtype) is planned,
+verified, placed in a slice of the area and lowered once, on its first call; later calls copy
+the input in, run, and copy the output out. On GPUs that is three asynchronous operations on
+the current stream, so calls can be captured into CUDA graphs once each size has been called
+eagerly (the first call allocates and synchronizes the group).
+
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    comm = purlin.torch.Communicator()      # rendezvous of the staging area: before any capture
+    comm.all_reduce(x)                      # in place, like dist.all_reduce(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        comm.all_reduce(x)
+    graph.replay(); torch.cuda.synchronize(); comm.check()   # raise recorded timeouts
+
+What it cannot do -- a dtype the datapath does not move, a reduce op other than sum, max, min,
+avg, a message larger than the staging area, all-to-all split sizes -- goes to
+``torch.distributed`` on the group's own backend instead, with a one-time warning per
+function and reason; never a silently wrong result. Non-contiguous tensors are copied into
+and out of the staging area with their strides (no temporary), so they need no fallback.
+
+A group whose ranks span nodes (told by ``ranks_per_node``/``node_of_rank``, else by hostname)
+runs all-reduce, all-gather and reduce-scatter hierarchically (:mod:`purlin.snac.hierarchical`):
+inside each node on Purlin, between nodes on the group's backend.
+
+Calls of one communicator must be ordered on every rank (one stream, or streams that wait on
+each other), and every rank must make the same calls in the same order -- as with NCCL.
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from purlin.errors import CapabilityError, ExecutionError, PurlinError, PurlinTimeoutError, \
+    SpecError
+from purlin.runtime.shm import layout
+from purlin.snac.planner import plan, split
+from purlin.spec import collectives
+from purlin.spec.collective import Collective
+from purlin.torch.common import Shape, capturing as _capturing, dtype_name as _dtype_name, \
+    op_name as _op_name, torch_op as _torch_op
+from purlin.torch.hierarchy import Hierarchy
+from purlin.torch.staging import Staging
+
+DEFAULT_STAGING = 256 << 20
+DEFAULT_TIMEOUT = 10.0
+DATAPATHS = {"cpu": ("purlin.torch.cpu_path", "CpuPath"),
+             "sm": ("purlin.torch.sm_path", "SmPath")}
+
+
+class Communicator:
+    """Purlin collectives on the ranks of ``group`` (default: the world).
+
+    ``datapath``: ``"sm"`` (GPUs, symmetric memory), ``"cpu"`` (shared memory) or ``"auto"``
+    (``"sm"`` on an NCCL group with CUDA, else ``"cpu"``). ``staging_bytes``: the symmetric area
+    per rank that prepared collectives share. ``timeout``: seconds a wait may last (per wait on
+    GPUs, per call on the CPU). ``strategy``/``chunks``/``lanes``: as in
+    :func:`purlin.snac.plan` (``"auto"`` picks per size). ``ranks_per_node``/``node_of_rank``:
+    which ranks share a node (default: by hostname).
+    """
+
+    def __init__(self, group=None, datapath: str = "auto", staging_bytes: int = DEFAULT_STAGING,
+                 timeout: float = DEFAULT_TIMEOUT, *, strategy: str = "auto",
+                 chunks: int | None = None, lanes: int | None = None,
+                 ranks_per_node: int | None = None, node_of_rank=None,
+                 blocks_per_lane: int | None = None, threads: int = 512):
+        if not dist.is_available() or not dist.is_initialized():
+            raise ExecutionError("purlin.torch.Communicator needs torch.distributed: call "
+                                 "dist.init_process_group(...) first")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.nranks = dist.get_world_size(self.group)
+        self.global_ranks = dist.get_process_group_ranks(self.group)
+        self.backend = str(dist.get_backend(self.group))
+        self.datapath = _choose_datapath(datapath, self.backend)
+        self.timeout, self.strategy = float(timeout), strategy
+        self.chunks, self.lanes = chunks, lanes
+        self.staging_bytes = int(staging_bytes)
+        self.broken: str | None = None      # why a call failed: the flags are out of step
+        self._broken_as = PurlinTimeoutError
+        self.closed = False
+        self._warned: set = set()
+        self._cache: dict = {}
+        self._colls: dict = {}
+        self.evictions = 0
+        self.path = self.hierarchy = self.staging = None
+        options = dict(blocks_per_lane=blocks_per_lane, threads=threads)
+        self.node_of_rank = self._nodes(ranks_per_node, node_of_rank)
+        if len(set(self.node_of_rank)) > 1:
+            self.hierarchy = Hierarchy(self, options)
+            self.device = self.hierarchy.device
+        elif self.nranks > 1:
+            module, cls = DATAPATHS[self.datapath]
+            path_cls = getattr(importlib.import_module(module), cls)
+            self.path = path_cls(self.group, self.rank, self.nranks, self.staging_bytes,
+                                 self.timeout, **options)
+            self.device = self.path.device
+            self.staging = Staging(self.staging_bytes)
+        else:
+            self.device = torch.device("cuda", torch.cuda.current_device()) \
+                if self.datapath == "sm" else torch.device("cpu")
+
+    # -- the torch.distributed-style functions ---------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        """Reduce ``tensor`` over the ranks, in place (``dist.all_reduce``)."""
+        name = _op_name(op)
+        why = self._refuse("all_reduce", [tensor], op, name)
+        if why is None and tensor.numel():
+            if self.hierarchy is not None:
+                why = self.hierarchy.run("all-reduce", name, tensor, tensor, tensor.numel())
+            else:
+                why = self._call(("all-reduce", tensor.numel(), tensor.dtype, name, 0),
+                                 tensor, tensor)
+        if why:
+            self._fallback("all_reduce", why, lambda t: dist.all_reduce(
+                t, op=_torch_op(op), group=self.group), tensor, written=(0,))
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Rank r's ``input`` lands in part r of every rank's ``output``."""
+        why = self._refuse("all_gather_into_tensor", [output, input])
+        if why is None and output.numel() != self.nranks * input.numel():
+            why = "output size is not world size x input size"
+        if why is None and input.numel():
+            if self.hierarchy is not None:
+                why = self.hierarchy.run("all-gather", "copy", input, output, output.numel())
+            else:
+                why = self._call(("all-gather", input.numel(), input.dtype, "copy", 0),
+                                 input, output)
+        if why:
+            self._fallback("all_gather_into_tensor", why, lambda o, i: dist.all_gather_into_tensor(
+                o, i, group=self.group), output, input, written=(0,))
+
+    def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
+                              op=dist.ReduceOp.SUM) -> None:
+        """Part r of the reduction of every rank's ``input`` lands in rank r's ``output``."""
+        name = _op_name(op)
+        why = self._refuse("reduce_scatter_tensor", [output, input], op, name)
+        if why is None and input.numel() != self.nranks * output.numel():
+            why = "input size is not world size x output size"
+        if why is None and output.numel():
+            if self.hierarchy is not None:
+                why = self.hierarchy.run("reduce-scatter", name, input, output, input.numel())
+            else:
+                why = self._call(("reduce-scatter", output.numel(), output.dtype, name, 0),
+                                 input, output)
+        if why:
+            self._fallback("reduce_scatter_tensor", why, lambda o, i: dist.reduce_scatter_tensor(
+                o, i, op=_torch_op(op), group=self.group), output, input, written=(0,))
+
+    # the names newer PyTorch gives them
+    all_gather_single = all_gather_into_tensor
+    reduce_scatter_single = reduce_scatter_tensor
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes=None, input_split_sizes=None) -> None:
+        """Part j of rank r's ``input`` lands in part r of rank j's ``output`` (even splits;
+        given split sizes go to ``torch.distributed``)."""
+        n = self.nranks
+        why = self._refuse("all_to_all_single", [output, input])
+        if why is None and (output_split_sizes is not None or input_split_sizes is not None):
+            # even splits on this rank say nothing of the others': only None is the same
+            # promise everywhere, so every rank takes the same road
+            why = "split sizes given (Purlin runs the even all-to-all: pass None)"
+        if why is None and (input.numel() != output.numel() or input.numel() % n):
+            why = "input and output are not the same size, divisible by the world size"
+        if why is None and self.hierarchy is not None:
+            why = "the group spans nodes (all-to-all runs on the group's backend)"
+        if why is None and input.numel():
+            why = self._call(("all-to-all", input.numel() // n, input.dtype, "copy", 0), input,
+                             output)
+        if why:
+            self._fallback("all_to_all_single", why, lambda o, i: dist.all_to_all_single(
+                o, i, output_split_sizes, input_split_sizes, group=self.group), output, input,
+                written=(0,))
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        """``tensor`` of global rank ``src`` lands in ``tensor`` of every rank."""
+        why = self._refuse("broadcast", [tensor])
+        if why is None and self.hierarchy is not None:
+            why = "the group spans nodes (broadcast runs on the group's backend)"
+        if why is None and tensor.numel():
+            root = self._group_rank(src)
+            me = root == self.rank
+            why = self._call(("broadcast", tensor.numel(), tensor.dtype, "copy", root),
+                             tensor if me else None, None if me else tensor)
+        if why:
+            self._fallback("broadcast", why, lambda t: dist.broadcast(
+                t, src=src, group=self.group), tensor, written=(0,))
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op=dist.ReduceOp.SUM) -> None:
+        """The reduction of every rank's ``tensor`` lands in ``tensor`` of global rank ``dst``
+        (the others' tensors are left as they were)."""
+        name = _op_name(op)
+        why = self._refuse("reduce", [tensor], op, name)
+        if why is None and self.hierarchy is not None:
+            why = "the group spans nodes (reduce runs on the group's backend)"
+        if why is None and tensor.numel():
+            root = self._group_rank(dst)
+            why = self._call(("reduce", tensor.numel(), tensor.dtype, name, root), tensor,
+                             tensor if root == self.rank else None)
+        if why:
+            self._fallback("reduce", why, lambda t: dist.reduce(
+                t, dst=dst, op=_torch_op(op), group=self.group), tensor, written=(0,))
+
+    def run(self, collective: Collective, input: torch.Tensor | None = None,
+            output: torch.Tensor | None = None, *, sizing=None, chunk_sizes=None,
+            dtype=None) -> torch.Tensor:
+        """This rank's part of any collective declared over the group's ranks; returns this
+        rank's output (``output`` if given, else a new tensor).
+
+        Chunk sizes come from ``sizing`` or ``chunk_sizes`` (needed for uneven chunks, and on a
+        rank that holds neither input nor output), else from this rank's input (or output)
+        length, evenly. Every rank must describe the same sizes.
+        """
+        sizing = self._custom_sizing(collective, input, output, sizing, chunk_sizes, dtype)
+        count = sizing.output_count(self.rank)
+        if output is None:
+            output = torch.empty(count, dtype=getattr(torch, sizing.dtype.name),
+                                 device=self.device)
+        why = self._run_sized(collective, sizing, input, output)
+        if why:
+            raise CapabilityError(f"{collective.name} cannot run on Purlin here ({why}) and "
+                                  "has no torch.distributed equivalent to fall back to")
+        return output
+
+    def input_buffer(self, function: str, count: int, dtype, *, op="sum",
+                     src: int = 0) -> torch.Tensor:
+        """The staging input region of a standard collective, as a 1-D tensor: fill it and
+        pass it as the input (for all_reduce: the tensor) to skip the copy in. ``count`` is
+        what the function's tensor argument holds (all_reduce, broadcast, reduce: the tensor;
+        all_gather_into_tensor: the input; reduce_scatter_tensor: the output; all_to_all_single:
+        the input). The region stays reserved for this size from then on."""
+        if self.path is None:
+            raise CapabilityError("input_buffer needs a single-node group of 2 or more ranks")
+        kind = function.replace("_into_tensor", "").replace("_tensor", "") \
+            .replace("_single", "").replace("_", "-")
+        dtype = getattr(torch, str(dtype).removeprefix("torch.")) if not isinstance(
+            dtype, torch.dtype) else dtype
+        root = self._group_rank(src)
+        key = {"all-to-all": ("all-to-all", count // self.nranks, dtype, "copy", 0),
+               "all-gather": ("all-gather", count, dtype, "copy", 0),
+               "broadcast": ("broadcast", count, dtype, "copy", root),
+               }.get(kind, (kind, count, dtype, _op_name(op) or "sum",
+                            root if kind == "reduce" else 0))
+        prepared = self._prepared(key)
+        if isinstance(prepared, str):
+            raise CapabilityError(f"{function} of {count} {dtype} elements cannot be staged: "
+                                  f"{prepared}")
+        self.staging.pin(key)
+        return prepared.input
+
+    # -- errors ----------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise :class:`PurlinTimeoutError` if a wait of an earlier call timed out (on GPUs this
+        synchronizes the device; call it after a graph replay or every few steps)."""
+        if self.hierarchy is not None:
+            if self.hierarchy.intra is not None:
+                self.hierarchy.intra.check()
+            return
+        if self.closed:
+            return
+        if self.path is not None and not self.broken:
+            prepared = [p for p in self._cache.values() if not isinstance(p, str)]
+            errors = self.path.check(prepared)
+            if errors:
+                more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+                self.broken, self._broken_as = errors[0] + more, PurlinTimeoutError
+        if self.broken:
+            raise self._broken_as(self.broken)
+
+    def close(self) -> None:
+        """Release the staging area (the communicator cannot be used afterwards)."""
+        for p in self._cache.values():
+            if not isinstance(p, str) and self.path is not None:
+                self.path.forget(p)
+        self._cache = {}
+        if self.path is not None:
+            self.path.close()
+        if self.hierarchy is not None and self.hierarchy.intra is not None:
+            self.hierarchy.intra.close()
+        self.closed = True
+
+    def __repr__(self) -> str:
+        where = (f"hierarchical over nodes {list(self.hierarchy.plan_nodes)}"
+                 if self.hierarchy is not None else f"datapath {self.datapath}")
+        return (f"<purlin.torch.Communicator rank {self.rank} of {self.nranks}, {where}, "
+                f"{len(self._cache)} prepared>")
+
+    # -- internals -------------------------------------------------------------------------------
+    def _nodes(self, ranks_per_node, node_of_rank) -> tuple:
+        n = self.nranks
+        if node_of_rank is not None:
+            nodes = tuple(node_of_rank)
+            if len(nodes) != n:
+                raise SpecError(f"node_of_rank names {len(nodes)} ranks; the group has {n}")
+            return nodes
+        if ranks_per_node is not None:
+            if not isinstance(ranks_per_node, int) or ranks_per_node < 1 or n % ranks_per_node:
+                raise SpecError(f"ranks_per_node={ranks_per_node!r} must divide the group's "
+                                f"{n} ranks")
+            return tuple(r // ranks_per_node for r in range(n))
+        names = [None] * n
+        dist.all_gather_object(names, socket.gethostname(), group=self.group)
+        return tuple(names)
+
+    def _group_rank(self, global_rank: int) -> int:
+        if self.group is dist.group.WORLD:
+            return int(global_rank)
+        return dist.get_group_rank(self.group, global_rank)
+
+    def _refuse(self, fn, tensors, op=None, op_name=None) -> str | None:
+        """Why Purlin cannot run ``fn`` on these tensors (None if it can)."""
+        if self.closed:
+            raise ExecutionError(f"{fn}: this communicator is closed")
+        if self.broken:
+            raise ExecutionError(f"{fn}: this communicator failed earlier ({self.broken}); "
+                                 "create a new one")
+        if self.path is None and self.hierarchy is None:
+            return "the group has a single rank"
+        first = tensors[0]
+        for t in tensors:
+            if t.dtype != first.dtype:
+                return "input and output dtypes differ"
+            if t.device != self.device:
+                return f"tensor on {t.device}, communicator on {self.device}"
+        name = _dtype_name(first)
+        if name not in self._dtypes():
+            return f"dtype {name}"
+        if op is not None:
+            if op_name is None:
+                return f"reduce op {op}"
+            if op_name == "avg" and not first.is_floating_point():
+                return "avg of integers"
+        return None
+
+    def _dtypes(self):
+        if self.hierarchy is not None:
+            return self.hierarchy.dtypes
+        return self.path.dtypes
+
+    def _fallback(self, fn: str, why: str, call, *tensors, written=()) -> None:
+        """``call(*tensors)`` on torch.distributed, warning once per function and reason.
+        Non-contiguous tensors travel as contiguous copies (gloo reduces a strided view's
+        storage, not the view), and those written are copied back."""
+        key = (fn, why.split(" (")[0])
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"purlin.torch: {fn} falls back to torch.distributed "
+                          f"({self.backend}): {why}", RuntimeWarning, stacklevel=3)
+        dense = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        call(*dense)
+        for i in written:
+            if dense[i] is not tensors[i]:
+                tensors[i].copy_(dense[i])
+
+    def _collective(self, kind: str, op: str, root: int) -> Collective:
+        key = (kind, op, root)
+        if key not in self._colls:
+            self._colls[key] = collectives.standard(kind, self.nranks, root=root,
+                                                    op=op if op != "copy" else "sum")
+        return self._colls[key]
+
+    def _sizing(self, key):
+        kind, count, dtype, op, root = key
+        coll = self._collective(kind, op, root)
+        n = self.nranks
+        if kind == "all-reduce":
+            sizes = dict(zip(range(n), (c for _, c in _parts(count, n))))
+        elif kind in ("all-gather", "reduce-scatter"):
+            sizes = {r: count for r in range(n)}
+        elif kind == "all-to-all":
+            sizes = {(r, j): count for r in range(n) for j in range(n)}
+        else:
+            sizes = {"x": count}
+        return coll.sized(chunk_sizes=sizes, dtype=str(dtype).removeprefix("torch."))
+
+    def _plan(self, sizing):
+        """(schedule, blocks per lane or None) for a sizing: the communicator's strategy, or
+        ``purlin.runtime.auto``'s choice for this size."""
+        coll = sizing.collective
+        chunks, lanes, blocks = self.chunks or 1, self.lanes or 1, None
+        strategy = self.strategy
+        if strategy == "auto":
+            from purlin.runtime import auto
+
+            shape = Shape(self.datapath)
+            if hasattr(auto, "select"):  # tuning table, cost model or rules, with blocks
+                c = auto.select(coll, shape, dtype=sizing.dtype.name,
+                                chunk_sizes=dict(sizing.chunks))
+                strategy, chosen, blocks = c.strategy, (c.chunks, c.lanes), c.blocks_per_lane
+            else:
+                strategy, *chosen = auto.choose(coll, shape, dtype=sizing.dtype.name,
+                                                chunk_sizes=dict(sizing.chunks))
+            chunks, lanes = self.chunks or chosen[0], self.lanes or chosen[1]
+        if strategy == "two-phase" and not coll.op.is_reduce:
+            strategy = "direct-push"
+        return plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes), blocks
+
+    def _prepared(self, key, sizing=None, capturing=None):
+        """The prepared collective for ``key``, preparing it on a miss; a string says why it
+        cannot be prepared."""
+        found = self._cache.get(key)
+        if found is not None:
+            if not isinstance(found, str):
+                self.staging.touch(key)
+            return found
+        if _capturing() if capturing is None else capturing:
+            return ("first call of this size inside a CUDA graph capture (call each size once "
+                    "eagerly before capturing)")
+        schedule, blocks = self._plan(sizing or self._sizing(key))
+        lay = layout(schedule)
+        offset = self.staging.place(key, lay.size)
+        if offset is None:
+            victims = self.staging.victims(lay.size)
+            if victims is None:
+                why = (f"needs {lay.size} bytes of staging, more than the "
+                       f"{self.staging_bytes} available (raise staging_bytes)")
+                self._cache[key] = why
+                return why
+            self.path.quiesce()  # nobody still uses what is evicted
+            for victim in victims:
+                self.evictions += 1
+                self.staging.free(victim)
+                self.path.forget(self._cache.pop(victim))
+            offset = self.staging.place(key, lay.size)
+        prepared = self.path.prepare(schedule, offset, lay, blocks_per_lane=blocks)
+        self.path.barrier()  # every rank zeroed its flags before anyone notifies them
+        self._cache[key] = prepared
+        return prepared
+
+    def _call(self, key, src, dst, sizing=None) -> str | None:
+        capturing = _capturing()
+        prepared = self._prepared(key, sizing, capturing)
+        if isinstance(prepared, str):
+            return prepared
+        if capturing:
+            self.staging.pin(key)  # a captured graph keeps its addresses for ever
+        # views of the regions in the user's shapes: strided tensors copy without a temporary
+        if src is not None and prepared.input.numel() and not (
+                src.data_ptr() == prepared.input.data_ptr() and src.is_contiguous()):
+            prepared.input.view(src.shape).copy_(src)
+        try:
+            prepared.launch()
+        except PurlinError as exc:
+            self.broken, self._broken_as = str(exc), type(exc)
+            raise
+        if dst is not None and prepared.output.numel():
+            dst.copy_(prepared.output.view(dst.shape))
+        return None
+
+    def _custom_sizing(self, collective, input, output, sizing, chunk_sizes, dtype):
+        if collective.nranks != self.nranks:
+            raise SpecError(f"{collective.name} is declared for {collective.nranks} ranks; the "
+                            f"group has {self.nranks}")
+        if sizing is not None:
+            return sizing
+        ref = input if input is not None else output
+        dt = dtype if dtype is not None else (_dtype_name(ref) if ref is not None else None)
+        if dt is None:
+            raise SpecError(f"rank {self.rank} passes neither input nor output to "
+                            f"{collective.name}: give dtype and chunk_sizes (or a sizing)")
+        dt = str(dt).removeprefix("torch.")
+        if chunk_sizes is not None:
+            return collective.sized(chunk_sizes=chunk_sizes, dtype=dt)
+        for t, row in ((input, collective.input[self.rank]),
+                       (output, collective.output[self.rank])):
+            if t is not None and row:
+                if t.numel() % len(row):
+                    raise SpecError(f"rank {self.rank}: {t.numel()} elements do not split into "
+                                    f"its {len(row)} chunks of {collective.name}")
+                each = t.numel() // len(row)
+                return collective.sized(chunk_sizes=lambda _name: each, dtype=dt)
+        raise SpecError(f"rank {self.rank} holds no chunk of {collective.name}: give "
+                        "chunk_sizes (or a sizing) so that it plans the same sizes as the others")
+
+    def _run_sized(self, collective, sizing, input, output) -> str | None:
+        """Run a custom collective with a given sizing; a string says why it could not."""
+        if self.closed:
+            raise ExecutionError("run: this communicator is closed")
+        if self.broken:
+            raise ExecutionError(f"run: this communicator failed earlier ({self.broken})")
+        if self.path is None:
+            return ("the group spans nodes" if self.hierarchy is not None
+                    else "the group has a single rank")
+        if sizing.dtype.name not in self.path.dtypes:
+            return f"dtype {sizing.dtype.name}"
+        for what, t, want in (("input", input, sizing.input_count(self.rank)),
+                              ("output", output, sizing.output_count(self.rank))):
+            if want and (t is None or t.numel() != want):
+                got = "none" if t is None else f"{t.numel()} elements"
+                raise SpecError(f"rank {self.rank}: {collective.name} needs an {what} of {want} "
+                                f"elements here, got {got}")
+            if t is not None and want and (not t.is_contiguous() or t.device != self.device or
+                                           _dtype_name(t) != sizing.dtype.name):
+                raise SpecError(f"rank {self.rank}: the {what} must be a contiguous "
+                                f"{sizing.dtype.name} tensor on {self.device}, got "
+                                f"{t.dtype} on {t.device}")
+        key = ("run", collective, sizing.chunks, sizing.dtype.name)
+        return self._call(key, input, output, sizing=sizing)
+
+
+def _parts(count: int, parts: int):
+    """``split`` that keeps empty parts, so every rank's chunk exists."""
+    out = split(count, parts)
+    return out + [(count, 0)] * (parts - len(out))
+
+
+def _choose_datapath(datapath: str, backend: str) -> str:
+    if datapath == "auto":
+        return "sm" if "nccl" in backend and torch.cuda.is_available() else "cpu"
+    if datapath not in DATAPATHS:
+        raise CapabilityError(f"unknown datapath {datapath!r} for process mode; use "
+                              f"{', '.join(DATAPATHS)} or 'auto'")
+    return datapath

@@ -1,0 +1,192 @@
+"""The sm datapath for :class:`purlin.torch.Communicator`: PyTorch symmetric memory.
+
+The staging area is one ``torch.distributed._symmetric_memory`` allocation per rank,
+rendezvoused once at construction (before any graph capture); the handle's ``buffer_ptrs`` give
+every peer's address of it. A prepared collective is a slice of that area: the schedule is
+lowered with every rank's addresses (:func:`purlin.atom.lowering.lower`), and only this rank's
+table goes to the device, behind a descriptor built like :mod:`purlin.atom.sm` builds it. A
+call copies the input in, launches this rank's executor on the current stream and copies the
+output out -- all asynchronous and capturable. Waits that time out leave an error record that
+:meth:`SmPath.check` turns into a :class:`PurlinTimeoutError` after a synchronize.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from purlin.errors import CapabilityError
+from purlin.kernels import isa
+from purlin.runtime.shm import ABORT_WORDS
+
+DTYPES = ("bfloat16", "float16", "float32", "int32")  # float64: in the kernels, untested here
+DEFAULT_THREADS = 512
+
+
+class SmPrepared:
+    """One prepared collective on this rank: its table, descriptor and region views."""
+
+    def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads):
+        from purlin.atom.lowering import lower
+        from purlin.atom.sm import _check_resident, default_blocks_per_lane
+
+        self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
+        dev, rank, n = path.device, path.rank, schedule.nranks
+        sizing = schedule.sizing
+        lanes = schedule.lanes
+        bpl = blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes, path.sms)
+        self.blocks_per_lane = bpl
+        ptrs = path.ptrs
+        bases = {(q, b): ptrs[q] + offset + lay.offset(q, b)
+                 for q in range(n) for b in ("input", "output", "scratch")}
+        self.flag_bases = {q: ptrs[q] + offset + lay.flags for q in range(n)}
+        low = lower(schedule, bases, self.flag_bases, blocks_per_lane=bpl,
+                    scratch_bytes=dict(enumerate(lay.scratch_bytes)))[rank]
+        even = torch.from_numpy(low.tables[0]).to(dev)
+        odd = torch.from_numpy(low.tables[-1]).to(dev)
+        lane_offsets = torch.from_numpy(low.lane_offsets).to(dev)
+        srcs = torch.from_numpy(low.srcs).to(dev)
+        self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
+        ctl = self.control.data_ptr()
+        desc = [0] * isa.DESC_WIDTH
+        desc[isa.D_RANK] = rank
+        desc[isa.D_TABLE] = even.data_ptr()
+        desc[isa.D_TABLE_ODD] = odd.data_ptr()
+        desc[isa.D_LANES] = lane_offsets.data_ptr()
+        desc[isa.D_NLANES] = lanes
+        desc[isa.D_SRCS] = srcs.data_ptr()
+        desc[isa.D_EPOCH] = ctl
+        desc[isa.D_DONE] = ctl + 8
+        desc[isa.D_ERROR] = ctl + 16
+        desc[isa.D_ABORT] = ptrs[0] + offset + lay.abort  # rank 0's copy: one word for all
+        self.desc = torch.tensor([desc], dtype=torch.int64, device=dev)
+        self.desc_ptr = self.desc.data_ptr()
+        self._keep = (even, odd, lane_offsets, srcs)
+        self.launcher = path.launcher(lanes, bpl, threads)
+        _check_resident(torch, dev.index, self.launcher, "process")
+        tdt = getattr(torch, schedule.dtype)
+        self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
+        self.output = path.view(offset + lay.offset(rank, "output"), sizing.output_count(rank),
+                                tdt)
+        self.timeout_ns = int(path.timeout * 1e9)
+        self.flag_count = lay.flag_count
+
+    def launch(self) -> None:
+        stream = torch.cuda.current_stream(self.path.device).cuda_stream
+        self.launcher(self.desc_ptr, stream, self.timeout_ns)
+
+    def error(self) -> str | None:
+        """The error this rank's executor recorded, as a sentence (call after a synchronize)."""
+        rec = self.control[2:].cpu().tolist()
+        code = rec[isa.E_CODE]
+        if code == isa.ERR_NONE:
+            return None
+        rank, step = self.path.rank, rec[isa.E_STEP]
+        what, owner = self._flag_of(rec[isa.E_FLAG])
+        peer = rec[isa.E_PEER]
+        if code == isa.ERR_ABORTED:
+            return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}) gave up waiting on {what} "
+                    f"from rank {peer}: another rank timed out first (its own check() names the "
+                    "rank it waited for)")
+        bpl = self.blocks_per_lane
+        return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}, block {rec[isa.E_BLOCK]}) "
+                f"timed out after {self.path.timeout:.3g} s waiting on {what} >= "
+                f"{rec[isa.E_EXPECTED]} ({rec[isa.E_EXPECTED] // bpl} notifies x {bpl} blocks) "
+                f"from rank {peer}: saw {rec[isa.E_SEEN]} — is rank {peer} alive?")
+
+    def _flag_of(self, address: int):
+        lanes, n = self.schedule.lanes, self.schedule.nranks
+        for q, base in self.flag_bases.items():
+            if base <= address < base + 8 * self.flag_count:
+                i = (address - base) // 8
+                if i < n * lanes:
+                    return f"flag(r{q}<-r{i // lanes}.l{i % lanes})", q
+                return f"lane barrier {i - n * lanes} of rank {q}", q
+        return f"flag at 0x{address:x}", -1
+
+    def release(self) -> None:
+        self._keep = ()
+        self.input = self.output = None
+
+
+class SmPath:
+    """Symmetric staging memory on this rank's GPU for the ranks of ``group``."""
+
+    name = "sm"
+    dtypes = DTYPES
+
+    def __init__(self, group, rank: int, nranks: int, nbytes: int, timeout: float, *,
+                 device=None, blocks_per_lane=None, threads: int = DEFAULT_THREADS, **_):
+        if not torch.cuda.is_available():
+            raise CapabilityError("the sm datapath needs a CUDA GPU; none is visible here "
+                                  "(use datapath='cpu')")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group, self.rank, self.nranks, self.timeout = group, rank, nranks, timeout
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
+            else torch.device(device)
+        self.blocks_per_lane, self.threads = blocks_per_lane, threads
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.buf = symm_mem.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed before PyTorch 2.9, a deprecated no-op after
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                enable(group.group_name)
+        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+        # buffer_ptrs point at the tensor on newer PyTorch, at its allocation on older ones:
+        # peers hold the tensor at the same offset either way
+        shift = self.buf.data_ptr() - int(self.handle.buffer_ptrs[rank])
+        self.ptrs = [int(p) + shift for p in self.handle.buffer_ptrs]
+        self._launchers: dict = {}
+        self.prepared: list[SmPrepared] = []
+
+    def view(self, offset: int, count: int, dtype) -> torch.Tensor:
+        item = torch.empty((), dtype=dtype).element_size()
+        return self.buf[offset: offset + count * item].view(dtype)
+
+    def launcher(self, lanes: int, bpl: int, threads: int | None = None):
+        from purlin.kernels.launch import Launcher
+
+        threads = threads or self.threads
+        key = (lanes, bpl, threads)
+        if key not in self._launchers:
+            self._launchers[key] = Launcher(device=self.device.index, nranks_in_launch=1,
+                                            nlanes=lanes, blocks_per_lane=bpl, threads=threads)
+        return self._launchers[key]
+
+    def prepare(self, schedule, offset: int, lay, blocks_per_lane=None) -> SmPrepared:
+        """Lower ``schedule`` at ``offset`` of the area and zero this rank's flags there (the
+        caller then waits for every rank). Blocks per lane: the communicator's setting, else
+        ``blocks_per_lane`` (a tuning table's), else the sm datapath's default for the size."""
+        p = SmPrepared(self, schedule, offset, lay, self.blocks_per_lane or blocks_per_lane,
+                       self.threads)
+        self.buf[offset: offset + lay.abort + 8 * ABORT_WORDS].zero_()  # flags, abort record
+        self.prepared.append(p)
+        return p
+
+    def barrier(self) -> None:
+        """Every rank's work issued so far has finished (synchronize, all-reduce, synchronize)."""
+        torch.cuda.synchronize(self.device)
+        token = torch.zeros(1, device=self.device)
+        dist.all_reduce(token, group=self.group)
+        torch.cuda.synchronize(self.device)
+
+    quiesce = barrier
+
+    def check(self, prepared) -> list[str]:
+        """Synchronize and return the errors recorded by any of ``prepared``."""
+        torch.cuda.synchronize(self.device)
+        errors = [e for e in (p.error() for p in prepared) if e]
+        return errors
+
+    def forget(self, prepared: SmPrepared) -> None:
+        if prepared in self.prepared:
+            self.prepared.remove(prepared)
+        prepared.release()
+
+    def close(self) -> None:
+        self.prepared = []
+        self._launchers = {}
