@@ -1,14 +1,16 @@
-"""Timing Purlin's bound collectives on GPUs: CUDA-graph replays and eager calls.
+"""Timing Purlin's bound collectives: on GPUs (CUDA-graph replays and eager calls), on the cpu
+datapath (wall time per call, host threads: not GPU numbers) and by the cost model.
 
-Every point is checked first: random inputs, one call, outputs compared on the GPU with a
-float32 reference built from the sizing (so any custom collective can be benchmarked).
+Every point is checked first: random inputs, one call, outputs compared with a reference built
+from the sizing (so any custom collective can be benchmarked); the cost model runs no data and
+reports #wrong as N/A (-1).
 """
 
 from __future__ import annotations
 
 import time
 
-from purlin.bench.metrics import Record, Timing
+from purlin.bench.metrics import Record, Timing, op_counts
 from purlin.spec.sizing import fit_nbytes
 
 TOL = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-5, "int32": 0.0}
@@ -118,11 +120,12 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
     bound = cluster.bind(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
                          blocks_per_lane=blocks_per_lane, threads=threads)
     wrong = count_wrong(torch, bound)
-    extra = {"strategy": strategy, "chunks": chunks, "lanes": lanes,
+    sched = bound.schedule
+    extra = {"strategy": sched.strategy, "chunks": sched.chunks, "lanes": sched.lanes,
              "blocks_per_lane": bound.blocks_per_lane, "threads": threads}
+    ops, repeats = op_counts(sizing.message_bytes, ops, repeats)
     if mode == "graph":
-        k = ops if sizing.message_bytes <= (1 << 22) else max(2, ops // 10)
-        timing = Timing.of(time_graph(torch, bound, k, repeats))
+        timing = Timing.of(time_graph(torch, bound, ops, repeats))
     else:
         inclusive, host = time_eager(torch, bound, ops, repeats)
         timing = Timing.of(inclusive)
@@ -131,3 +134,68 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
     redop = coll.op.reduce_op or "none"
     return Record.make(name, coll.name, coll.nranks, sizing.message_bytes,
                        sizing.message_count, dtype, redop, mode, timing, wrong, **extra)
+
+
+def time_purlin_cpu(collective, nbytes: int, dtype: str = "float32",
+                    strategy: str = "direct-push", chunks: int = 1, lanes: int = 1,
+                    calls: int = 10, repeats: int = 5, provider: str | None = None,
+                    seed: int = 0) -> Record:
+    """Bind on the cpu datapath, check against the float64 reference, time wall clock per
+    call (mode "cpu": numpy and host threads, not GPU numbers)."""
+    import numpy as np
+
+    from purlin.runtime.cluster import Cluster
+    from purlin.spec.reference import reference
+
+    coll = collective
+    sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
+    bound = Cluster.cpu(coll.nranks).bind(coll, strategy, sizing=sizing, chunks=chunks,
+                                          lanes=lanes, timeout=30.0)
+    rng = np.random.default_rng(seed)
+    host = bound.run.np_dtype
+    inputs = []
+    for r in range(coll.nranks):
+        n = sizing.input_count(r)
+        x = (rng.integers(-100, 100, n) if host.kind in "iu" else rng.standard_normal(n) + 0.5)
+        inputs.append(x.astype(host))
+    outputs = bound(inputs)
+    expect = reference(sizing, [x.astype(np.float64) for x in inputs])
+    tol = TOL.get(dtype, 1e-5) if host.kind == "f" else 0.0
+    wrong = sum(int(np.sum(np.abs(np.asarray(o, dtype=np.float64) - e) > tol * (1 + np.abs(e))))
+                for o, e in zip(outputs, expect))
+    per_call = []
+    calls, repeats = op_counts(sizing.message_bytes, calls, repeats)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            bound(inputs)
+        per_call.append((time.perf_counter() - t0) * 1e6 / calls)
+    sched = bound.schedule
+    return Record.make(provider or f"purlin:{strategy}", coll.name, coll.nranks,
+                       sizing.message_bytes, sizing.message_count, dtype,
+                       coll.op.reduce_op or "none", "cpu", Timing.of(per_call), wrong,
+                       strategy=sched.strategy, chunks=sched.chunks, lanes=sched.lanes,
+                       datapath="cpu")
+
+
+def predict_purlin(collective, nbytes: int, dtype: str = "bfloat16",
+                   strategy: str = "direct-push", chunks: int = 1, lanes: int = 1,
+                   blocks_per_lane: int | None = None, profile="H200-measured",
+                   provider: str | None = None) -> Record:
+    """The cost model's latency for one point (mode "model", #wrong N/A: nothing runs)."""
+    from purlin.snac import plan
+    from purlin.trace.model import predict_latency
+    from purlin.trace.profiles import get_profile
+
+    coll = collective
+    sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
+    schedule = plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes)
+    ns = predict_latency(schedule, profile)
+    timing = Timing(ns / 1e3, ns / 1e3, ns / 1e3, 1)
+    extra = {"strategy": strategy, "chunks": chunks, "lanes": lanes,
+             "profile": get_profile(profile).name}
+    if blocks_per_lane:
+        extra["blocks_per_lane"] = blocks_per_lane
+    return Record.make(provider or f"purlin:{strategy}", coll.name, coll.nranks,
+                       sizing.message_bytes, sizing.message_count, dtype,
+                       coll.op.reduce_op or "none", "model", timing, -1, **extra)

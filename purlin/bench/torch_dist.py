@@ -11,7 +11,7 @@ import os
 import socket
 import traceback
 
-from purlin.bench.metrics import Record, Timing
+from purlin.bench.metrics import Record, Timing, op_counts
 
 NCCL_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "broadcast", "reduce")
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -89,20 +89,25 @@ def _time_graph(torch, fn, ops, repeats, dist):
     return per_op
 
 
-def _time_eager(torch, fn, calls, repeats, dist):
+def _sync(torch, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_eager(torch, fn, calls, repeats, dist, device):
     import time
 
     for _ in range(5):
         fn()
-    torch.cuda.synchronize()
+    _sync(torch, device)
     per_op = []
     for _ in range(repeats):
         dist.barrier()
-        torch.cuda.synchronize()
+        _sync(torch, device)
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        torch.cuda.synchronize()
+        _sync(torch, device)
         per_op.append((time.perf_counter() - t0) * 1e6 / calls)
     return per_op
 
@@ -113,16 +118,19 @@ def _worker(rank, world, port, points, opts, queue):
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
+    if opts.get("device") == "cpu":  # gloo on the host: tests the harness without GPUs
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
     results = []
     for point in points:
         provider, collective, nbytes, dtype_name, redop_name, mode = point
         try:
             dtype = getattr(torch, dtype_name)
-            redop = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                     "min": dist.ReduceOp.MIN, "avg": dist.ReduceOp.AVG}[redop_name]
+            redop = _REDOPS(dist).get(redop_name, dist.ReduceOp.SUM)  # "none": copies
             inp, out = _buffers(torch, collective, nbytes, dtype, world, device)
             symm = None
             if provider.startswith("symm"):
@@ -132,73 +140,135 @@ def _worker(rank, world, port, points, opts, queue):
                 symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
                 buf.copy_(out)
                 symm = (buf, dist.group.WORLD.group_name)
-            wrong = _check(torch, dist, collective, inp, out, redop, provider, symm, world)
+            wrong = _check(torch, dist, collective, inp, out, redop_name, provider, symm,
+                           world)
             fn = _op(torch, dist, collective, inp, out, redop, provider, symm)
+            ops, repeats = op_counts(nbytes, opts["ops"], opts["repeats"])
+            if mode == "graph" and device.type == "cpu":
+                raise ValueError("graph mode needs GPUs; the cpu (gloo) baselines run eager")
             if mode == "graph":
-                ops = opts["ops"] if nbytes <= (1 << 22) else max(2, opts["ops"] // 10)
-                per_op = _time_graph(torch, fn, ops, opts["repeats"], dist)
+                per_op = _time_graph(torch, fn, ops, repeats, dist)
             else:
-                per_op = _time_eager(torch, fn, opts["eager_calls"], opts["repeats"], dist)
+                calls = op_counts(nbytes, opts["eager_calls"], repeats)[0]
+                per_op = _time_eager(torch, fn, calls, repeats, dist, device)
             t = torch.tensor(per_op, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the time
-            count = out.numel() if collective != "all-gather" else out.numel()
+            count = max(inp.numel(), out.numel())  # elements of the largest buffer
             results.append(("ok", point, t.cpu().tolist(), wrong, count))
         except Exception:
             results.append(("error", point, traceback.format_exc(limit=3), -1, 0))
-        torch.cuda.synchronize()
+        _sync(torch, device)
         dist.barrier()
+        if rank == 0:
+            queue.put(("progress", 1))
     if rank == 0:
-        queue.put(results)
+        queue.put(("done", results))
     dist.destroy_process_group()
 
 
+def _pattern(torch, rank, count, device):
+    """Small integers that every dtype holds exactly, and whose sums over up to 8 ranks too."""
+    i = torch.arange(count, device=device)
+    return ((i % 13 + 2 * rank) % 17 - 8).float()
+
+
 def _check(torch, dist, collective, inp, out, redop, provider, symm, world):
-    """Run once on known data and count wrong elements (all-reduce and all-gather checked;
-    other baselines are trusted libraries and report 0)."""
-    if collective != "all-reduce" or redop != dist.ReduceOp.SUM:
-        return 0
-    rank = dist.get_rank()
-    data = torch.full_like(out, float(rank + 1))
-    expect = float(world * (world + 1) // 2)
-    if provider == "nccl":
-        out.copy_(data)
-        dist.all_reduce(out)
-        got = out
-    else:
+    """Run once on known data and count the wrong output elements of this rank, summed over
+    the ranks (every baseline is checked, like every Purlin run)."""
+    rank, device = dist.get_rank(), inp.device
+    n_in = inp.numel()
+    mine = _pattern(torch, rank, n_in, device)
+    every = torch.stack([_pattern(torch, r, n_in, device) for r in range(world)])
+    reduce = {"sum": lambda x: x.sum(0), "avg": lambda x: x.mean(0), "max": lambda x: x.amax(0),
+              "min": lambda x: x.amin(0)}.get(redop)
+    k = n_in // world  # a rank's chunk of a reduce-scatter or all-to-all input
+    if provider != "nccl":
         buf, name = symm
-        buf.copy_(data)
+        buf.copy_(mine.to(buf.dtype))
         dist.barrier()
         if provider == "symm-one-shot":
             got = torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", name)
         else:
             torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", name)
             got = buf
-    torch.cuda.synchronize()
-    return int((got.float() != expect).sum().item())
+        expect = every.sum(0)
+    else:
+        inp.copy_(mine.to(inp.dtype))
+        if collective in ("all-reduce", "broadcast", "reduce"):
+            out.copy_(inp)  # these run in place on ``out``
+        fn = _op(torch, dist, collective, inp, out, _REDOPS(dist).get(redop), provider, symm)
+        fn()
+        got = out
+        if collective == "all-reduce":
+            expect = reduce(every)
+        elif collective == "all-gather":
+            expect = every.reshape(-1)
+        elif collective == "reduce-scatter":
+            expect = reduce(every)[rank * k: (rank + 1) * k]
+        elif collective == "all-to-all":
+            expect = every[:, rank * k: (rank + 1) * k].reshape(-1)
+        elif collective == "broadcast":
+            expect = every[0]
+        else:  # reduce: only the root's output is defined
+            expect = reduce(every) if rank == 0 else got.float()
+    _sync(torch, device)
+    tol = 0.0 if redop != "avg" else 1e-2
+    bad = (got.float() - expect).abs() > tol * (1 + expect.abs())
+    wrong = torch.tensor([int(bad.sum().item())], device=device)
+    dist.all_reduce(wrong)
+    return int(wrong.item())
+
+
+def _REDOPS(dist):
+    return {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+            "avg": dist.ReduceOp.AVG}
 
 
 def run_baselines(points, world: int = 2, ops: int = 50, repeats: int = 20,
-                  eager_calls: int = 200) -> list[Record]:
+                  eager_calls: int = 200, progress=None, device: str = "cuda") -> list[Record]:
     """Time ``points`` = [(provider, collective, nbytes, dtype, redop, mode)] with providers
     "nccl", "symm-one-shot", "symm-two-shot" in ``world`` processes; returns Records (a point
-    that failed gets ``extra["error"]`` and NaN time)."""
+    that failed gets ``extra["error"]`` and NaN time). ``progress(k)`` is called as points
+    finish. Ops and repeats shrink with the size (:func:`op_counts`). ``device="cpu"`` runs
+    "nccl" points eagerly on gloo in host processes (a harness check, not a baseline)."""
+    import time
+
     import torch.multiprocessing as mp
 
+    points = list(points)
+    if not points:
+        return []
     os.environ.update(SAFE_ENV)
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    opts = {"ops": ops, "repeats": repeats, "eager_calls": eager_calls}
-    mp.start_processes(_worker, args=(world, _free_port(), list(points), opts, queue),
-                       nprocs=world, join=True, start_method="spawn")
+    opts = {"ops": ops, "repeats": repeats, "eager_calls": eager_calls, "device": device}
+    procs = mp.start_processes(_worker, args=(world, _free_port(), points, opts, queue),
+                               nprocs=world, join=False, start_method="spawn")
+    payload = None
+    while True:
+        while not queue.empty():
+            kind, value = queue.get()
+            if kind == "progress":
+                if progress is not None:
+                    progress(value)
+            else:
+                payload = value
+        if procs.join(timeout=0.2):
+            break
+        time.sleep(0.05)
+    while payload is None and not queue.empty():
+        kind, value = queue.get()
+        payload = value if kind == "done" else payload
+    if payload is None:
+        raise RuntimeError("the baseline processes ended without results")
     records = []
-    for status, point, payload, wrong, count in queue.get():
+    for status, point, data, wrong, count in payload:
         provider, collective, nbytes, dtype, redop, mode = point
         if status == "ok":
-            timing = Timing.of(payload)
             records.append(Record.make(provider, collective, world, nbytes, count, dtype, redop,
-                                       mode, timing, wrong))
+                                       mode, Timing.of(data), wrong))
         else:
             nan = Timing(float("nan"), float("nan"), float("nan"), 0)
             records.append(Record.make(provider, collective, world, nbytes, 0, dtype, redop,
-                                       mode, nan, -1, error=payload))
+                                       mode, nan, -1, error=data))
     return records

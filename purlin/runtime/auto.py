@@ -1,9 +1,17 @@
-"""strategy="auto": pick strategy, chunks and lanes for a collective, size and rank count.
+"""strategy="auto": pick strategy, chunks, lanes and blocks per lane for a collective, size and
+rank count.
 
-A tuning table measured on the hardware (``purlin tune`` writes it, JSON next to the package or
-at ``$PURLIN_TUNING``) wins; without one, a simple model decides: one-shot direct push for small
-messages (latency-bound: one hop), two-phase for large reductions (each byte crosses a link
-once per phase instead of n-1 times), and more pieces and lanes as messages grow.
+Three sources, in order:
+
+1. a **tuning table** measured on the hardware (``purlin tune`` writes it): JSON named after
+   the GPU, ``purlin/runtime/tuning/<gpu-name>.json``, or the file or folder that
+   ``$PURLIN_TUNING`` names, or a table passed as ``table=``. Entries are keyed by rank count;
+   the entry of the same collective at the nearest size (in ratio) wins;
+2. the **cost model** on GPUs without a table: :func:`purlin.trace.predict` with the profile
+   measured on 2xH200 ranks the strategies; chunks and lanes come from the rules;
+3. simple **rules** (the cpu datapath): one-shot direct push for small messages (latency-bound:
+   one hop), two-phase for large reductions (each byte crosses a link once per phase instead of
+   n-1 times), more pieces and lanes as messages grow.
 
 >>> from purlin.spec import collectives
 >>> from purlin.runtime import Cluster
@@ -11,42 +19,263 @@ once per phase instead of n-1 times), and more pieces and lanes as messages grow
 ('direct-push', 1, 1)
 >>> choose(collectives.all_reduce(8), Cluster.cpu(8), nbytes=256 << 20)
 ('two-phase', 8, 16)
+>>> table = TuningTable("NVIDIA H200", {2: [{"collective": "all-reduce", "nbytes": 1 << 20,
+...     "strategy": "ring", "chunks": 2, "lanes": 4, "blocks_per_lane": 8}]})
+>>> select(collectives.all_reduce(2), Cluster.cpu(2), nbytes=2 << 20, table=table)
+Choice(ring, chunks=2, lanes=4, blocks_per_lane=8, from table NVIDIA H200 @ 1048576 B)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
+from purlin.errors import SpecError
+
 SMALL = 256 << 10
-TUNING_FILE = Path(__file__).with_name("tuning.json")
+TUNING_DIR = Path(__file__).with_name("tuning")
+MODEL_PROFILE = "H200-measured"
+STRATEGY_ORDER = ("direct-push", "direct-pull", "two-phase", "ring")
+FORMAT = 1
 
 
-def _table() -> list[dict]:
-    path = Path(os.environ.get("PURLIN_TUNING", TUNING_FILE))
-    if not path.exists():
-        return []
-    return json.loads(path.read_text()).get("entries", [])
+@dataclass(frozen=True)
+class Choice:
+    """A configuration for one collective at one size; ``blocks_per_lane=None`` lets the
+    datapath decide. ``source`` says where it came from ("table ...", "model ...", "rules")."""
+
+    strategy: str
+    chunks: int
+    lanes: int
+    blocks_per_lane: int | None = None
+    source: str = "rules"
+
+    def __repr__(self) -> str:
+        bpl = "" if self.blocks_per_lane is None else f", blocks_per_lane={self.blocks_per_lane}"
+        return (f"Choice({self.strategy}, chunks={self.chunks}, lanes={self.lanes}{bpl}, "
+                f"from {self.source})")
+
+
+# -- tuning tables ---------------------------------------------------------------------------
+@dataclass
+class TuningTable:
+    """Measured best configurations of one GPU model: ``entries[nranks]`` is a list of dicts
+    with ``collective``, ``nbytes``, ``strategy``, ``chunks``, ``lanes``, ``blocks_per_lane``
+    and optionally ``dtype``, ``time_us``, ``threads`` and ``per_strategy`` (the best
+    configuration of every strategy tried, ``{strategy: {chunks, lanes, ...}}``)."""
+
+    gpu: str
+    entries: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+    path: str = ""
+
+    def lookup(self, collective: str, nranks: int, nbytes: int, *, dtype: str | None = None,
+               strategy: str | None = None, is_reduce: bool = True) -> Choice | None:
+        """The entry of ``collective`` on ``nranks`` nearest to ``nbytes`` (same dtype first);
+        with ``strategy``, that strategy's best configuration there."""
+        rows = [e for e in self.entries.get(int(nranks), []) if e["collective"] == collective]
+        if dtype is not None and any(e.get("dtype") == dtype for e in rows):
+            rows = [e for e in rows if e.get("dtype") == dtype]
+        if strategy is not None:
+            rows = [e for e in rows if _config_of(e, strategy)]
+        if not rows:
+            return None
+        best = min(rows, key=lambda e: (abs(math.log2(max(e["nbytes"], 1) / max(nbytes, 1))),
+                                        e["nbytes"]))
+        cfg = _config_of(best, strategy or best["strategy"])
+        if cfg["strategy"] == "two-phase" and not is_reduce:
+            return None
+        where = f"table {self.gpu} @ {best['nbytes']} B"
+        return Choice(cfg["strategy"], int(cfg["chunks"]), int(cfg["lanes"]),
+                      cfg.get("blocks_per_lane"), where)
+
+    def add(self, nranks: int, entry: dict) -> None:
+        """Add or replace the entry of the same collective, size and dtype."""
+        rows = self.entries.setdefault(int(nranks), [])
+        key = (entry["collective"], entry["nbytes"], entry.get("dtype"))
+        rows[:] = [e for e in rows if (e["collective"], e["nbytes"], e.get("dtype")) != key]
+        rows.append(entry)
+        rows.sort(key=lambda e: (e["collective"], e["nbytes"], str(e.get("dtype"))))
+
+    def merge(self, other: "TuningTable") -> "TuningTable":
+        """This table with every entry of ``other`` added (other's win on equal keys)."""
+        out = TuningTable(self.gpu, {n: list(rows) for n, rows in self.entries.items()},
+                          {**self.info, **other.info}, self.path)
+        for n, rows in other.entries.items():
+            for e in rows:
+                out.add(n, e)
+        return out
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "gpu": self.gpu, "info": self.info,
+                "nranks": {str(n): rows for n, rows in sorted(self.entries.items())}}
+
+    @classmethod
+    def from_json(cls, obj, path: str = "") -> "TuningTable":
+        if obj.get("format", FORMAT) != FORMAT or "nranks" not in obj:
+            raise SpecError(f"tuning table {path or '(given)'} is not a format-{FORMAT} table: "
+                            "expected {\"format\": 1, \"gpu\": ..., \"nranks\": {\"2\": [...]}}")
+        return cls(obj.get("gpu", ""), {int(n): list(rows) for n, rows in obj["nranks"].items()},
+                   obj.get("info", {}), path)
+
+    def save(self, path=None) -> Path:
+        """Write the table (default: where :func:`tuning_path` looks for this GPU)."""
+        path = Path(path) if path is not None else tuning_path(self.gpu)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path) -> "TuningTable":
+        path = Path(path)
+        return _load(str(path), path.stat().st_mtime_ns)
+
+
+def _config_of(entry: dict, strategy: str) -> dict | None:
+    if entry["strategy"] == strategy:
+        return entry
+    cfg = entry.get("per_strategy", {}).get(strategy)
+    return {**cfg, "strategy": strategy} if cfg else None
+
+
+@lru_cache(maxsize=16)
+def _load(path: str, mtime_ns: int) -> TuningTable:
+    try:
+        obj = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"tuning table {path} is not valid JSON: {exc}") from None
+    return TuningTable.from_json(obj, path)
+
+
+def slug(gpu: str) -> str:
+    """A file name for a GPU model: ``"NVIDIA H200"`` -> ``"nvidia-h200"``."""
+    return re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "unknown"
+
+
+def tuning_path(gpu: str) -> Path:
+    """Where the table of ``gpu`` lives: ``$PURLIN_TUNING`` if it names a folder (or a file),
+    else ``purlin/runtime/tuning/``."""
+    env = os.environ.get("PURLIN_TUNING")
+    if env:
+        p = Path(env)
+        if p.is_dir() or not p.suffix:
+            return p / f"{slug(gpu)}.json"
+        return p
+    return TUNING_DIR / f"{slug(gpu)}.json"
+
+
+def gpu_name(cluster) -> str | None:
+    """The GPU model a cluster runs on (None for the cpu datapath or without CUDA)."""
+    if getattr(cluster, "datapath", "cpu") == "cpu":
+        return None
+    try:
+        import torch
+
+        devices = getattr(cluster, "devices", ()) or (torch.cuda.current_device(),)
+        return torch.cuda.get_device_name(devices[0])
+    except Exception:
+        return None
+
+
+def find_table(table=None, gpu: str | None = None) -> TuningTable | None:
+    """The table to use: ``table`` (a TuningTable or a path), else ``$PURLIN_TUNING`` when it
+    names a file, else the file of ``gpu`` (if it exists)."""
+    if isinstance(table, TuningTable):
+        return table
+    if table is not None:
+        return TuningTable.load(table)
+    env = os.environ.get("PURLIN_TUNING")
+    if env and Path(env).is_file():
+        return TuningTable.load(env)
+    if gpu is None:
+        return None
+    path = tuning_path(gpu)
+    return TuningTable.load(path) if path.is_file() else None
+
+
+# -- choosing ----------------------------------------------------------------------------------
+def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32",
+           chunk_sizes=None, strategy: str | None = None, table=None, gpu: str | None = None,
+           model: bool | None = None) -> Choice:
+    """The configuration for ``collective`` at this size on ``cluster``: from the tuning table,
+    else the cost model (on GPUs, or with ``model=True``), else the rules. ``strategy`` fixes
+    the strategy and picks only its chunks, lanes and blocks."""
+    sizing = collective.sized(count, nbytes=nbytes, dtype=dtype, chunk_sizes=chunk_sizes)
+    size = sizing.message_bytes
+    datapath = getattr(cluster, "datapath", "cpu") if cluster is not None else "cpu"
+    if strategy is not None:
+        from purlin.snac.strategies import check_strategy
+
+        check_strategy(strategy, collective)
+    found = find_table(table, gpu if gpu is not None else gpu_name(cluster))
+    if found is not None:
+        choice = found.lookup(collective.name, collective.nranks, size,
+                              dtype=sizing.dtype.name, strategy=strategy,
+                              is_reduce=collective.op.is_reduce)
+        if choice is not None:
+            return choice
+    if strategy is not None:
+        return rules(collective, size, strategy)
+    if model if model is not None else datapath != "cpu":
+        return model_choice(sizing)
+    return rules(collective, size)
 
 
 def choose(collective, cluster, *, count=None, nbytes=None, dtype="float32",
            chunk_sizes=None) -> tuple[str, int, int]:
-    """(strategy, chunks, lanes) for this collective on this cluster."""
-    sizing = collective.sized(count, nbytes=nbytes, dtype=dtype, chunk_sizes=chunk_sizes)
-    size = sizing.message_bytes
-    best = None
-    for entry in _table():
-        if (entry["collective"] == collective.name and entry["nranks"] == collective.nranks
-                and entry.get("datapath", "sm") == cluster.datapath):
-            if best is None or abs(entry["nbytes"] - size) < abs(best["nbytes"] - size):
-                best = entry
-    if best is not None:
-        return best["strategy"], best["chunks"], best["lanes"]
+    """(strategy, chunks, lanes) for this collective on this cluster; see :func:`select`."""
+    c = select(collective, cluster, count=count, nbytes=nbytes, dtype=dtype,
+               chunk_sizes=chunk_sizes)
+    return c.strategy, c.chunks, c.lanes
+
+
+def rules(collective, size: int, strategy: str | None = None) -> Choice:
+    """The rule of thumb for ``size`` bytes (``strategy`` given: only its chunks and lanes)."""
     if size <= SMALL:
-        return "direct-push", 1, 1
+        return Choice(strategy or "direct-push", 1, 1)
     lanes = min(16, max(1, size // (1 << 20)))
     chunks = min(8, max(1, size // (4 << 20)))
-    if collective.op.is_reduce and collective.name != "reduce":
-        return "two-phase", chunks, lanes
-    return "direct-push", chunks, lanes
+    if strategy is None:
+        reducing = collective.op.is_reduce and collective.name != "reduce"
+        strategy = "two-phase" if reducing else "direct-push"
+    return Choice(strategy, chunks, lanes)
+
+
+def strategies_for(collective) -> list[str]:
+    """The registered strategies that can plan ``collective`` (two-phase only reduces)."""
+    from purlin.snac.strategies import STRATEGIES
+
+    names = [s for s in STRATEGY_ORDER if s in STRATEGIES]
+    names += [s for s in STRATEGIES if s not in names]
+    return [s for s in names if s != "two-phase" or collective.op.is_reduce]
+
+
+@lru_cache(maxsize=512)
+def model_choice(sizing, profile: str = MODEL_PROFILE) -> Choice:
+    """Rank the strategies by the cost model's predicted latency, each with its rule-of-thumb
+    chunks and lanes (the model does not see blocks; the datapath picks them)."""
+    from purlin.snac import plan
+    from purlin.trace.model import predict_latency
+
+    coll = sizing.collective
+    best = None
+    for name in strategies_for(coll):
+        cfg = rules(coll, sizing.message_bytes, name)
+        try:
+            schedule = plan(coll, name, sizing=sizing, chunks=cfg.chunks, lanes=cfg.lanes,
+                            check=False)
+            ns = predict_latency(schedule, profile)
+        except Exception:  # a strategy that cannot plan this collective is no candidate
+            continue
+        if best is None or ns < best[0]:
+            best = (ns, cfg)
+    if best is None:
+        return rules(coll, sizing.message_bytes)
+    ns, cfg = best
+    return Choice(cfg.strategy, cfg.chunks, cfg.lanes, None,
+                  f"model {profile}: {ns / 1e3:.3g} us")

@@ -1,0 +1,145 @@
+"""The full sweep on 2 GPUs: six collectives, 8 B .. 1 GiB, Purlin (auto and strategies) against
+NCCL and PyTorch symmetric memory (all-reduce), CUDA-graph replays, plus eager calls at small
+sizes. Writes DIR/sweep.json (records + info), DIR/sweep.html (graph-mode figures),
+DIR/eager.html, and prints the nccl-tests tables and the ratios against NCCL.
+
+    PYTHONPATH=. python3 bench/gpu_sweep.py --out DIR [--quick] [--sizes 8:1GiB]
+        [--dtypes bfloat16] [--collectives all] [--strategies direct-push,two-phase,ring]
+        [--tuning PATH] [--time-limit 400]
+
+Budget (2xH200, under 8 minutes): baselines run first in one pair of processes; ops and
+repeats shrink with the size (purlin.bench.metrics.op_counts); explicit strategies run at
+every other size of the sweep (auto at all of them); ``--time-limit`` stops starting new Purlin
+points after that many seconds of the graph sweep (what is left out is listed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+
+from purlin.bench.sweep import SIX, Results, Sweep  # noqa: E402
+from purlin.cli import size_list  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+EAGER_SIZES = (8, 1 * KiB, 8 * KiB, 64 * KiB)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="folder for sweep.json and the figures")
+    ap.add_argument("--sizes", default=None, help="8:1GiB (default) or a list 8,64KiB,1MiB")
+    ap.add_argument("--dtypes", default="bfloat16")
+    ap.add_argument("--collectives", default="all")
+    ap.add_argument("--strategies", default="direct-push,two-phase,ring",
+                    help="explicit Purlin strategies besides auto ('' for none)")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--tuning", default=None, help="tuning table (default: auto's lookup)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a few sizes, fewer repeats: a smoke test of the whole script")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds for the graph sweep's Purlin points (default 400, quick 120)")
+    ap.add_argument("--no-eager", action="store_true")
+    args = ap.parse_args()
+
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.monotonic()
+    if args.quick:
+        sizes = size_list(args.sizes) or [8, 64 * KiB, 4 * MiB, 64 * MiB]
+        ops, repeats, limit = 20, 5, args.time_limit or 120
+    else:
+        sizes = size_list(args.sizes) or size_list("8:1GiB")
+        ops, repeats, limit = 50, 15, args.time_limit or 400
+    colls = list(SIX) if args.collectives == "all" else args.collectives.split(",")
+    dtypes = args.dtypes.split(",")
+    strategies = [s for s in args.strategies.split(",") if s]
+    every_other = sizes if args.quick or len(sizes) < 8 else sizes[::2]
+    if sizes[-1] not in every_other:
+        every_other = every_other + [sizes[-1]]
+
+    from purlin.runtime import Cluster
+
+    cluster = Cluster.local(args.ranks)
+    graph = Sweep(collectives=colls, sizes=sizes, dtypes=dtypes, mode="graph",
+                  providers=["nccl", "symm-one-shot", "symm-two-shot", "purlin:auto"],
+                  nranks=args.ranks, ops=ops, repeats=repeats, table=args.tuning,
+                  time_limit=limit, cluster=cluster)
+    res = graph.run(progress=True)
+    spent = time.monotonic() - t0
+    if strategies:
+        more = Sweep(collectives=colls, sizes=every_other, dtypes=dtypes, mode="graph",
+                     providers=[f"purlin:{s}" for s in strategies], nranks=args.ranks,
+                     ops=ops, repeats=repeats, table=args.tuning,
+                     time_limit=max(10.0, limit - spent), cluster=cluster)
+        res = res + more.run(progress=True)
+    print(f"# graph sweep: {time.monotonic() - t0:.0f} s", flush=True)
+    eager = Results([], {})
+    if not args.no_eager:
+        small = [s for s in EAGER_SIZES if s <= max(sizes)] or [min(sizes)]
+        eager = Sweep(collectives=colls, sizes=small, dtypes=dtypes, mode="eager",
+                      providers=["nccl", "purlin:auto"], nranks=args.ranks,
+                      ops=100 if not args.quick else 20, repeats=5, table=args.tuning,
+                      cluster=cluster).run()
+        print(f"# eager sweep: {time.monotonic() - t0:.0f} s", flush=True)
+
+    everything = res + eager
+    everything.info["seconds"] = round(time.monotonic() - t0, 1)
+    everything.info["script"] = "bench/gpu_sweep.py" + (" --quick" if args.quick else "")
+    path = os.path.join(args.out, "sweep.json")
+    everything.to_json(path)
+    try:
+        res.write_html(os.path.join(args.out, "sweep.html"))
+        if eager.records:
+            eager.write_html(os.path.join(args.out, "eager.html"))
+        figures = "sweep.html, eager.html"
+    except Exception as exc:  # no plotly on the GPU machine: draw from the JSON elsewhere
+        figures = f"no figures ({exc}); later: purlin bench --load {path} --html sweep.html"
+    everything.table(file=sys.stdout)
+    print()
+    everything.summary(file=sys.stdout)
+    print()
+    best_configs(res)
+    bad = [r for r in everything.records if r.wrong > 0]
+    print(f"\n# {len(everything.records)} records, {len(everything.errors)} failed, "
+          f"{len(bad)} with wrong results; {everything.info['seconds']:.0f} s; "
+          f"written {path}; {figures}")
+    for r in everything.errors[:10]:
+        print(f"# failed: {r.provider} {r.collective} {r.nbytes} {r.mode}: {r.extra['error']}")
+    return 1 if bad else 0
+
+
+def best_configs(res: Results) -> None:
+    """The fastest Purlin record per collective and size next to NCCL."""
+    print(f"{'collective':<15} {'size':>11} {'purlin best':<34} {'us':>9} {'nccl us':>9} "
+          f"{'ratio':>6}")
+    by = {}
+    for r in res.records:
+        if r.mode != "graph" or not r.ok:
+            continue
+        key = (r.collective, r.nbytes, r.dtype)
+        slot = by.setdefault(key, {})
+        if r.provider == "nccl":
+            slot["nccl"] = r
+        elif r.provider.startswith("purlin") and r.wrong == 0:
+            if "best" not in slot or r.time_us < slot["best"].time_us:
+                slot["best"] = r
+    for (coll, nbytes, _), slot in sorted(by.items()):
+        if "best" not in slot:
+            continue
+        b, n = slot["best"], slot.get("nccl")
+        e = b.extra
+        cfg = (f"{b.provider.removeprefix('purlin:')}={e.get('strategy')} c{e.get('chunks')} "
+               f"l{e.get('lanes')} b{e.get('blocks_per_lane')}")
+        nus = n.time_us if n else float("nan")
+        print(f"{coll:<15} {nbytes:>11} {cfg:<34} {b.time_us:9.2f} {nus:9.2f} "
+              f"{nus / b.time_us:6.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Sweeps on the cpu datapath and the cost model: records, checks, JSON, tables, figures."""
+
+import json
+import math
+
+import pytest
+
+from purlin.bench.sweep import Provider, Results, Sweep, powers_of_two
+from purlin.errors import SpecError
+from purlin.spec import Collective, collectives
+
+
+@pytest.fixture(scope="module")
+def cpu_results():
+    sweep = Sweep(collectives=["all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                               "broadcast", "reduce"],
+                  sizes=[64, 4096], dtypes=["float32"], nranks=2, datapath="cpu",
+                  providers=["purlin:auto", "purlin:two-phase", "purlin:ring/c2/l2"])
+    return sweep.run(progress=False)
+
+
+def test_cpu_sweep_checks_every_point_and_finds_nothing_wrong(cpu_results):
+    recs = cpu_results.records
+    # 6 collectives x 2 sizes x (auto, ring) + 3 reducing collectives x 2 sizes x two-phase
+    assert len(recs) == 6 * 2 * 2 + 3 * 2
+    assert all(r.wrong == 0 and r.ok for r in recs), [r.extra for r in recs if not r.ok]
+    assert {r.mode for r in recs} == {"cpu"}
+    assert all(r.time_us > 0 and r.busbw_gbs >= 0 for r in recs)
+    ring = [r for r in recs if r.provider == "purlin:ring/c2/l2"]
+    assert {(r.extra["chunks"], r.extra["lanes"]) for r in ring} == {(2, 2)}
+    assert any("two-phase reduces" in s for s in cpu_results.skipped)
+
+
+def test_cpu_sweep_is_labelled_as_not_gpu_numbers(cpu_results):
+    text = cpu_results.table()
+    assert "NOT GPU numbers" in text.splitlines()[1]
+    assert cpu_results.info["datapath"] == "cpu" and "cpu" in cpu_results.info["hardware"]
+
+
+def test_json_round_trip(cpu_results, tmp_path):
+    path = tmp_path / "sweep.json"
+    obj = cpu_results.to_json(path)
+    assert set(obj) == {"info", "records", "skipped"}
+    assert {"date", "hardware", "torch", "nccl", "commit"} <= set(obj["info"])
+    back = Results.load(path)
+    assert back.records == cpu_results.records
+    assert back.info == json.loads(path.read_text())["info"]
+    df = back.to_dataframe()
+    assert len(df) == len(back.records) and {"busbw_gbs", "strategy", "wrong"} <= set(df.columns)
+
+
+def test_nan_times_survive_json(tmp_path):
+    res = Sweep(collectives=["all-reduce"], sizes=[64], dtypes=["float32"], nranks=2,
+                datapath="cpu", providers=["purlin:auto"]).run(progress=False)
+    bad = res.records[0]
+    bad.time_us = float("nan")
+    bad.extra["error"] = "X: failed"
+    path = tmp_path / "r.json"
+    res.to_json(path)
+    assert "NaN" not in path.read_text()
+    back = Results.load(path).records[0]
+    assert math.isnan(back.time_us) and not back.ok
+
+
+def test_predicted_sweep_uses_the_model_and_checks_nothing():
+    res = Sweep(collectives=["all-reduce"], sizes=[8, 1 << 20, 1 << 30], nranks=2,
+                datapath="model", providers=["purlin:auto", "purlin:direct-push", "nccl"]
+                ).run(progress=False)
+    assert {r.mode for r in res.records} == {"model"}
+    assert all(r.wrong == -1 for r in res.records)
+    assert any("nccl needs GPUs" in s for s in res.skipped)
+    by = {(r.provider, r.nbytes): r for r in res.records}
+    assert by[("purlin:auto", 8)].time_us < by[("purlin:auto", 1 << 30)].time_us
+    assert by[("purlin:auto", 1 << 30)].extra["source"].startswith("model")
+
+
+def test_custom_collectives_run_on_purlin_only():
+    swapped = Collective([[0], [1]], [[1, 0], [1, 0]], "copy", name="swapped-gather")
+    res = Sweep(collectives=[swapped], sizes=[256], dtypes=["float32"], nranks=2,
+                datapath="cpu", providers=["purlin:direct-push"]).run(progress=False)
+    assert [r.collective for r in res.records] == ["swapped-gather"]
+    assert res.records[0].wrong == 0
+    assert Provider.parse("nccl").skip_reason(swapped, "sm").startswith("nccl runs the six")
+
+
+def test_bfloat16_on_cpu_is_skipped_with_a_reason():
+    res = Sweep(collectives=["all-reduce"], sizes=[64], dtypes=["bf16", "float32"], nranks=2,
+                datapath="cpu", providers=["purlin:auto"]).run(progress=False)
+    assert [r.dtype for r in res.records] == ["float32"]
+    assert any("no bfloat16" in s for s in res.skipped)
+
+
+def test_time_limit_skips_the_rest_and_says_so():
+    res = Sweep(collectives=["all-reduce"], sizes=[64, 128, 256], dtypes=["float32"],
+                nranks=2, datapath="cpu", providers=["purlin:auto"], time_limit=0.0
+                ).run(progress=False)
+    assert res.records == [] and "time limit" in res.skipped[-1]
+
+
+def test_sizes_that_do_not_split_are_fitted_once():
+    res = Sweep(collectives=["all-gather"], sizes=[8, 12, 16], dtypes=["float32"], nranks=3,
+                datapath="model", providers=["purlin:auto"]).run(progress=False)
+    assert [r.nbytes for r in res.records] == [12]
+
+
+def test_provider_names_parse_and_refuse():
+    assert Provider.parse("purlin:two-phase/c4/l8").name == "purlin:two-phase/c4/l8"
+    assert Provider.parse("symm-two-shot").is_baseline
+    for bad in ("mpi", "purlin:zigzag", "purlin:ring/x3"):
+        with pytest.raises(SpecError):
+            Provider.parse(bad)
+    assert powers_of_two(8, 1 << 30)[-1] == 1 << 30 and len(powers_of_two(8, 1 << 30)) == 28
+
+
+def test_sweep_refuses_collectives_of_another_rank_count():
+    with pytest.raises(SpecError, match="declared for 4 ranks"):
+        Sweep(collectives=[collectives.all_reduce(4)], nranks=2, datapath="cpu").points()
+
+
+def test_progress_falls_back_to_a_counter(monkeypatch, capsys):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *args, **kwargs):
+        if name.startswith("tqdm"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    Sweep(collectives=["all-reduce"], sizes=[64, 128], dtypes=["float32"], nranks=2,
+          datapath="cpu", providers=["purlin:auto"]).run(progress=True)
+    err = capsys.readouterr().err
+    assert "2/2 points" in err
+
+
+def test_summary_compares_with_nccl():
+    from purlin.bench.metrics import Record, Timing
+
+    def rec(p, n, us):
+        return Record.make(p, "all-reduce", 2, n, n // 2, "bfloat16", "sum", "graph",
+                           Timing(us, us, us, 1), 0)
+
+    res = Results([rec("nccl", 1024, 10.0), rec("purlin:auto", 1024, 5.0),
+                   rec("nccl", 1 << 28, 800.0), rec("purlin:auto", 1 << 28, 1600.0),
+                   rec("purlin:ring", 1 << 28, 400.0)])
+    lines = res.summary().splitlines()
+    auto = next(ln for ln in lines if "purlin:auto" in ln).split()
+    best = next(ln for ln in lines if "purlin (best)" in ln).split()
+    assert auto[-2:] == ["2.00x", "0.50x"]
+    assert best[-2:] == ["2.00x", "2.00x"]

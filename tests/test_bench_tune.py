@@ -1,0 +1,79 @@
+"""The tuner's candidate generator (SM budget, useful lanes, plausibility order) and how it
+keeps the fastest correct candidate."""
+
+import math
+
+import pytest
+
+from purlin.bench.metrics import Record, Timing
+from purlin.bench.tune import Config, best_entry, candidates, pieces, sm_budget, tune
+from purlin.errors import CapabilityError
+from purlin.runtime import Cluster
+from purlin.spec import collectives
+from purlin.spec.sizing import fit_nbytes
+
+KiB, MiB = 1 << 10, 1 << 20
+COLLS = [collectives.all_reduce(2), collectives.all_gather(2), collectives.reduce_scatter(2),
+         collectives.all_to_all(2), collectives.broadcast(2), collectives.reduce(2),
+         collectives.all_reduce(8)]
+
+
+@pytest.mark.parametrize("sms, threads, per_launch", [(132, 512, 1), (16, 512, 1),
+                                                     (132, 256, 1), (132, 512, 4), (8, 512, 2)])
+@pytest.mark.parametrize("nbytes", [8, 64 * KiB, 4 * MiB, 256 * MiB])
+def test_candidates_stay_within_the_sm_budget(sms, threads, per_launch, nbytes):
+    budget = sm_budget(sms, threads, per_launch)
+    assert budget == max(1, sms * max(1, 65536 // (threads * 128)) // per_launch)
+    for coll in COLLS:
+        cands = candidates(coll, nbytes, sms=sms, threads=threads, ranks_per_launch=per_launch)
+        assert cands, (coll.name, nbytes)
+        assert all(c.lanes * c.blocks_per_lane <= budget for c in cands)
+        assert len(set(cands)) == len(cands)
+
+
+def test_candidates_give_every_lane_work_and_skip_two_phase_for_copies():
+    for coll in COLLS:
+        for nbytes in (64 * KiB, 16 * MiB):
+            sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, "bfloat16"), dtype="bfloat16")
+            for c in candidates(coll, nbytes):
+                assert c.lanes <= max(1, pieces(sizing, c.strategy, c.chunks))
+                assert c.strategy != "two-phase" or coll.op.is_reduce
+
+
+def test_candidates_are_ordered_and_limited_per_strategy():
+    cands = candidates(collectives.all_reduce(2), 64 * MiB, limit=3)
+    strategies = [c.strategy for c in cands]
+    assert strategies[:4] == ["direct-push", "direct-pull", "two-phase", "ring"]
+    assert all(strategies.count(s) == 3 for s in set(strategies))
+    small = candidates(collectives.all_reduce(2), 8 * KiB)
+    assert small[0] == Config("direct-push", 1, 1, 1)  # the rule of thumb first
+    big = candidates(collectives.all_reduce(2), 256 * MiB)[:8]
+    assert min(c.blocks for c in big) >= 32  # big messages start with many blocks
+    assert len({c.blocks for c in candidates(collectives.all_reduce(2), 64 * MiB,
+                                             limit=6)}) > 1
+
+
+def _rec(us, wrong=0, nbytes=1 << 20):
+    return Record.make("purlin:x", "all-reduce", 2, nbytes, nbytes // 2, "bfloat16", "sum",
+                       "graph", Timing(us, us, us, 3), wrong)
+
+
+def test_best_entry_keeps_the_fastest_correct_candidate():
+    nan = float("nan")
+    timed = [(Config("direct-push", 1, 1, 4), _rec(30.0)),
+             (Config("two-phase", 2, 4, 8), _rec(10.0, wrong=5)),  # fast but wrong
+             (Config("two-phase", 1, 2, 4), _rec(20.0)),
+             (Config("ring", 2, 2, 2), _rec(nan))]                 # failed
+    timed[3][1].extra["error"] = "PurlinTimeoutError: ..."
+    e = best_entry("all-reduce", timed, "bfloat16")
+    assert (e["strategy"], e["chunks"], e["lanes"], e["blocks_per_lane"]) == ("two-phase", 1, 2,
+                                                                              4)
+    assert set(e["per_strategy"]) == {"direct-push", "two-phase"}
+    assert e["per_strategy"]["direct-push"]["time_us"] == 30.0 and e["timed"] == 4
+    assert best_entry("all-reduce", timed[1:2], "bfloat16") is None
+    assert not math.isnan(e["time_us"])
+
+
+def test_tune_needs_gpus():
+    with pytest.raises(CapabilityError, match="needs GPUs"):
+        tune(Cluster.cpu(2), ["all-reduce"], [1024])
