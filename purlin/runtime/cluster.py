@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from purlin.errors import ExecutionError, PlanError, SpecError
+from purlin.errors import CapabilityError, ExecutionError, PlanError, SpecError
 from purlin.snac.ir import Schedule
 from purlin.snac.planner import plan
 from purlin.spec.collective import Collective
@@ -70,26 +70,61 @@ class Cluster:
 
     def bind(self, collective: Collective, strategy: str = "direct-push", *, count=None,
              nbytes=None, dtype="float32", chunk_sizes=None, sizing=None, chunks: int = 1,
-             lanes: int = 1, timeout: float = 5.0, **options) -> "Bound":
+             lanes: int = 1, timeout: float = 5.0, datapath: str | None = None,
+             **options) -> "Bound":
         """Plan, verify and prepare ``collective`` for this cluster; call the result to run it.
 
         Everything is allocated here (buffers, flags, instruction tables); a call only runs.
+        ``datapath`` says how bytes move: "sm" (the GPU default), "ce" (copy engines, reductions
+        on sm; on a cpu cluster the mixed schedule runs on the cpu datapath) or "auto".
         """
         if collective.nranks != self.nranks:
             raise PlanError(f"{collective.name} is declared for {collective.nranks} ranks but "
                             f"the cluster has {self.nranks}")
         if strategy == "auto":
-            from purlin.runtime.auto import choose
+            from purlin.runtime.auto import select
 
-            strategy, chunks, lanes = choose(collective, self, count=count, nbytes=nbytes,
-                                             dtype=dtype, chunk_sizes=chunk_sizes)
+            size = ({"chunk_sizes": dict(sizing.chunks), "dtype": sizing.dtype.name}
+                    if sizing is not None else {"count": count, "nbytes": nbytes,
+                                                "dtype": dtype, "chunk_sizes": chunk_sizes})
+            choice = select(collective, self, **size)
+            strategy, chunks, lanes = choice.strategy, choice.chunks, choice.lanes
+            if self.kind != "cpu" and options.get("blocks_per_lane") is None:
+                options["blocks_per_lane"] = choice.blocks_per_lane  # the table's, or None
+        datapath, caps = self._datapath(collective, datapath, count=count, nbytes=nbytes,
+                                        dtype=dtype, chunk_sizes=chunk_sizes, sizing=sizing)
         schedule = plan(collective, strategy, count=count, nbytes=nbytes, dtype=dtype,
-                        chunk_sizes=chunk_sizes, sizing=sizing, chunks=chunks, lanes=lanes)
+                        chunk_sizes=chunk_sizes, sizing=sizing, chunks=chunks, lanes=lanes,
+                        capabilities=caps)
         if self.kind == "cpu":
             return CpuBound(self, schedule, timeout)
+        if datapath == "ce":
+            from purlin.atom import ce
+
+            return ce.bind(self, schedule, timeout=timeout, **options)
         from purlin.atom import sm
 
         return sm.bind(self, schedule, timeout=timeout, **options)
+
+    def _datapath(self, collective, datapath, **size):
+        """The datapath a bind runs on and the capabilities the planner must respect."""
+        if datapath is None:
+            return self.datapath, None
+        if datapath == "auto":
+            if self.kind == "cpu":
+                return "cpu", None
+            from purlin.atom.ce import auto_datapath
+
+            datapath = auto_datapath(collective, **size)
+        allowed = ("cpu", "ce", "auto") if self.kind == "cpu" else ("sm", "ce", "auto")
+        if datapath not in allowed:
+            raise CapabilityError(f"datapath {datapath!r} cannot run on {self!r}; choose one of "
+                                  f"{', '.join(allowed)}")
+        if datapath == "ce":
+            from purlin.atom import capabilities
+
+            return "ce", capabilities("ce")
+        return datapath, None
 
     def __repr__(self) -> str:
         where = f" on GPUs {list(self.devices)}" if self.devices else ""

@@ -1,0 +1,553 @@
+"""The ce datapath: copy engines move the bytes, stream memory operations order them.
+
+A copy is ``cudaMemcpyAsync`` between peers (a copy engine; no SM), a Notify an atomic add on the
+flag in the owner's memory and a wait a ``GEQ`` stream wait, both ``cuStreamBatchMemOp``
+operations; one CUDA stream per (rank, lane). Copy engines cannot reduce, so the datapath
+reports ``Capabilities(name="ce", can_reduce=False, reduce_engine="sm")``: the planner puts
+reductions on ``sm`` and the bound collective runs them with the existing executor kernel, fed
+a table of only its sm steps and the waits and notifies that order them (mixed schedules).
+How flags stay replayable in CUDA graphs: ``purlin.atom.ce_lowering``.
+
+Bind through the cluster: ``Cluster.local(2).bind(collectives.all_gather(2), nbytes=1 << 26,
+datapath="ce")``; then ``bound(inputs)``, ``bound.launch()`` or ``bound.capture(ops)`` exactly
+as on the sm datapath.
+
+>>> CAPABILITIES
+Capabilities(name='ce', can_reduce=False, reduce_engine='sm')
+>>> from purlin.spec import collectives
+>>> auto_datapath(collectives.all_gather(2), nbytes=64 << 20, dtype="bfloat16")
+'ce'
+>>> auto_datapath(collectives.all_reduce(2), nbytes=64 << 20, dtype="bfloat16")
+'sm'
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from purlin.atom.ce_lowering import assign_engines, ce_flag_slots, chain_lanes, lower_ce
+from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
+from purlin.kernels import isa
+from purlin.snac.planner import Capabilities
+
+CAPABILITIES = Capabilities(name="ce", can_reduce=False, reduce_engine="sm")
+TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float64")
+DEFAULT_THREADS = 512
+# copy engines pay a few µs per operation; below this the sm datapath is faster (NCCL's
+# NCCL_SYM_CE_THRESHOLD default is the same 8 MiB)
+AUTO_MIN_BYTES = 8 << 20
+RELEASE_VALUE = 1 << 62     # written into every counter to free stuck waits after a timeout
+
+
+def auto_datapath(collective, *, count=None, nbytes=None, dtype="float32", chunk_sizes=None,
+                  sizing=None) -> str:
+    """``"ce"`` for a pure copy of at least AUTO_MIN_BYTES (the largest per-rank buffer), where
+    copy engines match SM bandwidth and leave the SMs to compute; ``"sm"`` otherwise."""
+    if collective.op.is_reduce:
+        return "sm"
+    if sizing is None:
+        if count is None and nbytes is None and chunk_sizes is None:
+            return "sm"
+        sizing = collective.sized(count, nbytes=nbytes, dtype=dtype, chunk_sizes=chunk_sizes)
+    return "ce" if sizing.message_bytes >= AUTO_MIN_BYTES else "sm"
+
+
+def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
+         threads: int = DEFAULT_THREADS, trace_rows: int = 0):
+    if trace_rows:
+        raise CapabilityError("the ce datapath records no measured trace yet; use "
+                              "purlin.atom.ce.predict for its timeline")
+    return CeBound(cluster, schedule, timeout=timeout, blocks_per_lane=blocks_per_lane,
+                   threads=threads)
+
+
+# -- timelines ----------------------------------------------------------------------------------
+def label_engines(timeline):
+    """The timeline with every event's ``engine`` set to the engine that runs its step on the
+    ce datapath (copies ``ce``, reductions ``sm``, notifies and waits as their lane's data)."""
+    if timeline.schedule is None:
+        raise ExecutionError("label_engines needs a timeline that carries its schedule")
+    engines = assign_engines(timeline.schedule)
+    events = tuple(replace(e, engine=engines[e.rank][e.step]) for e in timeline.events)
+    return replace(timeline, events=events, meta={**dict(timeline.meta), "datapath": "ce"})
+
+
+def predict(schedule, profile="H200", *, label: str | None = None):
+    """The cost model's timeline of ``schedule`` with engines labelled as the ce datapath runs
+    it (see :func:`label_engines`).
+
+    >>> from purlin.spec import collectives
+    >>> from purlin.snac import plan
+    >>> s = plan(collectives.all_reduce(2), "direct-push", count=64, capabilities=CAPABILITIES)
+    >>> sorted({(e.kind, e.engine) for e in predict(s).events})
+    [('consume', 'sm'), ('notify', 'ce'), ('stage', 'ce'), ('wait', 'sm')]
+    """
+    from purlin.trace.model import predict as model_predict
+
+    timeline = model_predict(schedule, profile, label=label)
+    return label_engines(replace(timeline, label=label or f"{timeline.label} ce"))
+
+
+# -- binding ------------------------------------------------------------------------------------
+class CeBound:
+    """A schedule bound to GPUs on the ce datapath; the same surface as the sm datapath's
+    ``SmBound``: ``inputs[r]`` / ``outputs[r]`` tensors, ``launch()``, ``check()``,
+    ``capture(ops)``, ``synchronize()`` and ``bound(inputs)``."""
+
+    def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads):
+        from purlin.atom import ce_driver as drv
+        from purlin.atom.sm import _torch, default_blocks_per_lane
+
+        torch = _torch()
+        if schedule.dtype not in TORCH_DTYPES:
+            raise CapabilityError(f"the ce datapath moves {', '.join(TORCH_DTYPES)}, not "
+                                  f"{schedule.dtype}")
+        self.cluster, self.schedule, self.timeout, self.torch = cluster, schedule, timeout, torch
+        self.broken: str | None = None
+        n, lanes = schedule.nranks, schedule.lanes
+        sizing = schedule.sizing
+        item = sizing.dtype.itemsize
+        self.engines = assign_engines(schedule)
+        uses_sm = any("sm" in e for e in self.engines)
+        bpl = (blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes)) \
+            if uses_sm else 1
+        self.blocks_per_lane, self.threads = bpl, threads
+        self.devices = devs = tuple(cluster.devices)
+        tdt = getattr(torch, schedule.dtype)
+        self.inputs, self.outputs, self.scratch, self.flags, self.control = [], [], [], [], []
+        for r in range(n):
+            dev = torch.device("cuda", devs[r])
+            self.inputs.append(torch.zeros(max(sizing.input_count(r), 1), dtype=tdt, device=dev))
+            self.outputs.append(torch.zeros(max(sizing.output_count(r), 1), dtype=tdt,
+                                            device=dev))
+            one = _round16(schedule.scratch[r] * item)
+            self.scratch.append(torch.zeros(max(one * schedule.scratch_copies, 16),
+                                            dtype=torch.uint8, device=dev))
+            self.flags.append(torch.zeros(ce_flag_slots(n, lanes), dtype=torch.int64,
+                                          device=dev))
+            self.control.append(torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev))
+        self.abort = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", devs[0]))
+        scratch_bytes = {r: _round16(schedule.scratch[r] * item) for r in range(n)}
+        bases = {}
+        for r in range(n):
+            bases[(r, "input")] = self.inputs[r].data_ptr()
+            bases[(r, "output")] = self.outputs[r].data_ptr()
+            bases[(r, "scratch")] = self.scratch[r].data_ptr()
+        self.lowered = lower_ce(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
+                                {r: self.control[r].data_ptr() for r in range(n)}, devs,
+                                blocks_per_lane=bpl, scratch_bytes=scratch_bytes)
+        self._initial_flags = []
+        for r, low in enumerate(self.lowered.ranks):
+            for addr, value in low.init.items():
+                self.flags[r][(addr - self.flags[r].data_ptr()) // 8] = value
+            self._initial_flags.append(self.flags[r].clone())
+        self.support = {d: drv.device_support(d) for d in dict.fromkeys(devs)}
+        for d, sup in self.support.items():
+            if not sup["CAN_USE_64_BIT_STREAM_MEM_OPS"]:
+                raise CapabilityError(f"GPU {d} does not offer 64-bit stream memory operations "
+                                      "(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS), "
+                                      "which the ce datapath waits with")
+        self.atomic_add = all(sup["atomic_add"] for sup in self.support.values())
+        self._check_connections(drv)
+        self._keep: list = []
+        self._build(drv, torch, threads)
+        self._warm_up(drv)
+        self.timeout_ns = int(timeout * 1e9)
+        self.calls = 0
+        self._bound_calls: dict = {}
+        self.synchronize()
+
+    def _check_connections(self, drv) -> None:
+        """Streams beyond the device's hardware queues share one, and a stream waiting on a
+        counter would then hold up the stream behind it: refuse rather than risk a hang."""
+        limit = drv.max_connections()
+        for d in dict.fromkeys(self.devices):
+            active = sum(1 for low in self.lowered.ranks if low.device == d
+                         for ops in low.lanes[0] if ops)
+            if active + 1 > limit:
+                raise CapabilityError(
+                    f"the ce datapath needs {active + 1} streams on GPU {d} (one per active "
+                    f"(rank, lane) plus the caller's) but the driver maps streams onto "
+                    f"CUDA_DEVICE_MAX_CONNECTIONS={limit} hardware queues; a waiting stream "
+                    "could block another one. Use fewer lanes, or set "
+                    "CUDA_DEVICE_MAX_CONNECTIONS (up to 32) before CUDA starts")
+
+    def _build(self, drv, torch, threads) -> None:
+        from purlin.kernels.launch import Launcher
+
+        low = self.lowered
+        self.contexts = {d: drv.DeviceContext(d) for d in dict.fromkeys(self.devices)}
+        self.resources, self.programs = {}, {}
+        for d, ctx in self.contexts.items():
+            ranks = [r for r in low.ranks if r.device == d]
+            streams, events = {}, {}
+            for r in ranks:
+                for lane, ops in enumerate(r.lanes[0]):
+                    if ops:
+                        streams[(r.rank, lane)] = drv.create_stream(ctx)
+                        events[f"done:r{r.rank}.l{lane}"] = drv.create_event(ctx)
+            events[f"fork:d{d}"] = drv.create_event(ctx)
+            events[f"end:d{d}"] = drv.create_event(ctx)
+            launch = self._launcher(torch, Launcher, d, [r for r in ranks if r.sm is not None],
+                                    threads)
+            add_kernel = None if self.atomic_add else drv.AddKernel(d)
+            res = drv.Resources(d, streams, events, launch, add_kernel,
+                                self._pair_array_maker(torch, d), self.atomic_add)
+            self.resources[d] = res
+            for parity in range(low.parities):
+                for chained in (False, True):
+                    lane_ops = {}
+                    for r in ranks:
+                        lanes = r.lanes[parity]
+                        lanes = chain_lanes(lanes, r.rank) if chained else lanes
+                        lane_ops.update({(r.rank, lane): ops for lane, ops in enumerate(lanes)})
+                    self.programs[(d, parity, chained)] = drv.compile_program(
+                        low.programs[d][parity], lane_ops, res)
+        # for check(): events to poll, and a stream with pinned buffers of its own to read and
+        # release the counters while other streams are stuck
+        self._sync_events = {d: drv.create_event(ctx) for d, ctx in self.contexts.items()}
+        self._rescue_events = {d: drv.create_event(ctx) for d, ctx in self.contexts.items()}
+        self._rescue = {d: drv.create_stream(ctx) for d, ctx in self.contexts.items()}
+        self._host_counters = [torch.zeros(f.numel(), dtype=torch.int64, pin_memory=True)
+                               for f in self.flags]
+        self._release_values = torch.full((self.flags[0].numel(),), RELEASE_VALUE,
+                                          dtype=torch.int64, pin_memory=True)
+
+    def _warm_up(self, drv) -> None:
+        """Launch every add kernel once (adding nothing) before any stream can wait, so that
+        no first launch has to load a module while another GPU is blocked (see preload)."""
+        for d, res in self.resources.items():
+            if res.add_kernel is not None:
+                r = self.devices.index(d)
+                nothing = res.pair_array([(self.flags[r].data_ptr(), 0)])
+                with self.contexts[d]:
+                    res.add_kernel(nothing, 0, self._rescue[d])
+        self.synchronize()
+
+    def _pair_array_maker(self, torch, device):
+        def make(pairs):
+            t = torch.tensor([v for a, x in pairs for v in (a, _signed(x))], dtype=torch.int64,
+                             device=torch.device("cuda", device))
+            self._keep.append(t)
+            return t.data_ptr()
+        return make
+
+    def _launcher(self, torch, Launcher, device, sm_ranks, threads):
+        if not sm_ranks:
+            return None
+        lanes = self.schedule.lanes
+        descs = []
+        for low in sm_ranks:
+            dev = torch.device("cuda", device)
+            even = torch.from_numpy(low.sm.tables[0]).to(dev)
+            odd = torch.from_numpy(low.sm.tables[-1]).to(dev)
+            offsets = torch.from_numpy(low.sm.lane_offsets).to(dev)
+            srcs = torch.from_numpy(low.sm.srcs).to(dev)
+            self._keep += [even, odd, offsets, srcs]
+            ctl = self.control[low.rank].data_ptr()
+            desc = [0] * isa.DESC_WIDTH
+            desc[isa.D_RANK] = low.rank
+            desc[isa.D_TABLE], desc[isa.D_TABLE_ODD] = even.data_ptr(), odd.data_ptr()
+            desc[isa.D_LANES], desc[isa.D_NLANES] = offsets.data_ptr(), lanes
+            desc[isa.D_SRCS] = srcs.data_ptr()
+            desc[isa.D_EPOCH], desc[isa.D_DONE], desc[isa.D_ERROR] = ctl, ctl + 8, ctl + 16
+            desc[isa.D_ABORT] = self.abort.data_ptr()
+            descs.append(desc)
+        table = torch.tensor(descs, dtype=torch.int64, device=torch.device("cuda", device))
+        self._keep.append(table)
+        launcher = Launcher(device=device, nranks_in_launch=len(sm_ranks), nlanes=lanes,
+                            blocks_per_lane=self.blocks_per_lane, threads=threads)
+        _check_resident(torch, device, launcher)
+        if getattr(launcher, "_function", None) is not None:  # not under the simulator
+            from purlin.atom.ce_driver import preload
+
+            preload(launcher._function, device)
+        desc_ptr = table.data_ptr()
+        return lambda stream: launcher(desc_ptr, stream, self.timeout_ns)
+
+    # -- running -----------------------------------------------------------------------------
+    def launch(self, streams=None) -> None:
+        """Enqueue one call on every device (asynchronous): on each device's current stream, or
+        on ``streams[device]`` given as raw stream handles."""
+        if self.broken:
+            raise ExecutionError(f"this bound collective failed earlier ({self.broken}); its "
+                                 "counters no longer match: bind it again")
+        torch = self.torch
+        parity = self.calls % self.lowered.parities
+        for d, ctx in self.contexts.items():
+            main = streams[d] if streams else torch.cuda.current_stream(d).cuda_stream
+            with ctx:
+                self._issue(d, parity, main)
+        self.calls += 1
+
+    def _issue(self, device, parity, main, chained=False) -> None:
+        from purlin.atom import ce_driver as drv
+
+        key = (device, parity, int(main), chained)
+        calls = self._bound_calls.get(key)
+        if calls is None:
+            calls = self._bound_calls[key] = drv.bind_main(
+                self.programs[(device, parity, chained)], int(main))
+        drv.issue(calls, self.resources[device])
+
+    def capture(self, ops: int = 1, chain_lanes: bool = True) -> "CeGraphSet":
+        """Capture ``ops`` back-to-back calls into one CUDA graph per device (and, where the
+        schedule alternates two scratch areas and ``ops`` is odd, a second set that starts on
+        the other parity); replaying the set runs them again with nothing to reset.
+
+        ``chain_lanes``: a rank's copy-engine lanes run one after another inside the graph
+        (see ``ce_lowering.chain_lanes``); the executor still runs beside them."""
+        torch = self.torch
+        self.synchronize()
+        parities = self.lowered.parities
+        starts = [self.calls % parities]
+        if parities == 2 and ops % 2:
+            starts.append(1 - starts[0])
+        sets = {}
+        for start in starts:
+            graphs = []
+            for d, ctx in self.contexts.items():
+                with torch.cuda.device(d):
+                    graph = torch.cuda.CUDAGraph()
+                    capture_stream = torch.cuda.Stream(device=d)
+                    with torch.cuda.graph(graph, stream=capture_stream):
+                        with ctx:
+                            for k in range(ops):
+                                self._issue(d, (start + k) % parities,
+                                            capture_stream.cuda_stream, chain_lanes)
+                graphs.append((d, graph))
+            sets[start] = graphs
+        return CeGraphSet(self, sets, ops)
+
+    def synchronize(self) -> None:
+        for d in dict.fromkeys(self.devices):
+            self.torch.cuda.synchronize(d)
+
+    def check(self) -> None:
+        """Wait for every call so far (at most ``timeout`` seconds), then raise
+        PurlinTimeoutError if a wait timed out: the executor's own record, or a copy-engine
+        wait that the host found stuck (its counters are then released so the GPUs go idle)."""
+        from purlin.atom import ce_driver as drv
+
+        if not self._wait_idle(drv, time.monotonic() + self.timeout):
+            stuck = self._stuck_waits()
+            self._release(drv)
+            self.broken = stuck
+            self._raise_kernel_error()
+            raise PurlinTimeoutError(f"{stuck}; the counters were released and the bound "
+                                     "collective must be bound again")
+        self._raise_kernel_error()
+
+    def _wait_idle(self, drv, deadline: float) -> bool:
+        """Record an event on every device's current stream; poll them until ``deadline``."""
+        d_ = drv.driver()
+        torch = self.torch
+        for d, ctx in self.contexts.items():
+            with ctx:
+                drv.check(d_.cuEventRecord(self._sync_events[d],
+                                           d_.CUstream(torch.cuda.current_stream(d).cuda_stream)),
+                          "cuEventRecord")
+        return self._poll(drv, dict(self._sync_events), deadline)
+
+    def _poll(self, drv, pending: dict, deadline: float) -> bool:
+        d_ = drv.driver()
+        while pending:
+            for d in list(pending):
+                with self.contexts[d]:
+                    err = d_.cuEventQuery(pending[d])[0]
+                if err == d_.CUresult.CUDA_SUCCESS:
+                    del pending[d]
+                elif err != d_.CUresult.CUDA_ERROR_NOT_READY:
+                    raise ExecutionError(f"GPU {d} failed while running the ce datapath: {err!r}")
+            if pending and time.monotonic() > deadline:
+                return False
+            if pending:
+                time.sleep(1e-4)
+        return True
+
+    def _stuck_waits(self) -> str:
+        """Which waits are not satisfied now, from a snapshot of the counters (best effort)."""
+        from purlin.atom.ce_lowering import WaitGeq
+
+        values = self._read_counters()
+        if values is None:
+            return (f"the ce datapath did not finish within {self.timeout:.3g} s and its "
+                    "counters could not be read")
+        found = []
+        parity = (self.calls - 1) % self.lowered.parities
+        for low in self.lowered.ranks:
+            for lane, ops in enumerate(low.lanes[parity]):
+                for op in ops:
+                    if isinstance(op, WaitGeq):
+                        seen = self._counter(values, op.addr)
+                        if seen is not None and seen < op.value:
+                            found.append(f"rank {low.rank} lane {lane} step {op.step} "
+                                         f"({op.what}) waits for {self._name(op.addr)} >= "
+                                         f"{op.value}, saw {seen}")
+                            break
+        what = "; ".join(found[:4]) or "no stream wait is unsatisfied (the executor may be)"
+        return f"the ce datapath did not finish within {self.timeout:.3g} s: {what}"
+
+    def _read_counters(self):
+        """Every rank's counters, copied on a stream of their own into pinned memory made at
+        bind time (no call here may wait for the stuck GPUs); None if that does not finish."""
+        from purlin.atom import ce_driver as drv
+
+        d_ = drv.driver()
+        events = []
+        for r, f in enumerate(self.flags):
+            d = self.devices[r]
+            with self.contexts[d]:
+                drv.check(d_.cuMemcpyDtoHAsync(self._host_counters[r].data_ptr(), f.data_ptr(),
+                                               8 * f.numel(), self._rescue[d]),
+                          "cuMemcpyDtoHAsync")
+                drv.check(d_.cuEventRecord(self._rescue_events[d], self._rescue[d]),
+                          "cuEventRecord")
+                events.append(d)
+        if not self._poll(drv, {d: self._rescue_events[d] for d in events},
+                          time.monotonic() + 1.0):
+            return None
+        return [(f.data_ptr(), self._host_counters[r].numpy().copy())
+                for r, f in enumerate(self.flags)]
+
+    @staticmethod
+    def _counter(values, addr):
+        for base, arr in values:
+            if base <= addr < base + 8 * arr.size:
+                return int(arr[(addr - base) // 8])
+        return None
+
+    def _name(self, addr: int) -> str:
+        n, lanes = self.schedule.nranks, self.schedule.lanes
+        for r, f in enumerate(self.flags):
+            base = f.data_ptr()
+            if base <= addr < base + 8 * f.numel():
+                k = (addr - base) // 8
+                if k < n * lanes:
+                    return f"flag(r{r}<-r{k // lanes}.l{k % lanes})"
+                kind = "lane barrier" if k < n * lanes + lanes else "hand-off counter"
+                return f"{kind} of r{r} lane {(k - n * lanes) % lanes}"
+        return f"counter at {addr:#x}"
+
+    def _release(self, drv) -> None:
+        """Write RELEASE_VALUE into every counter and raise ABORT, so that every stream wait
+        and executor wait passes and the GPUs drain (results are garbage)."""
+        d_ = drv.driver()
+        for r, f in enumerate(self.flags):
+            d = self.devices[r]
+            with self.contexts[d]:
+                drv.check(d_.cuMemcpyHtoDAsync(f.data_ptr(), self._release_values.data_ptr(),
+                                               8 * f.numel(), self._rescue[d]),
+                          "cuMemcpyHtoDAsync")
+        d0 = self.devices[0]
+        with self.contexts[d0]:
+            drv.check(d_.cuMemcpyHtoDAsync(self.abort.data_ptr(),
+                                           self._release_values.data_ptr(), 8,
+                                           self._rescue[d0]), "cuMemcpyHtoDAsync")
+        if not self._wait_idle(drv, time.monotonic() + max(10.0, self.timeout)):
+            raise PurlinTimeoutError("the ce datapath stayed stuck after its counters were "
+                                     "released; the GPUs need a new process")
+
+    def _raise_kernel_error(self) -> None:
+        records = [c[2:].cpu().numpy() for c in self.control]
+        failed = [(r, rec) for r, rec in enumerate(records) if rec[isa.E_CODE] != isa.ERR_NONE]
+        if not failed:
+            return
+        r, rec = next(((r, rec) for r, rec in failed if rec[isa.E_CODE] == isa.ERR_TIMEOUT),
+                      failed[0])
+        self.broken = self.broken or "the executor timed out"
+        raise PurlinTimeoutError(
+            f"rank {r} step {int(rec[isa.E_STEP])} (sm part, lane {int(rec[isa.E_LANE])}) "
+            f"timed out after {self.timeout:.3g} s waiting on {self._name(int(rec[isa.E_FLAG]))} "
+            f"from rank {int(rec[isa.E_PEER])}: expected >= {int(rec[isa.E_EXPECTED])}, saw "
+            f"{int(rec[isa.E_SEEN])}; the bound collective must be bound again")
+
+    def reset(self) -> None:
+        """Put counters and call counts back to their starting values (after an error, once
+        the GPUs are idle)."""
+        self.synchronize()
+        for f, init in zip(self.flags, self._initial_flags):
+            f.copy_(init)
+        for c in self.control:
+            c.zero_()
+        self.abort.zero_()
+        self.calls, self.broken = 0, None
+        self.synchronize()
+
+    def __call__(self, inputs=None, out=None, trace: bool = False):
+        """Copy ``inputs`` (tensors, one per rank) in, run once, wait, check and return the
+        outputs (views of the bound output buffers, or copies into ``out``)."""
+        if trace:
+            raise CapabilityError("the ce datapath records no measured trace yet")
+        torch = self.torch
+        if inputs is not None:
+            if len(inputs) != self.schedule.nranks:
+                raise ExecutionError(f"need {self.schedule.nranks} inputs, got {len(inputs)}")
+            for r, x in enumerate(inputs):
+                if x is None:
+                    continue
+                x = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+                want = self.schedule.sizing.input_count(r)
+                if x.numel() != want:
+                    raise ExecutionError(f"input of rank {r} has {x.numel()} elements; this "
+                                         f"binding expects {want}")
+                self.inputs[r][:want].copy_(x.reshape(-1).to(self.inputs[r].dtype))
+        self.launch()
+        self.check()
+        sizing = self.schedule.sizing
+        outs = [self.outputs[r][:sizing.output_count(r)] for r in range(self.schedule.nranks)]
+        if out is not None:
+            for o, v in zip(out, outs):
+                o.reshape(-1).copy_(v)
+            return out
+        return outs
+
+    def predict(self, profile="H200"):
+        """The predicted timeline of this binding, engines labelled."""
+        return predict(self.schedule, profile)
+
+    def __repr__(self) -> str:
+        add = "stream atomic add" if self.atomic_add else "add kernel"
+        sm = f", sm part {self.blocks_per_lane} block(s) per lane" if self.lowered.uses_sm else ""
+        return f"<bound {self.schedule.title()} on {self.cluster}, ce datapath ({add}{sm})>"
+
+
+class CeGraphSet:
+    """CUDA graphs of a ce-bound collective, one per device (per starting parity where needed),
+    replayed together."""
+
+    def __init__(self, bound, sets, ops):
+        self.bound, self.sets, self.ops = bound, sets, ops
+
+    @property
+    def graphs(self) -> list:
+        """The (device, graph) pairs that the next replay runs."""
+        parities = self.bound.lowered.parities
+        return self.sets.get(self.bound.calls % parities) or next(iter(self.sets.values()))
+
+    def replay(self) -> None:
+        for _, graph in self.graphs:
+            graph.replay()
+        self.bound.calls += self.ops
+
+
+def _round16(nbytes: int) -> int:
+    return (nbytes + 15) // 16 * 16
+
+
+def _signed(value: int) -> int:
+    value %= 1 << 64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _check_resident(torch, device, launcher) -> None:
+    """Every block of the executor must be resident at once, or a wait could starve."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_sm = max(1, 65536 // (launcher.threads * 128))
+    if launcher.grid > sms * per_sm:
+        raise CapabilityError(f"{launcher.grid} executor blocks of {launcher.threads} threads "
+                              f"cannot all be resident on GPU {device} ({sms} SMs); use fewer "
+                              "lanes or blocks per lane")
