@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Purlin's developer commands. Needs only python3 (>= 3.10) with pip and venv.
 #
-#   ./dev.sh demo   set up .venv with .[notebook] and run `purlin demo`
+#   ./dev.sh demo   set up .venv with .[notebook] and run `purlin demo`: the tour notebook,
+#                   headless, on the cpu datapath; writes out/demo-timeline.html (--out DIR)
 #   ./dev.sh lab    set up .venv with .[notebook] and open JupyterLab on notebooks/
 #   ./dev.sh test   set up .venv with .[test] and run pytest (extra arguments go to pytest)
 #

@@ -106,14 +106,18 @@ def describe(args: argparse.Namespace) -> int:
     return 0
 
 
-@command("demo", arg("-n", "--ranks", type=int, default=4, metavar="N",
-                     help="number of ranks (default 4)"))
+@command("demo",
+         arg("--out", default="out", metavar="DIR",
+             help="where to write demo-timeline.html and demo-tour.ipynb (default out/)"),
+         arg("--gpu", action="store_true",
+             help="run on the GPUs if there are any (default: the cpu datapath)"),
+         arg("--timeout", type=int, default=120, metavar="S",
+             help="seconds a notebook cell may take (default 120)"))
 def demo(args: argparse.Namespace) -> int:
-    """Describe every standard collective."""
-    for i, name in enumerate(STANDARD):
-        if i:
-            print()
-        print(standard(name, args.ranks).describe())
+    """Run the tour notebook headless and write its timelines as a standalone HTML page."""
+    from purlin.notebooks import demo as run_tour
+
+    run_tour(args.out, cpu_only=not args.gpu, timeout=args.timeout)
     return 0
 
 
@@ -295,6 +299,82 @@ def _random_input(rng, count, dtype):
 
 def _host(x):
     return x.float().cpu().numpy() if hasattr(x, "cpu") else x
+
+
+def size_list(text: str | None) -> list[int] | None:
+    """Sizes from ``8:1GiB`` (powers of two from 8 B to 1 GiB) or ``8,64KiB,1MiB``.
+
+    >>> size_list("8:64"), size_list("1KiB,4096")
+    ([8, 16, 32, 64], [1024, 4096])
+    """
+    if not text:
+        return None
+    from purlin.bench.sweep import powers_of_two
+
+    if ":" in text:
+        lo, hi = text.split(":", 1)
+        return powers_of_two(parse_size(lo), parse_size(hi))
+    return [parse_size(t) for t in text.split(",") if t.strip()]
+
+
+BENCH_COMMON = (
+    arg("-n", "--ranks", type=int, metavar="N", help="ranks (default: the visible GPUs)"),
+    arg("-b", "--sizes", metavar="SIZES",
+        help="8:1GiB (powers of two) or a list 8,64KiB,1MiB"),
+    arg("--time-limit", type=float, metavar="S", help="stop starting new points after S s"),
+    arg("--no-progress", action="store_true", help="no progress bar"),
+)
+
+
+@command("bench",
+         arg("collectives", nargs="*", metavar="COLLECTIVE",
+             help="standard collectives, or 'all' for the six nccl-tests ones "
+                  "(default all-reduce)"),
+         *BENCH_COMMON,
+         arg("--dtype", help="dtypes, comma-separated (default bfloat16; cpu: float32)"),
+         arg("-p", "--providers",
+             help="comma-separated: purlin:auto, purlin:<strategy>[/cN/lN/bN], nccl, "
+                  "symm-one-shot, symm-two-shot (default purlin:auto,nccl on GPUs)"),
+         arg("--mode", choices=("graph", "eager"), default="graph",
+             help="graph: device time per op over CUDA-graph replays (default); eager: "
+                  "host-inclusive time per call"),
+         arg("--datapath", choices=("sm", "cpu"),
+             help="sm (GPUs; the default where there are some) or cpu (numpy: not GPU "
+                  "numbers)"),
+         arg("--predict", action="store_true", help="print the cost model's predicted table"),
+         arg("--profile", default="H200-measured", help="cost model profile for --predict"),
+         arg("--op", choices=REDUCE_OPS, help="reduction of reducing collectives (sum)"),
+         arg("--ops", type=int, default=50, help="ops per graph / eager loop (default 50)"),
+         arg("--repeats", type=int, default=20, help="timed repeats (default 20)"),
+         arg("--tuning", metavar="PATH", help="tuning table for purlin:auto and strategies"),
+         arg("--json", metavar="PATH", help="write the records as JSON"),
+         arg("--html", metavar="PATH", help="write the figures as one HTML page"),
+         arg("--load", metavar="PATH", help="show saved records (JSON) instead of running"))
+def bench_command(args: argparse.Namespace) -> int:
+    """Sweep collectives over sizes: Purlin vs NCCL, nccl-tests-style table, JSON, figures."""
+    from purlin.bench import commands
+
+    return commands.bench(args, size_list(args.sizes))
+
+
+@command("tune",
+         arg("collectives", nargs="*", metavar="COLLECTIVE",
+             help="standard collectives or 'all' (default all six)"),
+         *BENCH_COMMON,
+         arg("--dtype", default="bfloat16", help="element type (default bfloat16)"),
+         arg("--limit", type=int, default=8, help="candidates per strategy (default 8)"),
+         arg("--threads", type=int, default=512, help="threads per block (default 512)"),
+         arg("--out", metavar="PATH", help="tuning table to write (default: where "
+                                            "strategy='auto' looks for this GPU)"),
+         arg("--replace", action="store_true", help="overwrite the table instead of merging"),
+         arg("--json", metavar="PATH", help="also write every timed candidate as JSON"),
+         arg("--list", action="store_true", help="print the candidates only (no GPU needed)"),
+         arg("--sms", type=int, default=132, help="SMs per GPU for --list (default 132)"))
+def tune_command(args: argparse.Namespace) -> int:
+    """Time candidate configurations on the GPUs and write the tuning table auto reads."""
+    from purlin.bench import commands
+
+    return commands.tune(args, size_list(args.sizes))
 
 
 # -- entry point -------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""The notebooks: committed without outputs, and each one runs headless, top to bottom, on the
+cpu datapath (nbclient, a fresh kernel, a time limit per cell). The tour runs through
+``purlin demo``, which also writes its timelines as a standalone HTML page."""
+
+import json
+import math
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat", reason="pip install -e '.[notebook]'")
+pytest.importorskip("nbclient", reason="pip install -e '.[notebook]'")
+pytest.importorskip("ipykernel", reason="pip install -e '.[notebook]'")
+
+from purlin.bench.metrics import Record, Timing  # noqa: E402
+from purlin.cli import main  # noqa: E402
+from purlin.notebooks import execute, notebook_paths  # noqa: E402
+
+PATHS = {p.stem: p for p in notebook_paths()}
+CELL_TIMEOUT = 120
+PLOTLY = "application/vnd.plotly.v1+json"
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def outputs(nb, kind=None):
+    """Every output of every code cell (of mime type ``kind`` if given)."""
+    found = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", ())]
+    if kind is None:
+        return found
+    return [o for o in found if kind in o.get("data", {})]
+
+
+def text_of(nb) -> str:
+    parts = []
+    for o in outputs(nb):
+        parts.append(o.get("text", "") if o.get("output_type") == "stream"
+                     else str(o.get("data", {}).get("text/plain", "")))
+    return "\n".join(parts)
+
+
+def test_the_four_stories_are_there():
+    assert list(PATHS) == ["01-tour", "02-custom-collective", "03-timelines", "04-benchmark"]
+
+
+@pytest.mark.parametrize("name", list(PATHS))
+def test_committed_notebooks_carry_no_outputs(name):
+    path = PATHS[name]
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        assert cell.outputs == [], f"{path.name} cell {i} has outputs: clear them before commit"
+        assert cell.execution_count is None, f"{path.name} cell {i} has an execution count"
+    assert "widgets" not in nb.metadata, f"{path.name} stores widget state: clear it"
+    raw = json.loads(path.read_text())
+    assert raw["metadata"]["kernelspec"]["name"] == "python3"
+
+
+@pytest.mark.slow
+def test_the_tour_runs_through_purlin_demo(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--timeout", str(CELL_TIMEOUT)]) == 0
+    printed = capsys.readouterr().out
+    page, executed = out / "demo-timeline.html", out / "demo-tour.ipynb"
+    assert f"timeline page:     {page}" in printed
+    for heading in ("A tour of Purlin", "2. Plan and verify", "4. Timelines", "5. Explore"):
+        assert heading in printed
+    assert "running on Cluster.cpu(4 ranks)" in printed
+    assert "[plotly figure: predicted (H200)" in printed and "[interactive widget" in printed
+    html = page.read_text()
+    assert "plotly" in html and "predicted (H200)" in html and "measured (cpu)" in html
+    nb = nbformat.read(executed, as_version=4)
+    assert len(outputs(nb, PLOTLY)) >= 2 and len(outputs(nb, WIDGET)) == 1
+    assert not [o for o in outputs(nb) if o.get("output_type") == "error"]
+
+
+@pytest.mark.slow
+def test_custom_collectives_notebook(tmp_path):
+    nb = execute(PATHS["02-custom-collective"], cwd=tmp_path, cpu_only=True,
+                 timeout=CELL_TIMEOUT)
+    text = text_of(nb)
+    assert "qkv all-gather" in text and "reduce to two roots" in text
+    assert "uneven all-to-all" in text
+    assert "no step ever notifies that flag" in text  # the dropped Notify is caught
+    assert "race on" in text and "VerificationError" in text  # so is the missing wait
+
+
+@pytest.mark.slow
+def test_timelines_notebook_exports_perfetto_and_html(tmp_path):
+    nb = execute(PATHS["03-timelines"], cwd=tmp_path, cpu_only=True, timeout=CELL_TIMEOUT)
+    assert len(outputs(nb, PLOTLY)) >= 2 and len(outputs(nb, WIDGET)) == 1
+    out = tmp_path / "out"
+    for stem in ("allreduce-ring-measured", "allreduce-ring-predicted"):
+        trace = json.loads((out / f"{stem}.perfetto.json").read_text())
+        phases = {e["ph"] for e in trace["traceEvents"]}
+        assert {"X", "s", "f", "M"} <= phases
+    page = (out / "allreduce-ring-compare.html").read_text()
+    assert "plotly" in page and "measured (cpu)" in page
+    assert "this machine (cpu datapath)" in text_of(nb)
+
+
+def _recorded(folder):
+    """A results file as a GPU run writes it: NCCL and Purlin, one failed point, one eager."""
+    def rec(provider, nbytes, us, mode="graph", wrong=0, **extra):
+        return Record.make(provider, "all-reduce", 2, nbytes, nbytes // 2, "bfloat16", "sum",
+                           mode, Timing(us, us * 0.9, us * 1.1, 20), wrong, **extra).to_dict()
+
+    records = [rec("nccl", 8192, 9.8), rec("nccl", 1 << 20, 16.7),
+               rec("purlin:two-phase", 8192, 6.0, strategy="two-phase", chunks=1),
+               rec("purlin:two-phase", 8192, 5.0, strategy="two-phase", chunks=2),
+               rec("purlin:two-phase", 1 << 20, 19.4, strategy="two-phase"),
+               rec("nccl", 8192, 450.0, mode="eager"),
+               rec("symm-one-shot", 8192, math.nan, wrong=-1, error="Traceback: no symm")]
+    folder.mkdir()
+    (folder / "h200x2.json").write_text(json.dumps(
+        {"info": {"hardware": "2x NVIDIA H200", "torch": "2.11", "nccl": "2.28.9",
+                  "date": "2026-11-30"}, "records": records}))
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("results", ["none", "recorded"])
+def test_benchmark_notebook(tmp_path, results):
+    folder = tmp_path / "results"
+    if results == "recorded":
+        _recorded(folder)
+    nb = execute(PATHS["04-benchmark"], cwd=tmp_path, cpu_only=True, timeout=CELL_TIMEOUT,
+                 env={"PURLIN_BENCH_RESULTS": str(folder)})
+    text = text_of(nb)
+    assert "NOT GPU numbers" in text and "cost model prediction" in text  # labelled numbers
+    figures = [o["data"][PLOTLY] for o in outputs(nb, PLOTLY)]
+    lines = {t["name"] for f in figures for t in f["data"]}
+
+    def has(prefix):
+        return any(name.startswith(prefix) for name in lines)
+
+    assert has("measured: purlin:auto") and has("predicted (H200-measured): purlin:two-phase")
+    if results == "none":
+        assert "No recorded results" in text and "no speed-up to show" in text
+        assert len(figures) == 2 and not has("recorded")
+    else:
+        assert "h200x2.json: 2x NVIDIA H200" in text and "speed-up against recorded: nccl" in text
+        assert len(figures) == 3  # latency, bus bandwidth, speed-up over NCCL
+        assert has("recorded: nccl") and has("recorded: purlin:two-phase")
+        assert not has("recorded: symm-one-shot")  # the failed point is left out
+        latency = next(t for t in figures[0]["data"]
+                       if t["name"].startswith("recorded: purlin:two-phase"))
+        assert _values(latency["y"]) == [5.0, 19.4]  # the best of two configurations at 8 KiB
+
+
+def _values(y):
+    """plotly JSON may hold a list or a typed array ({"dtype", "bdata"})."""
+    if isinstance(y, dict):
+        import base64
+
+        import numpy as np
+
+        return np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"]).tolist()
+    return list(y)
