@@ -1,0 +1,81 @@
+"""Lowering a schedule to the executor's instruction tables (no GPU needed)."""
+
+import numpy as np
+import pytest
+
+from purlin.atom.lowering import flag_slots, lower
+from purlin.kernels import isa
+from purlin.snac import Consume, Notify, plan
+from purlin.spec import collectives
+
+
+def _bases(n, shift=0):
+    return {(r, b): ((1 + 3 * r + i) << 24) + (shift if b == "output" else 0)
+            for r in range(n) for i, b in enumerate(("input", "output", "scratch"))}
+
+
+def _flags(n):
+    return {r: (100 + r) << 24 for r in range(n)}
+
+
+def _barriers(lowered):
+    return sum(int(np.sum((low.tables[0][:, isa.OP] == isa.NOTIFY)
+                          & (low.tables[0][:, isa.PEER] < 0))) for low in lowered)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "two-phase", "direct-push"])
+def test_rows_match_the_schedule_step_for_step(strategy):
+    s = plan(collectives.all_reduce(3), strategy, count=96, chunks=2, lanes=2)
+    for low, steps in zip(lower(s, _bases(3), _flags(3)), s.steps):
+        table = low.tables[0]
+        expect = sum(len(st.waits) + (1 if st.moves_data else 0) if isinstance(st, Consume)
+                     else 1 for st in steps)
+        assert len(table) == expect
+        assert len(low.tables) == s.scratch_copies
+        # lanes run their rows contiguously and in program order
+        for lane in range(s.lanes):
+            rows = table[low.lane_offsets[lane]:low.lane_offsets[lane + 1]]
+            assert set(rows[:, isa.LANE]) <= {lane}
+            assert list(rows[:, isa.STEP]) == sorted(rows[:, isa.STEP])
+
+
+def test_waits_scale_with_blocks_per_lane_and_notifies_add_one_per_block():
+    s = plan(collectives.all_reduce(2), "direct-push", count=64)
+    per_call = s.flags()
+    for bpl in (1, 4):
+        for low, steps in zip(lower(s, _bases(2), _flags(2), blocks_per_lane=bpl), s.steps):
+            waits = [w for st in steps for w in st.waits]
+            rows = low.tables[0][low.tables[0][:, isa.OP] == isa.WAIT]
+            assert list(rows[:, isa.VALUE]) == [w.value * bpl for w in waits]
+            assert list(rows[:, isa.PER_CALL]) == [per_call[w.flag] * bpl for w in waits]
+            notify = low.tables[0][low.tables[0][:, isa.OP] == isa.NOTIFY]
+            assert set(notify[:, isa.VALUE]) == {1}
+            assert len(notify) == sum(isinstance(st, Notify) for st in steps)
+
+
+def test_flag_addresses_index_by_source_rank_and_lane():
+    s = plan(collectives.all_to_all(3), "direct-push", count=9, lanes=1)
+    low = lower(s, _bases(3), _flags(3))
+    for r, (rank_low, steps) in enumerate(zip(low, s.steps)):
+        rows = rank_low.tables[0][rank_low.tables[0][:, isa.OP] == isa.NOTIFY]
+        for row, st in zip(rows, [st for st in steps if isinstance(st, Notify)]):
+            assert row[isa.FLAG] == _flags(3)[st.flag.owner] + 8 * (st.flag.src * s.lanes
+                                                                    + st.flag.lane)
+    assert flag_slots(3, 2) == 3 * 2 + 2
+
+
+def test_lane_barriers_only_where_blocks_may_meet_each_others_words():
+    s = plan(collectives.all_reduce(2), "ring", count=64)
+    assert _barriers(lower(s, _bases(2), _flags(2), blocks_per_lane=1)) == 0
+    # aligned: every thread rereads only the words it wrote, the row barrier is enough
+    assert _barriers(lower(s, _bases(2), _flags(2), blocks_per_lane=4)) == 0
+    # misaligned output: other blocks may own the words, a lane barrier is needed
+    assert _barriers(lower(s, _bases(2, shift=4), _flags(2), blocks_per_lane=4)) > 0
+
+
+def test_unsupported_dtype_is_refused():
+    from purlin.errors import CapabilityError
+
+    s = plan(collectives.all_reduce(2), "ring", count=8, dtype="int64")
+    with pytest.raises(CapabilityError, match="int64"):
+        lower(s, _bases(2), _flags(2))
