@@ -167,30 +167,11 @@ def graph_check(torch, dist, comm, rank, n, device, opts):
 
 
 def _time_graph(torch, dist, fn, ops, repeats):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ops):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    per_op = []
-    for _ in range(repeats):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        per_op.append(start.elapsed_time(end) * 1e3 / ops)
-    per_op.sort()
+    """Median per-op microseconds of ``fn`` replayed from a CUDA graph (shared with the
+    baselines' timing, so Purlin and NCCL are measured the same way)."""
+    from purlin.bench.torch_dist import _time_graph as time_graph
+
+    per_op = sorted(time_graph(torch, fn, ops, repeats, dist))
     return per_op[len(per_op) // 2]
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import numpy as np
 
 from purlin.atom.ce_lowering import assign_engines, ce_flag_slots, chain_lanes, lower_ce
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
@@ -482,28 +481,9 @@ class CeBound:
         outputs (views of the bound output buffers, or copies into ``out``)."""
         if trace:
             raise CapabilityError("the ce datapath records no measured trace yet")
-        torch = self.torch
-        if inputs is not None:
-            if len(inputs) != self.schedule.nranks:
-                raise ExecutionError(f"need {self.schedule.nranks} inputs, got {len(inputs)}")
-            for r, x in enumerate(inputs):
-                if x is None:
-                    continue
-                x = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-                want = self.schedule.sizing.input_count(r)
-                if x.numel() != want:
-                    raise ExecutionError(f"input of rank {r} has {x.numel()} elements; this "
-                                         f"binding expects {want}")
-                self.inputs[r][:want].copy_(x.reshape(-1).to(self.inputs[r].dtype))
-        self.launch()
-        self.check()
-        sizing = self.schedule.sizing
-        outs = [self.outputs[r][:sizing.output_count(r)] for r in range(self.schedule.nranks)]
-        if out is not None:
-            for o, v in zip(out, outs):
-                o.reshape(-1).copy_(v)
-            return out
-        return outs
+        from purlin.atom.sm import call_with_tensors
+
+        return call_with_tensors(self, inputs, out)
 
     def predict(self, profile="H200"):
         """The predicted timeline of this binding, engines labelled."""

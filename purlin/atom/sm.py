@@ -150,30 +150,14 @@ class SmBound:
         descs = []
         for r, low in enumerate(lowered):
             dev = torch.device("cuda", devs[r])
-            even = torch.from_numpy(low.tables[0]).to(dev)
-            odd = torch.from_numpy(low.tables[-1]).to(dev)
-            lane_offsets = torch.from_numpy(low.lane_offsets).to(dev)
-            srcs = torch.from_numpy(low.srcs).to(dev)
-            self._keep += [even, odd, lane_offsets, srcs]
             trace = None
             if trace_rows:
                 trace = torch.zeros(lanes * bpl * trace_rows * isa.TRACE_WIDTH,
                                     dtype=torch.int64, device=dev)
             self.traces.append(trace)
-            ctl = self.control[r].data_ptr()
-            desc = [0] * isa.DESC_WIDTH
-            desc[isa.D_RANK] = r
-            desc[isa.D_TABLE] = even.data_ptr()
-            desc[isa.D_TABLE_ODD] = odd.data_ptr()
-            desc[isa.D_LANES] = lane_offsets.data_ptr()
-            desc[isa.D_NLANES] = lanes
-            desc[isa.D_SRCS] = srcs.data_ptr()
-            desc[isa.D_EPOCH] = ctl
-            desc[isa.D_DONE] = ctl + 8
-            desc[isa.D_ERROR] = ctl + 16
-            desc[isa.D_ABORT] = self.abort.data_ptr()
-            desc[isa.D_TRACE] = trace.data_ptr() if trace is not None else 0
-            desc[isa.D_TRACE_ROWS] = trace_rows
+            desc, keep = rank_descriptor(torch, low, dev, self.control[r], self.abort.data_ptr(),
+                                         lanes, trace, trace_rows)
+            self._keep += keep
             descs.append(desc)
         # one launch per device: a virtual cluster packs all its ranks into one launch
         self.launches = []
@@ -258,30 +242,7 @@ class SmBound:
     def __call__(self, inputs=None, out=None, trace: bool = False):
         """Copy ``inputs`` (tensors, one per rank) in, run once, wait, check and return the
         outputs (views of the bound output buffers, or copies into ``out``)."""
-        if inputs is not None:
-            if len(inputs) != self.schedule.nranks:
-                raise ExecutionError(f"need {self.schedule.nranks} inputs, got {len(inputs)}")
-            for r, x in enumerate(inputs):
-                if x is None:
-                    continue
-                x = _as_tensor(self.torch, x)
-                want = self.schedule.sizing.input_count(r)
-                if x.numel() != want:
-                    raise ExecutionError(f"input of rank {r} has {x.numel()} elements; this "
-                                         f"binding expects {want}")
-                if not x.is_contiguous():
-                    raise ExecutionError(f"input of rank {r} is not contiguous; pass "
-                                         "x.contiguous()")
-                self.inputs[r][:want].copy_(x.reshape(-1).to(self.inputs[r].dtype))
-        self.launch()
-        self.check()
-        sizing = self.schedule.sizing
-        outs = [self.outputs[r][:sizing.output_count(r)] for r in range(self.schedule.nranks)]
-        if out is not None:
-            for o, v in zip(out, outs):
-                o.reshape(-1).copy_(v)
-            return out
-        return outs
+        return call_with_tensors(self, inputs, out)
 
     def read_trace(self):
         """Raw trace records per rank: int64[blocks, trace_rows, 4] (row, sub, start, end)."""
@@ -329,6 +290,64 @@ def clock_pair(reference: int, device: int, rounds: int = 64):
     a = stamps[reference].cpu().numpy().reshape(rounds, 3)
     b = stamps[device].cpu().numpy().reshape(rounds, 3)
     return a[:, 0], b[:, 1], a[:, 2]
+
+
+def call_with_tensors(bound, inputs=None, out=None):
+    """One eager call of a GPU-bound collective (sm or ce): copy ``inputs`` (tensors or arrays,
+    one per rank, None to keep what is there) into the bound input buffers, launch, wait,
+    check for timeouts and return the outputs (views of the bound buffers, or copies into
+    ``out``)."""
+    torch, schedule = bound.torch, bound.schedule
+    sizing = schedule.sizing
+    if inputs is not None:
+        if len(inputs) != schedule.nranks:
+            raise ExecutionError(f"need {schedule.nranks} inputs, got {len(inputs)}")
+        for r, x in enumerate(inputs):
+            if x is None:
+                continue
+            x = _as_tensor(torch, x)
+            want = sizing.input_count(r)
+            if x.numel() != want:
+                raise ExecutionError(f"input of rank {r} has {x.numel()} elements; this "
+                                     f"binding expects {want}")
+            if not x.is_contiguous():
+                raise ExecutionError(f"input of rank {r} is not contiguous; pass "
+                                     "x.contiguous()")
+            bound.inputs[r][:want].copy_(x.reshape(-1).to(bound.inputs[r].dtype))
+    bound.launch()
+    bound.check()
+    outs = [bound.outputs[r][:sizing.output_count(r)] for r in range(schedule.nranks)]
+    if out is not None:
+        for o, v in zip(out, outs):
+            o.reshape(-1).copy_(v)
+        return out
+    return outs
+
+
+def rank_descriptor(torch, low, device, control, abort_ptr: int, nlanes: int, trace=None,
+                    trace_rows: int = 0):
+    """Upload one rank's lowered tables to ``device`` and build its executor descriptor
+    (purlin.kernels.isa, D_*). ``control`` holds the rank's epoch, done counter and error
+    record. Returns the descriptor words and the tensors that must stay alive with it."""
+    even = torch.from_numpy(low.tables[0]).to(device)
+    odd = torch.from_numpy(low.tables[-1]).to(device)
+    lane_offsets = torch.from_numpy(low.lane_offsets).to(device)
+    srcs = torch.from_numpy(low.srcs).to(device)
+    ctl = control.data_ptr()
+    desc = [0] * isa.DESC_WIDTH
+    desc[isa.D_RANK] = low.rank
+    desc[isa.D_TABLE] = even.data_ptr()
+    desc[isa.D_TABLE_ODD] = odd.data_ptr()
+    desc[isa.D_LANES] = lane_offsets.data_ptr()
+    desc[isa.D_NLANES] = nlanes
+    desc[isa.D_SRCS] = srcs.data_ptr()
+    desc[isa.D_EPOCH] = ctl
+    desc[isa.D_DONE] = ctl + 8
+    desc[isa.D_ERROR] = ctl + 16
+    desc[isa.D_ABORT] = abort_ptr
+    desc[isa.D_TRACE] = trace.data_ptr() if trace is not None else 0
+    desc[isa.D_TRACE_ROWS] = trace_rows
+    return desc, [even, odd, lane_offsets, srcs]
 
 
 def _round16(nbytes: int) -> int:

@@ -30,7 +30,7 @@ class SmPrepared:
 
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads):
         from purlin.atom.lowering import lower
-        from purlin.atom.sm import _check_resident, default_blocks_per_lane
+        from purlin.atom.sm import _check_resident, default_blocks_per_lane, rank_descriptor
 
         self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
         dev, rank, n = path.device, path.rank, schedule.nranks
@@ -44,26 +44,13 @@ class SmPrepared:
         self.flag_bases = {q: ptrs[q] + offset + lay.flags for q in range(n)}
         low = lower(schedule, bases, self.flag_bases, blocks_per_lane=bpl,
                     scratch_bytes=dict(enumerate(lay.scratch_bytes)))[rank]
-        even = torch.from_numpy(low.tables[0]).to(dev)
-        odd = torch.from_numpy(low.tables[-1]).to(dev)
-        lane_offsets = torch.from_numpy(low.lane_offsets).to(dev)
-        srcs = torch.from_numpy(low.srcs).to(dev)
         self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
-        ctl = self.control.data_ptr()
-        desc = [0] * isa.DESC_WIDTH
-        desc[isa.D_RANK] = rank
-        desc[isa.D_TABLE] = even.data_ptr()
-        desc[isa.D_TABLE_ODD] = odd.data_ptr()
-        desc[isa.D_LANES] = lane_offsets.data_ptr()
-        desc[isa.D_NLANES] = lanes
-        desc[isa.D_SRCS] = srcs.data_ptr()
-        desc[isa.D_EPOCH] = ctl
-        desc[isa.D_DONE] = ctl + 8
-        desc[isa.D_ERROR] = ctl + 16
-        desc[isa.D_ABORT] = ptrs[0] + offset + lay.abort  # rank 0's copy: one word for all
+        # one abort word for the whole group: rank 0's copy
+        desc, keep = rank_descriptor(torch, low, dev, self.control,
+                                     ptrs[0] + offset + lay.abort, lanes)
         self.desc = torch.tensor([desc], dtype=torch.int64, device=dev)
         self.desc_ptr = self.desc.data_ptr()
-        self._keep = (even, odd, lane_offsets, srcs)
+        self._keep = tuple(keep)
         self.launcher = path.launcher(lanes, bpl, threads)
         _check_resident(torch, dev.index, self.launcher, "process")
         tdt = getattr(torch, schedule.dtype)
