@@ -12,6 +12,7 @@ from purlin.spec import (Collective, Layout, Op, collectives, copy, dtype, reduc
 
 from purlin.runtime import Cluster, run
 from purlin.snac import Schedule, plan, verify
+import purlin.trace  # noqa: E402,F401  (registers the cost model with strategy="auto")
 
 __version__ = "0.1.0"
 

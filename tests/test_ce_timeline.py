@@ -2,7 +2,9 @@
 
 import pytest
 
-from purlin.atom.ce import CAPABILITIES, label_engines, predict
+from purlin.atom.ce import CAPABILITIES
+from purlin.trace.engines import label_engines
+from purlin.trace.engines import predict_on_ce as predict
 from purlin.errors import ExecutionError
 from purlin.snac import plan
 from purlin.spec import collectives

@@ -24,7 +24,6 @@ Capabilities(name='ce', can_reduce=False, reduce_engine='sm')
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 
 from purlin.atom.ce_lowering import assign_engines, ce_flag_slots, chain_lanes, lower_ce
@@ -58,36 +57,9 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
          threads: int = DEFAULT_THREADS, trace_rows: int = 0):
     if trace_rows:
         raise CapabilityError("the ce datapath records no measured trace yet; use "
-                              "purlin.atom.ce.predict for its timeline")
+                              "purlin.trace.engines.predict_on_ce for its predicted timeline")
     return CeBound(cluster, schedule, timeout=timeout, blocks_per_lane=blocks_per_lane,
                    threads=threads)
-
-
-# -- timelines ----------------------------------------------------------------------------------
-def label_engines(timeline):
-    """The timeline with every event's ``engine`` set to the engine that runs its step on the
-    ce datapath (copies ``ce``, reductions ``sm``, notifies and waits as their lane's data)."""
-    if timeline.schedule is None:
-        raise ExecutionError("label_engines needs a timeline that carries its schedule")
-    engines = assign_engines(timeline.schedule)
-    events = tuple(replace(e, engine=engines[e.rank][e.step]) for e in timeline.events)
-    return replace(timeline, events=events, meta={**dict(timeline.meta), "datapath": "ce"})
-
-
-def predict(schedule, profile="H200", *, label: str | None = None):
-    """The cost model's timeline of ``schedule`` with engines labelled as the ce datapath runs
-    it (see :func:`label_engines`).
-
-    >>> from purlin.spec import collectives
-    >>> from purlin.snac import plan
-    >>> s = plan(collectives.all_reduce(2), "direct-push", count=64, capabilities=CAPABILITIES)
-    >>> sorted({(e.kind, e.engine) for e in predict(s).events})
-    [('consume', 'sm'), ('notify', 'ce'), ('stage', 'ce'), ('wait', 'sm')]
-    """
-    from purlin.trace.model import predict as model_predict
-
-    timeline = model_predict(schedule, profile, label=label)
-    return label_engines(replace(timeline, label=label or f"{timeline.label} ce"))
 
 
 # -- binding ------------------------------------------------------------------------------------
@@ -485,9 +457,6 @@ class CeBound:
 
         return call_with_tensors(self, inputs, out)
 
-    def predict(self, profile="H200"):
-        """The predicted timeline of this binding, engines labelled."""
-        return predict(self.schedule, profile)
 
     def __repr__(self) -> str:
         add = "stream atomic add" if self.atomic_add else "add kernel"

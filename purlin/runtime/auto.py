@@ -7,8 +7,10 @@ Three sources, in order:
    the GPU, ``purlin/runtime/tuning/<gpu-name>.json``, or the file or folder that
    ``$PURLIN_TUNING`` names, or a table passed as ``table=``. Entries are keyed by rank count;
    the entry of the same collective at the nearest size (in ratio) wins;
-2. the **cost model** on GPUs without a table: :func:`purlin.trace.predict` with the profile
-   measured on 2xH200 ranks the strategies; chunks and lanes come from the rules;
+2. the **cost model** on GPUs without a table: the trace layer's predicted latency (it registers
+   itself with :func:`set_latency_model` when ``purlin.trace`` is imported, which ``import
+   purlin`` does) with the profile measured on 2xH200 ranks the strategies; chunks and lanes
+   come from the rules;
 3. simple **rules** (the cpu datapath): one-shot direct push for small messages (latency-bound:
    one hop), two-phase for large reductions (each byte crosses a link once per phase instead of
    n-1 times), more pieces and lanes as messages grow.
@@ -255,14 +257,28 @@ def strategies_for(collective) -> list[str]:
     return [s for s in names if s != "two-phase" or collective.op.is_reduce]
 
 
+_latency_model = None
+
+
+def set_latency_model(fn) -> None:
+    """Register ``fn(schedule, profile) -> ns``, the cost model ``auto`` ranks strategies with
+    (the trace layer registers its own; the runtime does not import the layers above it)."""
+    global _latency_model
+    _latency_model = fn
+    model_choice.cache_clear()
+
+
 @lru_cache(maxsize=512)
 def model_choice(sizing, profile: str = MODEL_PROFILE) -> Choice:
     """Rank the strategies by the cost model's predicted latency, each with its rule-of-thumb
-    chunks and lanes (the model does not see blocks; the datapath picks them)."""
+    chunks and lanes (the model does not see blocks; the datapath picks them). Without a
+    registered model the rules decide."""
     from purlin.snac import plan
-    from purlin.trace.model import predict_latency
 
     coll = sizing.collective
+    predict_latency = _latency_model
+    if predict_latency is None:
+        return rules(coll, sizing.message_bytes)
     best = None
     for name in strategies_for(coll):
         cfg = rules(coll, sizing.message_bytes, name)
