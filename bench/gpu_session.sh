@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
-# One GPU session: environment facts, kernel self-check, GPU tests, all-reduce benchmark.
+# One GPU session on 2 GPUs, stage by stage; logs and JSON go to $OUT (or ./out).
 # Usage (on the GPU machine, from the repo root): bash bench/gpu_session.sh [stage ...]
-# Stages: env kernels tests timeline allreduce (default: all but timeline). Logs and JSON go to $OUT (or ./out).
+#   env kernels tests allreduce      (the default set: ~5 minutes)
+#   timeline    measured vs predicted timelines (needs plotly: bench/gpu_wheels.sh)
+#   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap
+#   process     purlin.torch against NCCL, and the TP=2 decoder layer
+#   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
+#   tune sweep  the tuning table, then the six-collective sweep against NCCL
+# Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -32,6 +38,42 @@ for stage in "${stages[@]}"; do
         timeline)
             timeout 200 python3 bench/gpu_timeline.py --out "$OUT" > "$OUT/timeline.log" 2>&1
             echo "rc=$?"; tail -25 "$OUT/timeline.log"
+            ;;
+        ce)
+            timeout 300 python3 bench/gpu_ce.py --out "$OUT/ce.json" > "$OUT/ce.log" 2>&1
+            echo "rc=$?"; tail -30 "$OUT/ce.log"
+            ;;
+        process)
+            timeout 150 python3 bench/process_mode_gpu.py --out "$OUT" > "$OUT/process.log" 2>&1
+            echo "rc=$?"; tail -15 "$OUT/process.log"
+            timeout 240 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1
+            echo "rc=$?"; tail -20 "$OUT/tp.log"
+            ;;
+        notebooks)
+            timeout 400 python3 - "$OUT" > "$OUT/notebooks.log" 2>&1 <<'PY'
+import sys
+from pathlib import Path
+
+import nbformat
+
+from purlin.notebooks import execute, notebook_paths
+
+out = Path(sys.argv[1])
+for path in notebook_paths():
+    if path.name.startswith(("01-", "04-")):
+        nb = execute(path, timeout=300)
+        nbformat.write(nb, out / path.name.replace(".ipynb", "-2xH200.ipynb"))
+        print("executed", path.name)
+PY
+            echo "rc=$?"; tail -10 "$OUT/notebooks.log"
+            ;;
+        tune)
+            timeout 330 python3 bench/gpu_tune.py --out "$OUT/tune" > "$OUT/tune.log" 2>&1
+            echo "rc=$?"; tail -15 "$OUT/tune.log"
+            ;;
+        sweep)
+            timeout 540 python3 bench/gpu_sweep.py --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
+            echo "rc=$?"; tail -40 "$OUT/sweep.log"
             ;;
         allreduce)
             timeout 280 python3 bench/gpu_allreduce.py --out "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
