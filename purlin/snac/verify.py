@@ -21,14 +21,14 @@ thread per rank that stands for whatever the application does with the buffers b
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from purlin.errors import VerificationError
-from purlin.snac.ir import Consume, Notify, Region, Schedule, render_step
+from purlin.snac.ir import Notify, Region, Schedule, render_step
+from purlin.snac.symbolic import Memory, Term
 from purlin.spec.collective import _fmt
 
 
@@ -89,75 +89,6 @@ def verify(schedule: Schedule, collective=None, *, calls: int | None = None,
         report = _Analysis(schedule, calls or max(2, schedule.scratch_copies + 1),
                            max_races).run()
     return report.raise_if_failed() if raise_on_error else report
-
-
-# ---------------------------------------------------------------------------------------------
-class _Term:
-    """Symbolic content of an interval: content[x] = op over input_s[x + delta] of call e."""
-
-    __slots__ = ("contribs", "op", "divided")
-
-    def __init__(self, contribs, op=None, divided=False):
-        self.contribs = contribs      # sorted tuple of (src rank, delta, call)
-        self.op = op
-        self.divided = divided
-
-    def shifted(self, by: int) -> "_Term":
-        return _Term(tuple((r, d + by, c) for r, d, c in self.contribs), self.op, self.divided)
-
-    def key(self):
-        return (self.contribs, self.op, self.divided)
-
-
-class _Memory:
-    """Interval map per (rank, buffer): sorted starts, ends and terms (None = no data)."""
-
-    def __init__(self):
-        self.maps: dict = {}
-
-    def read(self, rank, buf, start, stop):
-        starts, ends, terms = self.maps.get((rank, buf), ([], [], []))
-        out = []
-        at = start
-        i = max(0, bisect_right(starts, start) - 1)
-        while at < stop:
-            if i < len(starts) and starts[i] <= at < ends[i]:
-                end = min(ends[i], stop)
-                out.append((at - start, end - start, terms[i]))
-                at = end
-                i += 1
-            else:
-                nxt = starts[i] if i < len(starts) and starts[i] > at else stop
-                nxt = min(nxt, stop)
-                if nxt <= at:
-                    i += 1
-                    continue
-                out.append((at - start, nxt - start, None))
-                at = nxt
-        return out
-
-    def write(self, rank, buf, start, pieces):
-        """``pieces`` = [(rel_start, rel_stop, term)] covering the region from ``start``."""
-        starts, ends, terms = self.maps.setdefault((rank, buf), ([], [], []))
-        stop = start + pieces[-1][1]
-        # cut out [start, stop)
-        keep_s, keep_e, keep_t = [], [], []
-        lo = max(0, bisect_right(starts, start) - 1)
-        hi = bisect_right(starts, stop)
-        for k in range(lo, hi):
-            s, e, t = starts[k], ends[k], terms[k]
-            if e <= start or s >= stop:
-                keep_s.append(s), keep_e.append(e), keep_t.append(t)
-                continue
-            if s < start:
-                keep_s.append(s), keep_e.append(start), keep_t.append(t)
-            if e > stop:
-                keep_s.append(stop), keep_e.append(e), keep_t.append(t.shifted(0) if t else t)
-        new = [(start + a, start + b, t) for a, b, t in pieces]
-        merged = sorted(list(zip(keep_s, keep_e, keep_t)) + new, key=lambda x: x[0])
-        starts[lo:hi] = [m[0] for m in merged]
-        ends[lo:hi] = [m[1] for m in merged]
-        terms[lo:hi] = [m[2] for m in merged]
 
 
 class _Analysis:
@@ -431,11 +362,11 @@ class _Analysis:
     # -- symbolic execution -------------------------------------------------------------------
     def symbolic(self, order) -> None:
         coll = self.s.collective
-        mem = _Memory()
+        mem = Memory()
         red = coll.op.reduce_op
         for r in range(self.s.nranks):
             if self.buf_size[(r, "input")]:
-                mem.write(r, "input", 0, [(0, self.buf_size[(r, "input")], _Term(((r, 0, 0),)))])
+                mem.write(r, "input", 0, [(0, self.buf_size[(r, "input")], Term(((r, 0, 0),)))])
         for eid in order:
             info = self.ev_info[eid]
             if info[0] == "user":
@@ -443,7 +374,7 @@ class _Analysis:
                 self._check_outputs(mem, r, call)
                 size = self.buf_size[(r, "input")]
                 if size:
-                    mem.write(r, "input", 0, [(0, size, _Term(((r, 0, call + 1),)))])
+                    mem.write(r, "input", 0, [(0, size, Term(((r, 0, call + 1),)))])
                 if self.buf_size[(r, "output")]:
                     mem.write(r, "output", 0, [(0, self.buf_size[(r, "output")], None)])
                 continue
@@ -484,7 +415,7 @@ class _Analysis:
                         f"with {term.op}{' and averaged' if term.divided else ''}")
                     return None
                 contribs.extend(term.contribs)
-            out.append((a, b, _Term(tuple(sorted(contribs)), want, st.op == "avg")))
+            out.append((a, b, Term(tuple(sorted(contribs)), want, st.op == "avg")))
         return out
 
     def _check_outputs(self, mem, r, call) -> None:
@@ -507,10 +438,10 @@ class _Analysis:
                 self.errors.append(
                     f"rank {r} output position {q} (chunk {_fmt(name)!r}, elements "
                     f"{off + a}..{off + b}) ends call {call} holding {got}, expected "
-                    f"{self._explain(_Term(*expect), call, off + a)}")
+                    f"{self._explain(Term(*expect), call, off + a)}")
                 return
 
-    def _explain(self, term: _Term, call: int, base: int) -> str:
+    def _explain(self, term: Term, call: int, base: int) -> str:
         """Name the input chunks a term is made of; ``base`` is the output element it is at."""
         sz, coll = self.sizing, self.s.collective
         parts = []
