@@ -251,6 +251,45 @@ def notify_and_satisfied_waits_across_epochs():
 
 
 @case
+def one_rank_block_prefetched_in_one_pass():
+    """A rank laid out as one block (lowering.build_blob) and launched with head_words: copies,
+    reductions, notifies, satisfied waits and the epoch in its control words, over two calls."""
+    from purlin.atom.lowering import CONTROL_AT, HEAD_WORDS, LoweredRank, blob_size, build_blob
+    from purlin.kernels import isa, sim
+    from purlin.kernels.launch import Launcher
+
+    rng = np.random.default_rng(7)
+    a, b = (rng.standard_normal(37).astype(np.float32) for _ in range(2))
+    copied, summed = np.zeros(37, np.float32), np.zeros(37, np.float32)
+    flags = np.zeros(2, dtype=np.uint64)
+    flags[1] = 100
+    f = flags.ctypes.data
+    lanes = [[sim.copy_row(copied.ctypes.data, a.ctypes.data, 37, step=0),
+              sim.notify_row(f, value=1, step=1),
+              sim.wait_row(f + 8, value=3, per_call=1, step=2),       # epoch + 3 <= 100
+              sim.reduce_row(summed.ctypes.data, [a.ctypes.data, b.ctypes.data], 37, step=3)]]
+    table, offsets, pool = sim.build_table(lanes)
+    low = LoweredRank(5, [table], offsets, pool, 0)
+    abort = np.zeros(1, dtype=np.uint64)
+    blob = np.zeros(blob_size(low, 1), dtype=np.int64)
+    blob[:] = build_blob(blob.ctypes.data, low, 1, abort.ctypes.data)
+    launcher = Launcher(0, 1, nlanes=1, blocks_per_lane=2, threads=8, head_words=HEAD_WORDS)
+    assert launcher.head_words == HEAD_WORDS
+    for call in range(2):
+        copied[:] = 0
+        summed[:] = 0
+        launcher(blob.ctypes.data, 0, 10**9)
+        error = sim.error_record(blob[CONTROL_AT + 2: CONTROL_AT + 2 + isa.ERR_WIDTH])
+        assert error["code"] == 0, error
+        assert np.array_equal(copied, a) and np.allclose(summed, a + b, rtol=1e-6)
+        assert int(blob[CONTROL_AT]) == call + 1, "epoch lives in the block's control words"
+        assert int(blob[CONTROL_AT + 1]) == 0, "done counter back to 0"
+        assert int(flags[0]) == 2 * (call + 1), "one notify per block"
+    # a launch of several ranks never prefetches (their descriptors are a table, not blocks)
+    assert Launcher(0, 2, nlanes=1, blocks_per_lane=1, threads=8, head_words=512).head_words == 0
+
+
+@case
 def timeout_record_and_abort_across_ranks():
     """Rank 0 times out; rank 1 in the same launch sees ABORT and records ERR_ABORTED."""
     from purlin.kernels import isa, sim

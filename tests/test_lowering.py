@@ -79,3 +79,32 @@ def test_unsupported_dtype_is_refused():
     s = plan(collectives.all_reduce(2), "ring", count=8, dtype="int64")
     with pytest.raises(CapabilityError, match="int64"):
         lower(s, _bases(2), _flags(2))
+
+
+def test_a_rank_block_holds_descriptor_control_lanes_tables_and_pool_contiguously():
+    from purlin.atom.lowering import CONTROL_AT, CONTROL_WORDS, HEAD_WORDS, blob_size, build_blob
+
+    s = plan(collectives.all_reduce(2), "direct-push", count=64, chunks=2, lanes=2)
+    assert s.scratch_copies == 2
+    low = lower(s, _bases(2), _flags(2), blocks_per_lane=2)[1]
+    base = 1 << 32
+    words = build_blob(base, low, s.lanes, abort=77, trace=88, trace_rows=9)
+    assert len(words) == blob_size(low, s.lanes) >= HEAD_WORDS
+
+    def at(address):
+        assert (address - base) % 8 == 0 and 0 <= address - base < 8 * len(words)
+        return (address - base) // 8
+
+    assert words[isa.D_RANK] == 1 and words[isa.D_NLANES] == 2
+    assert (words[isa.D_ABORT], words[isa.D_TRACE], words[isa.D_TRACE_ROWS]) == (77, 88, 9)
+    assert at(words[isa.D_EPOCH]) == CONTROL_AT and at(words[isa.D_DONE]) == CONTROL_AT + 1
+    assert at(words[isa.D_ERROR]) == CONTROL_AT + 2
+    assert not words[CONTROL_AT: CONTROL_AT + CONTROL_WORDS].any(), "counters start at 0"
+    lanes = at(words[isa.D_LANES])
+    assert list(words[lanes: lanes + 3]) == list(low.lane_offsets)
+    for key, table in ((isa.D_TABLE, low.tables[0]), (isa.D_TABLE_ODD, low.tables[1])):
+        t = at(words[key])
+        assert np.array_equal(words[t: t + table.size].reshape(table.shape), table)
+    assert words[isa.D_TABLE] != words[isa.D_TABLE_ODD], "two scratch copies: two tables"
+    pool = at(words[isa.D_SRCS])
+    assert list(words[pool: pool + len(low.srcs)]) == list(low.srcs)

@@ -30,14 +30,21 @@ from dataclasses import dataclass
 import numpy as np
 
 from purlin.errors import CapabilityError
-from purlin.kernels.isa import (AVG, COPY, COUNT, DIVISOR, DST, DTYPE, DTYPE_CODES,
-                                EPOCH_OFFSET, FLAG, LANE, NOTIFY, NSRC, OP, OPCODE_NAMES, PEER,
-                                PER_CALL, REDOP, REDOP_CODES, REDUCE, ROW_WIDTH, SRC, STEP, VALUE,
-                                WAIT)
+from purlin.kernels.isa import (AVG, COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, D_LANES,
+                                D_NLANES, D_RANK, D_SRCS, D_TABLE, D_TABLE_ODD, D_TRACE,
+                                D_TRACE_ROWS, DESC_WIDTH, DIVISOR, DST, DTYPE, DTYPE_CODES,
+                                EPOCH_OFFSET, ERR_WIDTH, FLAG, LANE, NOTIFY, NSRC, OP,
+                                OPCODE_NAMES, PEER, PER_CALL, REDOP, REDOP_CODES, REDUCE,
+                                ROW_WIDTH, SRC, STEP, VALUE, WAIT)
 from purlin.snac.ir import Consume, Flag, Notify, Region, Schedule
 from purlin.spec.dtypes import dtype as as_dtype
 
-__all__ = ["LoweredRank", "flag_slots", "lower", "OPCODE_NAMES"]
+__all__ = ["CONTROL_AT", "CONTROL_WORDS", "HEAD_WORDS", "LoweredRank", "blob_size", "build_blob",
+           "flag_slots", "lower", "OPCODE_NAMES"]
+
+CONTROL_AT = DESC_WIDTH          # the control words follow the descriptor in a rank's block
+CONTROL_WORDS = 2 + ERR_WIDTH    # epoch, done counter, error record
+HEAD_WORDS = 512                 # what a one-rank launch prefetches (the executor's window)
 
 
 @dataclass
@@ -49,6 +56,52 @@ class LoweredRank:
     lane_offsets: np.ndarray      # int64[nlanes + 1]
     srcs: np.ndarray              # int64 source-address pool
     lane_barriers: int            # lane-barrier flags used per call (per lane, max)
+
+
+def _blob_parts(low: LoweredRank, nlanes: int) -> list[tuple[str, np.ndarray]]:
+    parts = [("lanes", low.lane_offsets), ("even", low.tables[0].ravel())]
+    if len(low.tables) > 1:
+        parts.append(("odd", low.tables[-1].ravel()))
+    return parts + [("pool", low.srcs)]
+
+
+def blob_size(low: LoweredRank, nlanes: int) -> int:
+    """int64 words of the rank's contiguous block (at least HEAD_WORDS, so a prefetch of the
+    head never reads past it)."""
+    used = CONTROL_AT + CONTROL_WORDS + sum(len(a) for _, a in _blob_parts(low, nlanes))
+    return max(used, HEAD_WORDS)
+
+
+def build_blob(base: int, low: LoweredRank, nlanes: int, abort: int, trace: int = 0,
+               trace_rows: int = 0) -> np.ndarray:
+    """One rank as a single block of int64 words to be placed at device address ``base``:
+    descriptor, control words (epoch, done, error record, all zero), lane offsets, the even
+    and odd tables and the source pool, the descriptor's addresses pointing inside. A one-rank
+    launch reads its head in one coalesced pass, so the executor's look-ups hit L1.
+
+    >>> import numpy as np
+    >>> low = LoweredRank(0, [np.zeros((2, ROW_WIDTH), np.int64)], np.array([0, 2]),
+    ...                   np.array([7]), 0)
+    >>> words = build_blob(1 << 20, low, 1, abort=99)
+    >>> len(words) >= HEAD_WORDS, int(words[D_EPOCH]) == (1 << 20) + 8 * CONTROL_AT
+    (True, True)
+    """
+    words = np.zeros(blob_size(low, nlanes), dtype=np.int64)
+    at, where = CONTROL_AT + CONTROL_WORDS, {}
+    for name, array in _blob_parts(low, nlanes):
+        where[name] = at
+        words[at: at + len(array)] = array
+        at += len(array)
+    addr = {name: base + 8 * i for name, i in where.items()}
+    words[D_RANK], words[D_NLANES] = low.rank, nlanes
+    words[D_TABLE] = addr["even"]
+    words[D_TABLE_ODD] = addr.get("odd", addr["even"])
+    words[D_LANES], words[D_SRCS] = addr["lanes"], addr["pool"]
+    words[D_EPOCH] = base + 8 * CONTROL_AT
+    words[D_DONE] = base + 8 * (CONTROL_AT + 1)
+    words[D_ERROR] = base + 8 * (CONTROL_AT + 2)
+    words[D_ABORT], words[D_TRACE], words[D_TRACE_ROWS] = abort, trace, trace_rows
+    return words
 
 
 def flag_slots(nranks: int, lanes: int) -> int:

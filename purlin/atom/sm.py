@@ -105,7 +105,7 @@ class SmBound:
     inputs in place and call :meth:`launch` (no copies), or call the object with tensors."""
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows):
-        from purlin.atom.lowering import flag_slots, lower
+        from purlin.atom.lowering import HEAD_WORDS, flag_slots, lower
         from purlin.kernels.launch import Launcher
 
         torch = _torch()
@@ -132,8 +132,6 @@ class SmBound:
             self.scratch.append(torch.zeros(max(scratch_bytes * schedule.scratch_copies, 16),
                                             dtype=torch.uint8, device=dev))
             self.flags.append(torch.zeros(flag_slots(n, lanes), dtype=torch.int64, device=dev))
-            # epoch, done, error record
-            self.control.append(torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev))
         self.abort = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", devs[0]))
         self._scratch_bytes = {r: _round16(schedule.scratch[r] * item) for r in range(n)}
         bases = {}
@@ -147,7 +145,7 @@ class SmBound:
         self.trace_rows = trace_rows
         self._keep = []
         self.traces = []
-        descs = []
+        blobs = []
         for r, low in enumerate(lowered):
             dev = torch.device("cuda", devs[r])
             trace = None
@@ -155,21 +153,26 @@ class SmBound:
                 trace = torch.zeros(lanes * bpl * trace_rows * isa.TRACE_WIDTH,
                                     dtype=torch.int64, device=dev)
             self.traces.append(trace)
-            desc, keep = rank_descriptor(torch, low, dev, self.control[r], self.abort.data_ptr(),
-                                         lanes, trace, trace_rows)
-            self._keep += keep
-            descs.append(desc)
-        # one launch per device: a virtual cluster packs all its ranks into one launch
+            blob, control = rank_blob(torch, low, dev, self.abort.data_ptr(), lanes, trace,
+                                      trace_rows)
+            blobs.append(blob)
+            self.control.append(control)  # epoch, done, error record
+        self._keep += blobs
+        # one launch per device: a virtual cluster packs all its ranks into one launch, with a
+        # table of their descriptors; a lone rank launches on its block and prefetches it
         self.launches = []
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(devs):
             groups.setdefault(d, []).append(r)
         for d, ranks in groups.items():
-            table = torch.tensor([descs[r] for r in ranks], dtype=torch.int64,
-                                 device=torch.device("cuda", d))
+            if len(ranks) == 1:
+                table, head = blobs[ranks[0]], HEAD_WORDS
+            else:
+                table = torch.stack([blobs[r][:isa.DESC_WIDTH] for r in ranks]).contiguous()
+                head = 0
             self._keep.append(table)
             launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=lanes,
-                                blocks_per_lane=bpl, threads=threads)
+                                blocks_per_lane=bpl, threads=threads, head_words=head)
             _check_resident(torch, d, launcher, cluster.kind)
             self.launches.append((d, launcher, table.data_ptr(), ranks))
         self.timeout_ns = int(timeout * 1e9)
@@ -324,30 +327,18 @@ def call_with_tensors(bound, inputs=None, out=None):
     return outs
 
 
-def rank_descriptor(torch, low, device, control, abort_ptr: int, nlanes: int, trace=None,
-                    trace_rows: int = 0):
-    """Upload one rank's lowered tables to ``device`` and build its executor descriptor
-    (purlin.kernels.isa, D_*). ``control`` holds the rank's epoch, done counter and error
-    record. Returns the descriptor words and the tensors that must stay alive with it."""
-    even = torch.from_numpy(low.tables[0]).to(device)
-    odd = torch.from_numpy(low.tables[-1]).to(device)
-    lane_offsets = torch.from_numpy(low.lane_offsets).to(device)
-    srcs = torch.from_numpy(low.srcs).to(device)
-    ctl = control.data_ptr()
-    desc = [0] * isa.DESC_WIDTH
-    desc[isa.D_RANK] = low.rank
-    desc[isa.D_TABLE] = even.data_ptr()
-    desc[isa.D_TABLE_ODD] = odd.data_ptr()
-    desc[isa.D_LANES] = lane_offsets.data_ptr()
-    desc[isa.D_NLANES] = nlanes
-    desc[isa.D_SRCS] = srcs.data_ptr()
-    desc[isa.D_EPOCH] = ctl
-    desc[isa.D_DONE] = ctl + 8
-    desc[isa.D_ERROR] = ctl + 16
-    desc[isa.D_ABORT] = abort_ptr
-    desc[isa.D_TRACE] = trace.data_ptr() if trace is not None else 0
-    desc[isa.D_TRACE_ROWS] = trace_rows
-    return desc, [even, odd, lane_offsets, srcs]
+def rank_blob(torch, low, device, abort_ptr: int, nlanes: int, trace=None,
+              trace_rows: int = 0):
+    """One rank's executor block on ``device`` (purlin.atom.lowering.build_blob: descriptor,
+    control words, lane offsets, tables, source pool). Returns the block and a view of its
+    control words (epoch, done counter, error record)."""
+    from purlin.atom.lowering import CONTROL_AT, CONTROL_WORDS, blob_size, build_blob
+
+    blob = torch.zeros(blob_size(low, nlanes), dtype=torch.int64, device=device)
+    words = build_blob(blob.data_ptr(), low, nlanes, abort_ptr,
+                       trace.data_ptr() if trace is not None else 0, trace_rows)
+    blob.copy_(torch.from_numpy(words))
+    return blob, blob[CONTROL_AT: CONTROL_AT + CONTROL_WORDS]
 
 
 def _round16(nbytes: int) -> int:

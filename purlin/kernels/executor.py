@@ -7,7 +7,10 @@
   lane ``(b % blocks_per_rank) // blocks_per_lane`` and sub-block ``b % blocks_per_lane``
   (``blocks_per_rank = gridDim.x // nranks_in_launch``; every rank of a launch has the same
   lane count, padded with empty lanes). Blocks whose lane has no rows only check in at the end;
-* ``timeout_ns`` -- how long one WAIT may spin before it records a timeout (must be > 0).
+* ``timeout_ns`` -- how long one WAIT may spin before it records a timeout (must be > 0);
+* ``head_words`` -- for a one-rank launch whose descriptor starts a contiguous block of at least
+  that many int64 words (``purlin.atom.lowering.build_blob``), read them all at block start to
+  warm the L1; 0 for none.
 
 Thread 0 reads the rank's EPOCH once at block start; on odd epochs the rows come from
 ``D_TABLE_ODD`` (same lane offsets and source pool; 0 means "use D_TABLE"). Each block walks
@@ -40,7 +43,7 @@ from purlin.kernels.isa import (COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, 
                                 PEER, PER_CALL, REDOP, REDUCE, ROW_WIDTH, SRC, STEP, TRACE_WIDTH,
                                 VALUE, WAIT)
 
-SIGNATURE = "void(int64, int64, int64, int64)"
+SIGNATURE = "void(int64, int64, int64, int64, int64)"
 MAX_THREADS = 512   # launch bound: keeps the kernel within 128 registers per thread
 SPINS_PER_CHECK = 64  # acquire loads between two looks at the clock and the ABORT word
 WINDOW = 32           # table rows a block keeps in shared memory at a time (4 KiB)
@@ -189,7 +192,7 @@ def _kernel(fn):
 
 
 @_kernel
-def executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns):
+def executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words):
     """Run every rank's table of this launch (see the module docstring)."""
     blocks_per_rank = cuda.gridDim.x // nranks_in_launch
     slot = cuda.blockIdx.x // blocks_per_rank
@@ -203,6 +206,13 @@ def executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns):
     # [status of even rows, status of odd rows, this call's epoch (read once)]
     shared = cuda.shared.array(3, np.int64)
     rows = cuda.shared.array(WINDOW_WORDS, np.int64)
+    # A rank laid out as one contiguous block (descriptor, control words, lane offsets,
+    # tables, source pool: purlin.atom.lowering.build_blob) is read in one coalesced pass, so
+    # every later look-up of this launch hits this SM's L1 instead of walking a chain of
+    # dependent L2 round trips. The words land in ``rows``, reloaded before any row runs.
+    if nranks_in_launch == 1 and head_words > 0:
+        for k in range(cuda.threadIdx.x, min(head_words, WINDOW_WORDS), cuda.blockDim.x):
+            rows[k] = load_i64(desc + k * 8)
     if cuda.threadIdx.x == 0:
         shared[0] = 0
         shared[1] = 0

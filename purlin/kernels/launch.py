@@ -35,7 +35,7 @@ class Launcher:
     """
 
     def __init__(self, device: int = 0, nranks_in_launch: int = 1, nlanes: int = 1,
-                 blocks_per_lane: int = 1, threads: int = 256):
+                 blocks_per_lane: int = 1, threads: int = 256, head_words: int = 0):
         for name, value in (("nranks_in_launch", nranks_in_launch), ("nlanes", nlanes),
                             ("blocks_per_lane", blocks_per_lane), ("threads", threads)):
             if int(value) < 1:
@@ -47,6 +47,9 @@ class Launcher:
         self.nranks_in_launch = int(nranks_in_launch)
         self.blocks_per_lane = int(blocks_per_lane)
         self.threads = int(threads)
+        # a one-rank launch whose descriptor starts a contiguous block (lowering.build_blob)
+        # of at least this many int64 words prefetches them (0: no prefetch)
+        self.head_words = int(head_words) if self.nranks_in_launch == 1 else 0
         self.grid = self.nranks_in_launch * int(nlanes) * self.blocks_per_lane
         self.registers = None  # per thread, once loaded on a GPU
         if SIMULATOR:
@@ -79,9 +82,10 @@ class Launcher:
         self.registers = cufunc.attrs.regs
         self._driver = driver
         self._function = driver.CUfunction(int(cufunc.handle))
-        self._values = (ctypes.c_int64 * 4)(0, self.nranks_in_launch, self.blocks_per_lane, 0)
+        self._values = (ctypes.c_int64 * 5)(0, self.nranks_in_launch, self.blocks_per_lane, 0,
+                                            self.head_words)
         base = ctypes.addressof(self._values)
-        self._params = (ctypes.c_void_p * 4)(*(base + 8 * i for i in range(4)))
+        self._params = (ctypes.c_void_p * 5)(*(base + 8 * i for i in range(5)))
         self._params_addr = ctypes.addressof(self._params)
         self._streams = {}
 
@@ -108,4 +112,5 @@ class Launcher:
 
     def _launch_simulated(self, desc_ptr, stream, timeout_ns) -> None:
         executor[self.grid, self.threads](int(desc_ptr), self.nranks_in_launch,
-                                          self.blocks_per_lane, int(timeout_ns))
+                                          self.blocks_per_lane, int(timeout_ns),
+                                          self.head_words)

@@ -30,7 +30,7 @@ class SmPrepared:
 
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads):
         from purlin.atom.lowering import lower
-        from purlin.atom.sm import _check_resident, default_blocks_per_lane, rank_descriptor
+        from purlin.atom.sm import _check_resident, default_blocks_per_lane, rank_blob
 
         self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
         dev, rank, n = path.device, path.rank, schedule.nranks
@@ -44,13 +44,10 @@ class SmPrepared:
         self.flag_bases = {q: ptrs[q] + offset + lay.flags for q in range(n)}
         low = lower(schedule, bases, self.flag_bases, blocks_per_lane=bpl,
                     scratch_bytes=dict(enumerate(lay.scratch_bytes)))[rank]
-        self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
         # one abort word for the whole group: rank 0's copy
-        desc, keep = rank_descriptor(torch, low, dev, self.control,
-                                     ptrs[0] + offset + lay.abort, lanes)
-        self.desc = torch.tensor([desc], dtype=torch.int64, device=dev)
+        self.desc, self.control = rank_blob(torch, low, dev, ptrs[0] + offset + lay.abort,
+                                            lanes)
         self.desc_ptr = self.desc.data_ptr()
-        self._keep = tuple(keep)
         self.launcher = path.launcher(lanes, bpl, threads)
         _check_resident(torch, dev.index, self.launcher, "process")
         tdt = getattr(torch, schedule.dtype)
@@ -135,13 +132,15 @@ class SmPath:
         return self.buf[offset: offset + count * item].view(dtype)
 
     def launcher(self, lanes: int, bpl: int, threads: int | None = None):
+        from purlin.atom.lowering import HEAD_WORDS
         from purlin.kernels.launch import Launcher
 
         threads = threads or self.threads
         key = (lanes, bpl, threads)
         if key not in self._launchers:
             self._launchers[key] = Launcher(device=self.device.index, nranks_in_launch=1,
-                                            nlanes=lanes, blocks_per_lane=bpl, threads=threads)
+                                            nlanes=lanes, blocks_per_lane=bpl, threads=threads,
+                                            head_words=HEAD_WORDS)
         return self._launchers[key]
 
     def prepare(self, schedule, offset: int, lay, blocks_per_lane=None) -> SmPrepared:
