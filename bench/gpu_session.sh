@@ -72,7 +72,7 @@ PY
             echo "rc=$?"; tail -15 "$OUT/tune.log"
             ;;
         sweep)
-            timeout 540 python3 bench/gpu_sweep.py --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
+            timeout 540 python3 bench/gpu_sweep.py --ce --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
             echo "rc=$?"; tail -40 "$OUT/sweep.log"
             ;;
         allreduce)

@@ -46,6 +46,8 @@ def main() -> int:
     ap.add_argument("--time-limit", type=float, default=None,
                     help="seconds for the graph sweep's Purlin points (default 400, quick 120)")
     ap.add_argument("--no-eager", action="store_true")
+    ap.add_argument("--ce", action="store_true",
+                    help="also the copy-engine datapath (ce:auto) at sizes >= 1 MiB")
     args = ap.parse_args()
 
     os.makedirs(args.out, exist_ok=True)
@@ -78,6 +80,13 @@ def main() -> int:
                      ops=ops, repeats=repeats, table=args.tuning,
                      time_limit=max(10.0, limit - spent), cluster=cluster)
         res = res + more.run(progress=True)
+    if args.ce:
+        big = [s for s in every_other if s >= (1 << 20)] or [sizes[-1]]
+        ce = Sweep(collectives=colls, sizes=big, dtypes=dtypes, mode="graph",
+                   providers=["ce:auto"], nranks=args.ranks, ops=ops, repeats=repeats,
+                   table=args.tuning, time_limit=max(10.0, limit - (time.monotonic() - t0)),
+                   cluster=cluster)
+        res = res + ce.run(progress=True)
     print(f"# graph sweep: {time.monotonic() - t0:.0f} s", flush=True)
     eager = Results([], {})
     if not args.no_eager:

@@ -149,3 +149,16 @@ def test_summary_compares_with_nccl():
     best = next(ln for ln in lines if "purlin (best)" in ln).split()
     assert auto[-2:] == ["2.00x", "0.50x"]
     assert best[-2:] == ["2.00x", "2.00x"]
+
+
+def test_ce_provider_parses_and_is_skipped_without_gpus():
+    from purlin.bench.sweep import Provider
+    from purlin.spec import collectives
+
+    p = Provider.parse("ce:two-phase/c2")
+    assert (p.kind, p.strategy, p.chunks, p.name) == ("ce", "two-phase", 2, "ce:two-phase/c2")
+    assert not p.is_baseline
+    assert "needs GPUs" in p.skip_reason(collectives.all_gather(2), "cpu")
+    assert p.skip_reason(collectives.all_reduce(2), "sm") is None
+    assert "reduces" in Provider.parse("ce:two-phase").skip_reason(collectives.all_gather(2),
+                                                                    "sm")

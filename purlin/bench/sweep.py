@@ -63,11 +63,14 @@ def powers_of_two(lo: int = 8, hi: int = GiB) -> list[int]:
 # -- providers ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Provider:
-    """Who runs a point: ``kind`` "purlin" (with a strategy, or "auto", and optional fixed
-    chunks/lanes/blocks per lane) or one of the baselines.
+    """Who runs a point: ``kind`` "purlin" (the sm datapath, with a strategy, or "auto", and
+    optional fixed chunks/lanes/blocks per lane), "ce" (the same on the copy-engine datapath,
+    reductions on SMs) or one of the baselines.
 
     >>> Provider.parse("purlin:ring/c4/l8/b2")
     Provider('purlin:ring/c4/l8/b2')
+    >>> Provider.parse("ce:direct-push").name
+    'ce:direct-push'
     >>> Provider.parse("purlin").name, Provider.parse("nccl").is_baseline
     ('purlin:auto', True)
     """
@@ -85,12 +88,13 @@ class Provider:
         raw = str(text).strip().lower()
         if raw in BASELINES:
             return cls(raw)
-        if raw == "purlin":
-            return cls("purlin")
-        if not raw.startswith("purlin:"):
+        if raw in ("purlin", "ce"):
+            return cls(raw)
+        kind, sep, rest = raw.partition(":")
+        if kind not in ("purlin", "ce") or not sep:
             raise SpecError(f"unknown provider {text!r}: use purlin:auto, purlin:<strategy>"
-                            f"[/cN/lN/bN] or one of {', '.join(BASELINES)}")
-        strategy, *opts = raw.removeprefix("purlin:").split("/")
+                            f"[/cN/lN/bN], ce:<strategy> or one of {', '.join(BASELINES)}")
+        strategy, *opts = rest.split("/")
         fixed = {}
         for opt in opts:
             key = {"c": "chunks", "l": "lanes", "b": "blocks_per_lane"}.get(opt[:1])
@@ -104,7 +108,7 @@ class Provider:
             if strategy not in STRATEGIES:
                 raise SpecError(f"provider {text!r}: unknown strategy {strategy!r}; "
                                 f"registered: auto, {', '.join(STRATEGIES)}")
-        return cls("purlin", strategy, **fixed)
+        return cls(kind, strategy, **fixed)
 
     @property
     def is_baseline(self) -> bool:
@@ -116,7 +120,7 @@ class Provider:
             return self.kind
         opts = "".join(f"/{k}{v}" for k, v in (("c", self.chunks), ("l", self.lanes),
                                                 ("b", self.blocks_per_lane)) if v)
-        return f"purlin:{self.strategy}{opts}"
+        return f"{self.kind}:{self.strategy}{opts}"
 
     def __repr__(self) -> str:
         return f"Provider({self.name!r})"
@@ -132,6 +136,8 @@ class Provider:
                                                  or collective.op.reduce_op != "sum"):
                 return f"{self.kind} is an all-reduce (sum) only"
             return None
+        if self.kind == "ce" and datapath != "sm":
+            return f"the ce datapath needs GPUs (datapath {datapath})"
         if self.strategy == "two-phase" and not collective.op.is_reduce:
             return f"two-phase reduces; {collective.name} copies"
         return None
@@ -337,7 +343,13 @@ class Sweep:
 
         try:
             c = self.configure(cluster, p)
-            if self.datapath == "sm":
+            if p.provider.kind == "ce":
+                from purlin.bench.ce import time_ce
+
+                rec = time_ce(cluster, p.collective, p.nbytes, p.dtype, c.strategy, c.chunks,
+                              c.lanes, c.blocks_per_lane, mode=p.mode, ops=self.ops,
+                              repeats=self.repeats, provider=p.provider.name)
+            elif self.datapath == "sm":
                 rec = providers.time_purlin(cluster, p.collective, p.nbytes, p.dtype,
                                             c.strategy, c.chunks, c.lanes, c.blocks_per_lane,
                                             mode=p.mode, ops=self.ops, repeats=self.repeats,
@@ -464,7 +476,7 @@ class Results:
         rows = vs_baseline(self.records, baseline)
         best: dict = {}
         for row in rows:
-            if row["provider"].startswith("purlin"):
+            if row["provider"].startswith(("purlin", "ce:")):
                 key = (row["collective"], row["dtype"], row["mode"], row["nbytes"])
                 if key not in best or row["ratio"] > best[key]["ratio"]:
                     best[key] = {**row, "provider": "purlin (best)"}
