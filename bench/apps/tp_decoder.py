@@ -7,7 +7,8 @@ weights: RMSNorm, attention (column-parallel fused QKV with grouped KV heads and
 embeddings, ``scaled_dot_product_attention`` over a KV cache of ``--kv`` tokens when decoding,
 causal over the prompt when prefilling, row-parallel output projection) and a SwiGLU MLP
 (column-parallel gate/up, row-parallel down) -- two all-reduces of [tokens, hidden] per layer.
-For hidden 4096 and 8192 it times decode steps at batch 1, 8, 32, 64 and a 2048-token prefill,
+A step is ``--layers`` layers (32 by default, the same weights each time, like a 32-layer
+model). For hidden 4096 and 8192 it times decode steps at batch 1, 8, 32, 64 and a 2048-token prefill,
 each captured in one CUDA graph per all-reduce provider -- ``torch.distributed.all_reduce`` on
 NCCL; ``purlin.torch.Communicator.all_reduce``; and the same with the row-parallel products
 written straight into ``comm.input_buffer`` (no copy in) -- and checks that every provider's
@@ -247,8 +248,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prefill", type=int, default=2048)
     ap.add_argument("--kv", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=1, help="layers per step (same weights)")
-    ap.add_argument("--replays", type=int, default=50)
+    # a step runs --layers layers (the same weights each time), as a decode step of a whole
+    # model does; one graph replay then carries one step, and the skew between the two ranks'
+    # replay launches (tens of µs) is paid once per step instead of once per layer
+    ap.add_argument("--layers", type=int, default=32, help="layers per step (same weights)")
+    ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--staging", type=int, default=512 << 20)
     args = ap.parse_args(argv)
     from purlin.torch.testing import run_processes
