@@ -118,10 +118,11 @@ def test_layout_that_is_not_a_list_of_lists(bad):
 
 
 @pytest.mark.parametrize("text, fragment", [
-    ("prod", "op kind must be 'copy' or 'reduce', got 'prod'"),
+    ("prod", "op must be copy or a reduction (sum, max, min, avg, or 'reduce:<op>'), got 'prod'"),
     ("reduce:prod", "got 'prod'"),
     ("reduce:", "got ''"),
-    ("gather", "op kind must be 'copy' or 'reduce', got 'gather'"),
+    ("gather", "op must be copy or a reduction (sum, max, min, avg, or 'reduce:<op>'), got "
+               "'gather'"),
 ])
 def test_unknown_op(text, fragment):
     with spec_error(fragment):
@@ -280,3 +281,17 @@ def test_no_spec_error_is_an_assertion_even_under_python_O():
     done = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True,
                           cwd=str(__import__("pathlib").Path(__file__).parents[1]))
     assert done.stdout.startswith("ok copy needs exactly one source"), done.stderr
+
+
+def test_a_string_is_not_a_row_of_names():
+    with spec_error("rank 1 of the layout is the string 'ab'"):
+        Layout([["x"], "ab"])
+    with spec_error("got the string 'ab'"):
+        Layout("ab")
+
+
+def test_numpy_scalar_types_and_integer_sizes_are_accepted():
+    assert dtype(np.float32).name == "float32" and dtype(np.int32).name == "int32"
+    sizes = np.array([3, 5], dtype=np.int64)
+    s = collectives.all_gather(2).sized(chunk_sizes={0: sizes[0], 1: sizes[1]})
+    assert s.output_count(0) == 8 and isinstance(s.chunk_count(1), int)

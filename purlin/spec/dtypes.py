@@ -56,13 +56,16 @@ _ALIASES = {
 
 
 def dtype(value) -> DType:
-    """Look up a DType from a name, an alias, a DType, a numpy dtype or a torch dtype.
+    """Look up a DType from a name, an alias, a DType, a numpy dtype or scalar type, or a
+    torch dtype.
 
-    >>> dtype("fp16")
-    float16
+    >>> dtype("fp16"), dtype(__import__("numpy").float32)
+    (float16, float32)
     """
     if isinstance(value, DType):
         return value
+    if isinstance(value, type):  # numpy scalar types such as np.float32
+        value = getattr(value, "__name__", value)
     text = str(value).removeprefix("torch.")
     text = _ALIASES.get(text, text)
     if text not in DTYPES:

@@ -46,6 +46,19 @@ class Layout:
     def __init__(self, slots: Iterable[Iterable[Name]] | Sequence[Sequence[Name]]):
         if isinstance(slots, Layout):
             slots = slots.slots
+        if isinstance(slots, (str, bytes)):
+            raise SpecError(f"a Layout is a list with one list of chunk names per rank, got the "
+                            f"string {slots!r}")
+        try:
+            rows_given = list(slots)
+        except TypeError:
+            raise SpecError("a Layout is a list with one list of chunk names per rank, "
+                            f"got {slots!r}") from None
+        for rank, row in enumerate(rows_given):
+            if isinstance(row, (str, bytes)):
+                raise SpecError(f"rank {rank} of the layout is the string {row!r}; give its "
+                                f"chunk names as a list, e.g. [{row!r}]")
+        slots = rows_given
         try:
             rows = tuple(tuple(row) for row in slots)
         except TypeError:

@@ -32,7 +32,8 @@ class Op:
                 f"reduce op must be one of {', '.join(REDUCE_OPS)}, got {self.reduce_op!r}"
             )
         if self.kind not in ("copy", "reduce"):
-            raise SpecError(f"op kind must be 'copy' or 'reduce', got {self.kind!r}")
+            raise SpecError(f"op must be copy or a reduction ({', '.join(REDUCE_OPS)}, or "
+                            f"'reduce:<op>'), got {self.kind!r}")
 
     @property
     def is_reduce(self) -> bool:

@@ -14,6 +14,7 @@ collective. Even chunks split it into equal parts; uneven chunks are given per n
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, Mapping
@@ -115,6 +116,8 @@ def size(collective: Collective, count: int | None = None, *, nbytes: int | None
         chunks = []
         for name in names:
             value = get(name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+                value = int(value)  # numpy integers from an array of sizes are fine
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SpecError(
                     f"chunk {_fmt(name)!r} must have a whole, non-negative element count, "
