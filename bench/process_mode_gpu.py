@@ -169,9 +169,9 @@ def graph_check(torch, dist, comm, rank, n, device, opts):
 def _time_graph(torch, dist, fn, ops, repeats):
     """Median per-op microseconds of ``fn`` replayed from a CUDA graph (shared with the
     baselines' timing, so Purlin and NCCL are measured the same way)."""
-    from purlin.bench.torch_dist import _time_graph as time_graph
+    from purlin.bench.torch_dist import graph_per_op_us
 
-    per_op = sorted(time_graph(torch, fn, ops, repeats, dist))
+    per_op = sorted(graph_per_op_us(torch, fn, ops, repeats, dist))
     return per_op[len(per_op) // 2]
 
 

@@ -118,34 +118,14 @@ def make_state(torch, layer, batch, seq, kv, device, decode, gen):
 
 
 def time_graph(torch, dist, step, replays):
-    """Median per-replay time (us) of ``step`` captured in a CUDA graph, slowest rank."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    times.sort()
+    """Median per-replay time (us) of ``step`` captured in a CUDA graph, slowest rank; the
+    step's outputs hold the last replay's results afterwards."""
+    from purlin.bench.torch_dist import graph_per_op_us
+
+    times = sorted(graph_per_op_us(torch, step, 1, replays, dist))
     t = torch.tensor([times[len(times) // 2]], device=torch.cuda.current_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return graph, t.item()
+    return t.item()
 
 
 def worker(rank, world, opts):
@@ -188,13 +168,10 @@ def worker(rank, world, opts):
                             y = layer.forward(y, state, ar, stage)
                         out.copy_(y)
 
-                    graph, us = time_graph(torch, dist, step, opts["replays"])
-                    graph.replay()
-                    torch.cuda.synchronize()
+                    us = time_graph(torch, dist, step, opts["replays"])
                     outs[name] = out.float()
                     row[f"{name}_us"] = us
                     row[f"{name}_tokens_per_s"] = row["tokens"] / (us * 1e-6)
-                    del graph
                 comm.check()
                 scale = outs["nccl"].abs().max().item()
                 row["output_scale"] = scale

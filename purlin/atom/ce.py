@@ -70,7 +70,7 @@ class CeBound:
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads):
         from purlin.atom import ce_driver as drv
-        from purlin.atom.sm import _torch, default_blocks_per_lane
+        from purlin.atom.sm import _torch, allocate_buffers, default_blocks_per_lane
 
         torch = _torch()
         if schedule.dtype not in TORCH_DTYPES:
@@ -80,33 +80,17 @@ class CeBound:
         self.broken: str | None = None
         n, lanes = schedule.nranks, schedule.lanes
         sizing = schedule.sizing
-        item = sizing.dtype.itemsize
         self.engines = assign_engines(schedule)
         uses_sm = any("sm" in e for e in self.engines)
         bpl = (blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes)) \
             if uses_sm else 1
         self.blocks_per_lane, self.threads = bpl, threads
         self.devices = devs = tuple(cluster.devices)
-        tdt = getattr(torch, schedule.dtype)
-        self.inputs, self.outputs, self.scratch, self.flags, self.control = [], [], [], [], []
-        for r in range(n):
-            dev = torch.device("cuda", devs[r])
-            self.inputs.append(torch.zeros(max(sizing.input_count(r), 1), dtype=tdt, device=dev))
-            self.outputs.append(torch.zeros(max(sizing.output_count(r), 1), dtype=tdt,
-                                            device=dev))
-            one = _round16(schedule.scratch[r] * item)
-            self.scratch.append(torch.zeros(max(one * schedule.scratch_copies, 16),
-                                            dtype=torch.uint8, device=dev))
-            self.flags.append(torch.zeros(ce_flag_slots(n, lanes), dtype=torch.int64,
-                                          device=dev))
-            self.control.append(torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev))
+        self.inputs, self.outputs, self.scratch, self.flags, bases, scratch_bytes = \
+            allocate_buffers(torch, schedule, devs, ce_flag_slots(n, lanes))
+        self.control = [torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64,
+                                    device=torch.device("cuda", devs[r])) for r in range(n)]
         self.abort = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", devs[0]))
-        scratch_bytes = {r: _round16(schedule.scratch[r] * item) for r in range(n)}
-        bases = {}
-        for r in range(n):
-            bases[(r, "input")] = self.inputs[r].data_ptr()
-            bases[(r, "output")] = self.outputs[r].data_ptr()
-            bases[(r, "scratch")] = self.scratch[r].data_ptr()
         self.lowered = lower_ce(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
                                 {r: self.control[r].data_ptr() for r in range(n)}, devs,
                                 blocks_per_lane=bpl, scratch_bytes=scratch_bytes)
@@ -481,10 +465,6 @@ class CeGraphSet:
         for _, graph in self.graphs:
             graph.replay()
         self.bound.calls += self.ops
-
-
-def _round16(nbytes: int) -> int:
-    return (nbytes + 15) // 16 * 16
 
 
 def _signed(value: int) -> int:

@@ -116,29 +116,14 @@ class SmBound:
         self.torch = torch
         n, lanes = schedule.nranks, schedule.lanes
         sizing = schedule.sizing
-        tdt = getattr(torch, schedule.dtype)
-        item = sizing.dtype.itemsize
         bpl = blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes)
         self.blocks_per_lane = bpl
         devs = cluster.devices
         self.devices = devs
-        self.inputs, self.outputs, self.scratch, self.flags, self.control = [], [], [], [], []
-        for r in range(n):
-            dev = torch.device("cuda", devs[r])
-            self.inputs.append(torch.zeros(max(sizing.input_count(r), 1), dtype=tdt, device=dev))
-            self.outputs.append(torch.zeros(max(sizing.output_count(r), 1), dtype=tdt,
-                                            device=dev))
-            scratch_bytes = _round16(schedule.scratch[r] * item)
-            self.scratch.append(torch.zeros(max(scratch_bytes * schedule.scratch_copies, 16),
-                                            dtype=torch.uint8, device=dev))
-            self.flags.append(torch.zeros(flag_slots(n, lanes), dtype=torch.int64, device=dev))
+        self.inputs, self.outputs, self.scratch, self.flags, bases, self._scratch_bytes = \
+            allocate_buffers(torch, schedule, devs, flag_slots(n, lanes))
+        self.control = []
         self.abort = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", devs[0]))
-        self._scratch_bytes = {r: _round16(schedule.scratch[r] * item) for r in range(n)}
-        bases = {}
-        for r in range(n):
-            bases[(r, "input")] = self.inputs[r].data_ptr()
-            bases[(r, "output")] = self.outputs[r].data_ptr()
-            bases[(r, "scratch")] = self.scratch[r].data_ptr()
         lowered = lower(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
                         blocks_per_lane=bpl, scratch_bytes=self._scratch_bytes)
         self.lowered = lowered
@@ -293,6 +278,28 @@ def clock_pair(reference: int, device: int, rounds: int = 64):
     a = stamps[reference].cpu().numpy().reshape(rounds, 3)
     b = stamps[device].cpu().numpy().reshape(rounds, 3)
     return a[:, 0], b[:, 1], a[:, 2]
+
+
+def allocate_buffers(torch, schedule, devices, flag_words: int):
+    """Each rank's tensors on its device: input, output, scratch (all copies, each 16-byte
+    rounded) and ``flag_words`` zeroed int64 flags; with the base addresses lowering needs
+    and each rank's bytes per scratch copy."""
+    sizing = schedule.sizing
+    tdt = getattr(torch, schedule.dtype)
+    scratch_bytes = {r: _round16(schedule.scratch[r] * sizing.dtype.itemsize)
+                     for r in range(schedule.nranks)}
+    inputs, outputs, scratch, flags, bases = [], [], [], [], {}
+    for r in range(schedule.nranks):
+        dev = torch.device("cuda", devices[r])
+        inputs.append(torch.zeros(max(sizing.input_count(r), 1), dtype=tdt, device=dev))
+        outputs.append(torch.zeros(max(sizing.output_count(r), 1), dtype=tdt, device=dev))
+        scratch.append(torch.zeros(max(scratch_bytes[r] * schedule.scratch_copies, 16),
+                                   dtype=torch.uint8, device=dev))
+        flags.append(torch.zeros(flag_words, dtype=torch.int64, device=dev))
+        bases[(r, "input")] = inputs[r].data_ptr()
+        bases[(r, "output")] = outputs[r].data_ptr()
+        bases[(r, "scratch")] = scratch[r].data_ptr()
+    return inputs, outputs, scratch, flags, bases, scratch_bytes
 
 
 def call_with_tensors(bound, inputs=None, out=None):

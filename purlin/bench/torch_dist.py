@@ -62,7 +62,9 @@ def _op(torch, dist, collective, inp, out, redop, provider, symm):
     raise ValueError(provider)
 
 
-def _time_graph(torch, fn, ops, repeats, dist):
+def graph_per_op_us(torch, fn, ops, repeats, dist) -> list[float]:
+    """Microseconds per call of ``fn``, once per replay of a CUDA graph holding ``ops`` calls
+    (after a barrier, so every rank starts together); used for baselines and Purlin alike."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -147,7 +149,7 @@ def _worker(rank, world, port, points, opts, queue):
             if mode == "graph" and device.type == "cpu":
                 raise ValueError("graph mode needs GPUs; the cpu (gloo) baselines run eager")
             if mode == "graph":
-                per_op = _time_graph(torch, fn, ops, repeats, dist)
+                per_op = graph_per_op_us(torch, fn, ops, repeats, dist)
             else:
                 calls = op_counts(nbytes, opts["eager_calls"], repeats)[0]
                 per_op = _time_eager(torch, fn, calls, repeats, dist, device)
