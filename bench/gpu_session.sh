@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session on 2 GPUs, stage by stage; logs and JSON go to $OUT (or ./out).
 # Usage (on the GPU machine, from the repo root): bash bench/gpu_session.sh [stage ...]
-#   env kernels tests allreduce      (the default set: ~5 minutes)
+#   env kernels tests allreduce      (the default set: ~5 minutes; cetests: the ce part alone)
 #   timeline    measured vs predicted timelines (needs plotly: bench/gpu_wheels.sh)
 #   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap
 #   process     purlin.torch against NCCL, and the TP=2 decoder layer
@@ -10,12 +10,12 @@
 # Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1  # absolute: notebook kernels start in notebooks/
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the image lacks (plotly, ...), carried along
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=.:/tmp/site
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD:/tmp/site"
 fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env kernels tests allreduce)
@@ -31,9 +31,15 @@ for stage in "${stages[@]}"; do
             echo "rc=$?"; tail -45 "$OUT/kernels.log"
             ;;
         tests)
-            timeout 280 python3 -m pytest -q tests/test_gpu_sm.py -p no:cacheprovider --maxfail 8 \
-                -o addopts="" --timeout 120 > "$OUT/gpu_tests.log" 2>&1
+            timeout 330 python3 -m pytest -q tests/test_gpu_sm.py tests/test_gpu_ce.py \
+                -p no:cacheprovider --maxfail 8 -o addopts="" --timeout 120 \
+                > "$OUT/gpu_tests.log" 2>&1
             echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_tests.log" | tail -40
+            ;;
+        cetests)
+            timeout 150 python3 -m pytest -q tests/test_gpu_ce.py -p no:cacheprovider \
+                -o addopts="" --timeout 60 > "$OUT/gpu_ce_tests.log" 2>&1
+            echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_ce_tests.log" | tail -20
             ;;
         timeline)
             timeout 200 python3 bench/gpu_timeline.py --out "$OUT" > "$OUT/timeline.log" 2>&1
@@ -68,11 +74,11 @@ PY
             echo "rc=$?"; tail -10 "$OUT/notebooks.log"
             ;;
         tune)
-            timeout 330 python3 bench/gpu_tune.py --out "$OUT/tune" > "$OUT/tune.log" 2>&1
+            timeout 200 python3 bench/gpu_tune.py --time-limit 150 --out "$OUT/tune" > "$OUT/tune.log" 2>&1
             echo "rc=$?"; tail -15 "$OUT/tune.log"
             ;;
         sweep)
-            timeout 540 python3 bench/gpu_sweep.py --ce --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
+            timeout 420 python3 bench/gpu_sweep.py --ce --time-limit 240 --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
             echo "rc=$?"; tail -40 "$OUT/sweep.log"
             ;;
         allreduce)

@@ -20,7 +20,9 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 KiB, MiB = 1 << 10, 1 << 20
-STRATEGIES = {"direct-push": (1, 4, 2), "two-phase": (1, 4, 2)}
+# (chunks, lanes); blocks per lane: the binding's default (~16 KiB of message per block, up to
+# every SM), so that the links, not a handful of blocks, bound the large sizes the model fits
+STRATEGIES = {"direct-push": (1, 2), "two-phase": (1, 2)}
 
 
 def main() -> int:
@@ -48,10 +50,10 @@ def main() -> int:
     coll = collectives.all_reduce(2)
 
     measurements, rows = [], []
-    for strategy, (chunks, lanes, bpl) in STRATEGIES.items():
+    for strategy, (chunks, lanes) in STRATEGIES.items():
         for nbytes in (8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB):
             bound = cluster.bind(coll, strategy, nbytes=nbytes, dtype="bfloat16",
-                                 chunks=chunks, lanes=lanes, blocks_per_lane=bpl)
+                                 chunks=chunks, lanes=lanes)
             per_op = float(np.median(time_graph(torch, bound, 20, 10)))
             measurements.append((bound.schedule, per_op * 1e3))
             rows.append({"strategy": strategy, "nbytes": nbytes, "graph_us": per_op})
@@ -65,10 +67,13 @@ def main() -> int:
         row["predicted_calibrated_us"] = predict(schedule, profile).duration_ns / 1e3
     print(f"calibrated: alpha {profile.alpha_ns:.0f} ns, link {profile.link_bandwidth / 1e9:.0f} "
           f"GB/s, launch {profile.launch_ns:.0f} ns")
-    print(f"{'strategy':>12} {'bytes':>9} {'graph us':>9} {'pred(base)':>10} {'pred(cal)':>10}")
+    print(f"{'strategy':>12} {'bytes':>9} {'graph us':>9} {'pred(base)':>10} {'pred(cal)':>10} "
+          f"{'cal err':>8}")
     for r in rows:
+        r["calibrated_error"] = r["predicted_calibrated_us"] / r["graph_us"] - 1
         print(f"{r['strategy']:>12} {r['nbytes']:>9} {r['graph_us']:9.2f} "
-              f"{r['predicted_base_us']:10.2f} {r['predicted_calibrated_us']:10.2f}")
+              f"{r['predicted_base_us']:10.2f} {r['predicted_calibrated_us']:10.2f} "
+              f"{r['calibrated_error']:+8.1%}")
 
     floor = launch_floor(torch)
     print(f"empty executor launch under a CUDA graph: {floor:.2f} us per op")
@@ -84,20 +89,28 @@ def main() -> int:
               f"{(e.start_ns - t8.start_ns) / 1e3:7.2f} {(e.end_ns - e.start_ns) / 1e3:6.2f}")
 
     traced = []
-    for strategy, (chunks, lanes, bpl) in STRATEGIES.items():
+    for strategy, (chunks, lanes) in STRATEGIES.items():
         bound = cluster.bind(coll, strategy, nbytes=1 * MiB, dtype="bfloat16", chunks=chunks,
-                             lanes=lanes, blocks_per_lane=bpl, trace_rows=64)
+                             lanes=lanes, trace_rows=64)
         for _ in range(20):
             bound.launch()
         bound.check()
-        measured = from_sm(bound, clocks)
+        # the GPUs' clocks drift apart by microseconds per second: measure the offset right
+        # after the traced call, not once at the start
+        now = measure_clocks(lambda a, b: clock_pair(a, b, 64), [0, 1])
+        print(f"clock offset now: {now.offset_ns(1):.0f} ns +- {now.uncertainty_ns(1):.0f} ns "
+              f"(drift since the start {now.offset_ns(1) - offset:+.0f} ns)")
+        measured = from_sm(bound, now)
         predicted = predict(bound.schedule, profile)
-        problems = measured.check(tolerance_ns=2 * uncertainty + 1000)
+        problems = measured.check(tolerance_ns=2 * now.uncertainty_ns(1) + 1000)
         fig = compare_figure(predicted, measured,
                              title=f"all-reduce 1 MiB bf16, {strategy}, 2 x H200")
         html = to_html(fig, out / f"timeline-allreduce-1MiB-{strategy}.html")
         to_perfetto(measured, out / f"perfetto-allreduce-1MiB-{strategy}.json")
-        traced.append({"strategy": strategy, "measured_us": measured.duration_ns / 1e3,
+        traced.append({"strategy": strategy, "blocks_per_lane": bound.blocks_per_lane,
+                       "clock_offset_ns": now.offset_ns(1),
+                       "clock_uncertainty_ns": now.uncertainty_ns(1),
+                       "measured_us": measured.duration_ns / 1e3,
                        "predicted_us": predicted.duration_ns / 1e3, "events": len(measured.events),
                        "consistency_problems": [str(p) for p in problems][:5],
                        "html": html.name})

@@ -10,3 +10,8 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl "plotly>=6,<7" nbclient nbformat ipykernel ipywidgets anywidget
 du -sh .whl
+# the GPU image already has these (device KINDS.md): keep its versions, not a second copy
+for have in attrs packaging psutil pygments python_dateutil typing_extensions narwhals; do
+    rm -f .whl/${have}-*.whl
+done
+du -sh .whl

@@ -87,3 +87,20 @@ def test_a_stream_wait_that_is_never_satisfied_times_out(torch):
         bound.check()
     with pytest.raises(Exception, match="bind it again"):
         bound.launch()
+
+
+@pytest.mark.parametrize("name,strategy", [("all-reduce", "two-phase"),
+                                           ("all-reduce", "direct-pull")])
+def test_a_large_mixed_collective_leaves_an_sm_to_the_add_kernel(torch, name, strategy):
+    """64 MiB: the sm part gets its most blocks; on a driver without stream atomic adds it must
+    still leave the counter-add kernel an SM (a full GPU of spinning blocks would never finish)."""
+    cluster = _cluster("local")
+    bound = cluster.bind(standard(name, 2), strategy, nbytes=64 << 20, dtype="float32",
+                         datapath="ce")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert bound.atomic_add or bound.blocks_per_lane * bound.schedule.lanes < sms
+    gen = np.random.default_rng(1)
+    for _ in range(2):
+        _run_and_compare(torch, bound, gen, bound.launch)
+    graphs = bound.capture(2)
+    _run_and_compare(torch, bound, gen, graphs.replay)

@@ -62,6 +62,36 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
                    threads=threads)
 
 
+FREE_SMS = 4   # SMs the sm part leaves free for the counter-add kernel (ce_driver.AddKernel)
+
+
+def sm_part_blocks(requested, message_bytes: int, lanes: int, lanes_per_device: int, sms: int,
+                   atomic_add: bool) -> int:
+    """Blocks per lane of the ce datapath's sm part (its reductions).
+
+    Where the driver cannot add to a counter from a stream, the copy engines' notifies and
+    hand-offs are a one-block kernel, and the sm part's blocks spin on those counters: if they
+    held every SM, that kernel could never start. So the sm part then leaves ``FREE_SMS`` SMs
+    free; an explicit ``requested`` beyond that is refused.
+
+    >>> sm_part_blocks(None, 64 << 20, 1, 1, 132, atomic_add=False)
+    128
+    >>> sm_part_blocks(None, 64 << 20, 1, 1, 132, atomic_add=True)
+    132
+    """
+    from purlin.atom.sm import default_blocks_per_lane
+
+    limit = sms if atomic_add else max(1, (sms - FREE_SMS) // max(lanes_per_device, 1))
+    if requested is None:
+        return min(default_blocks_per_lane(message_bytes, lanes, sms), limit)
+    if requested > limit:
+        raise CapabilityError(
+            f"blocks_per_lane={requested} x {lanes_per_device} lane(s) per GPU would hold every "
+            f"one of the {sms} SMs while the ce datapath's counter-add kernel needs one (this "
+            f"driver has no stream atomic add); use at most {limit}")
+    return int(requested)
+
+
 # -- binding ------------------------------------------------------------------------------------
 class CeBound:
     """A schedule bound to GPUs on the ce datapath; the same surface as the sm datapath's
@@ -70,7 +100,7 @@ class CeBound:
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads):
         from purlin.atom import ce_driver as drv
-        from purlin.atom.sm import _torch, allocate_buffers, default_blocks_per_lane
+        from purlin.atom.sm import _torch, allocate_buffers
 
         torch = _torch()
         if schedule.dtype not in TORCH_DTYPES:
@@ -82,10 +112,17 @@ class CeBound:
         sizing = schedule.sizing
         self.engines = assign_engines(schedule)
         uses_sm = any("sm" in e for e in self.engines)
-        bpl = (blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes)) \
-            if uses_sm else 1
-        self.blocks_per_lane, self.threads = bpl, threads
         self.devices = devs = tuple(cluster.devices)
+        self.support = {d: drv.device_support(d) for d in dict.fromkeys(devs)}
+        self.atomic_add = all(sup["atomic_add"] for sup in self.support.values())
+        bpl = 1
+        if uses_sm:
+            sms = min(torch.cuda.get_device_properties(d).multi_processor_count
+                      for d in dict.fromkeys(devs))
+            per_device = max(sum(1 for d in devs if d == dev) for dev in set(devs)) * lanes
+            bpl = sm_part_blocks(blocks_per_lane, sizing.message_bytes, lanes, per_device, sms,
+                                 self.atomic_add)
+        self.blocks_per_lane, self.threads = bpl, threads
         self.inputs, self.outputs, self.scratch, self.flags, bases, scratch_bytes = \
             allocate_buffers(torch, schedule, devs, ce_flag_slots(n, lanes))
         self.control = [torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64,
@@ -99,13 +136,11 @@ class CeBound:
             for addr, value in low.init.items():
                 self.flags[r][(addr - self.flags[r].data_ptr()) // 8] = value
             self._initial_flags.append(self.flags[r].clone())
-        self.support = {d: drv.device_support(d) for d in dict.fromkeys(devs)}
         for d, sup in self.support.items():
             if not sup["CAN_USE_64_BIT_STREAM_MEM_OPS"]:
                 raise CapabilityError(f"GPU {d} does not offer 64-bit stream memory operations "
                                       "(CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS), "
                                       "which the ce datapath waits with")
-        self.atomic_add = all(sup["atomic_add"] for sup in self.support.values())
         self._check_connections(drv)
         self._keep: list = []
         self._build(drv, torch, threads)
