@@ -52,11 +52,18 @@ def main() -> int:
     ap.add_argument("--out", default="ce.json")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and configurations")
     ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--sizes", default=None,
+                    help="correctness sizes for every collective (default 16 B..256 MiB, and "
+                         "1 GiB for all-gather), e.g. 1GiB")
+    ap.add_argument("--correct-only", action="store_true",
+                    help="only part 1 (correctness); no overlap or bandwidth")
     args = ap.parse_args()
     t_start = time.time()
     result = {"info": {}, "correct": [], "bandwidth": [], "overlap": [], "failures": []}
 
     baselines = []
+    if args.correct_only:
+        args.no_baselines = True
     if not args.no_baselines:  # first, before this process holds GPU memory
         from purlin.bench.torch_dist import run_baselines
 
@@ -81,14 +88,20 @@ def main() -> int:
 
     print("\n== 1. correctness (ce; all-reduce ce+sm)", flush=True)
     sizes = [16, 1 * MiB, 64 * MiB] if args.quick else CORRECT_SIZES
+    if args.sizes:
+        from purlin.cli import size_list
+
+        sizes = size_list(args.sizes)
     for name in COLLECTIVES:
-        for nbytes in sizes + ([1 * GiB] if name == "all-gather" else []):
+        for nbytes in sizes + ([1 * GiB] if name == "all-gather" and not args.sizes else []):
             strategy, chunks, lanes = CE_CONFIGS[name][0]
             result["correct"].append(_correct(torch, cluster, name, nbytes, strategy, chunks,
                                               lanes, result["failures"]))
             torch.cuda.empty_cache()
 
     _save(args.out, result, [])
+    if args.correct_only:
+        return 0 if all(c.get("wrong") == 0 for c in result["correct"]) else 1
     print("\n== 2. matmul slowdown next to a 256 MiB all-gather loop", flush=True)
     try:
         result["overlap"] = _overlap(torch, cluster, quick=args.quick)

@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, from the repo root): bash bench/gpu_session.sh [stage ...]
 #   env kernels tests allreduce      (the default set: ~5 minutes; cetests: the ce part alone)
 #   timeline    measured vs predicted timelines (needs plotly: bench/gpu_wheels.sh)
-#   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap
+#   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap (ce1g: 1 GiB)
 #   process     purlin.torch against NCCL, and the TP=2 decoder layer
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   tune sweep  the tuning table, then the six-collective sweep against NCCL
@@ -49,6 +49,11 @@ for stage in "${stages[@]}"; do
             timeout 300 python3 bench/gpu_ce.py --out "$OUT/ce.json" > "$OUT/ce.log" 2>&1
             echo "rc=$?"; tail -30 "$OUT/ce.log"
             ;;
+        ce1g)
+            timeout 200 python3 bench/gpu_ce.py --correct-only --sizes 1GiB \
+                --out "$OUT/ce_1GiB.json" > "$OUT/ce_1GiB.log" 2>&1
+            echo "rc=$?"; tail -8 "$OUT/ce_1GiB.log"
+            ;;
         process)
             timeout 150 python3 bench/process_mode_gpu.py --out "$OUT" > "$OUT/process.log" 2>&1
             echo "rc=$?"; tail -15 "$OUT/process.log"
@@ -74,11 +79,12 @@ PY
             echo "rc=$?"; tail -10 "$OUT/notebooks.log"
             ;;
         tune)
-            timeout 200 python3 bench/gpu_tune.py --time-limit 150 --out "$OUT/tune" > "$OUT/tune.log" 2>&1
+            timeout 150 python3 bench/gpu_tune.py --time-limit 90 --out "$OUT/tune" > "$OUT/tune.log" 2>&1
             echo "rc=$?"; tail -15 "$OUT/tune.log"
             ;;
         sweep)
-            timeout 420 python3 bench/gpu_sweep.py --ce --time-limit 240 --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
+            timeout 330 python3 bench/gpu_sweep.py --ce --time-limit 170 \
+                --sizes 8,64,512,4KiB,8KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB,1GiB --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
             echo "rc=$?"; tail -40 "$OUT/sweep.log"
             ;;
         allreduce)

@@ -162,3 +162,21 @@ def test_ce_provider_parses_and_is_skipped_without_gpus():
     assert p.skip_reason(collectives.all_reduce(2), "sm") is None
     assert "reduces" in Provider.parse("ce:two-phase").skip_reason(collectives.all_gather(2),
                                                                     "sm")
+
+
+def test_the_ce_provider_defaults_to_one_lane_whole_pieces():
+    """ce:auto takes the copy engines' own configuration, not the sm datapath's lane-heavy one."""
+    from purlin.bench.sweep import Point, Provider, Sweep
+    from purlin.spec import standard
+
+    sweep = Sweep(collectives=["all-gather"], sizes=[1 << 20], dtypes=["bfloat16"],
+                  providers=["ce:auto"], nranks=2)
+
+    def choice(name, provider):
+        point = Point(standard(name, 2), 1 << 20, "bfloat16", Provider.parse(provider), "graph")
+        c = sweep.configure(None, point)
+        return c.strategy, c.chunks, c.lanes
+
+    assert choice("all-reduce", "ce:auto") == ("two-phase", 1, 1)
+    assert choice("all-gather", "ce:auto") == ("direct-pull", 1, 1)
+    assert choice("broadcast", "ce:direct-push") == ("direct-push", 1, 1)

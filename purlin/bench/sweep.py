@@ -330,6 +330,12 @@ class Sweep:
 
         pr = point.provider
         strategy = None if pr.strategy == "auto" else pr.strategy
+        if pr.kind == "ce" and not (pr.chunks or pr.lanes):
+            # the copy engines' measured best (2 x H200): one lane, whole pieces, pulls for
+            # copies and two-phase (reductions on sm) for reductions
+            return Choice(strategy or ("two-phase" if point.collective.op.is_reduce
+                                       else "direct-pull"), 1, 1, pr.blocks_per_lane,
+                          "ce default")
         choice = select(point.collective, cluster, nbytes=point.nbytes, dtype=point.dtype,
                         strategy=strategy, table=self.table,
                         model=True if self.datapath == "model" else None)
