@@ -12,7 +12,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -22,6 +21,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 from purlin.bench.metrics import table  # noqa: E402
+from purlin.bench.sweep import commit  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
@@ -64,7 +64,7 @@ def main() -> int:
     info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
             "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
             "gpus": [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())],
-            "commit": _commit()}
+            "commit": commit()}
     print(json.dumps(info))
     cluster = Cluster.local(2)
     coll = collectives.all_reduce(2)
@@ -128,14 +128,6 @@ def summary(records, baselines) -> str:
         lines.append(f"{nbytes:>10} {cfg:>34} {best.time_us:8.2f} {n_us:8.2f} "
                      f"{n_us / best.time_us:6.2f} {best.busbw_gbs:6.1f} {n_bw:10.1f}")
     return "\n".join(lines)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return os.environ.get("PURLIN_COMMIT", "unknown")
 
 
 if __name__ == "__main__":

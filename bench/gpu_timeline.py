@@ -63,8 +63,8 @@ def main() -> int:
                                                       "launch_ns"),
                         name="H200-calibrated", path=out / "profile-h200-calibrated.json")
     for row, (schedule, ns) in zip(rows, measurements):
-        row["predicted_base_us"] = predict(schedule, base).duration_ns / 1e3
-        row["predicted_calibrated_us"] = predict(schedule, profile).duration_ns / 1e3
+        row["predicted_base_us"] = predict(schedule, base).end_ns / 1e3
+        row["predicted_calibrated_us"] = predict(schedule, profile).end_ns / 1e3
     print(f"calibrated: alpha {profile.alpha_ns:.0f} ns, link {profile.link_bandwidth / 1e9:.0f} "
           f"GB/s, launch {profile.launch_ns:.0f} ns")
     print(f"{'strategy':>12} {'bytes':>9} {'graph us':>9} {'pred(base)':>10} {'pred(cal)':>10} "
@@ -111,11 +111,11 @@ def main() -> int:
                        "clock_offset_ns": now.offset_ns(1),
                        "clock_uncertainty_ns": now.uncertainty_ns(1),
                        "measured_us": measured.duration_ns / 1e3,
-                       "predicted_us": predicted.duration_ns / 1e3, "events": len(measured.events),
+                       "predicted_us": predicted.end_ns / 1e3, "events": len(measured.events),
                        "consistency_problems": [str(p) for p in problems][:5],
                        "html": html.name})
         print(f"traced {strategy}: measured {measured.duration_ns / 1e3:.2f} us, predicted "
-              f"{predicted.duration_ns / 1e3:.2f} us, {len(measured.events)} events, "
+              f"{predicted.end_ns / 1e3:.2f} us (launch included), {len(measured.events)} events, "
               f"{len(problems)} consistency problems")
     (out / "timeline.json").write_text(json.dumps({
         "clock": {"offset_ns": offset, "uncertainty_ns": uncertainty},

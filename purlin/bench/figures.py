@@ -185,13 +185,14 @@ def figures(records, baseline: str = "nccl", title: str = "") -> dict:
             "speedup": speedup_figure(records, baseline, title)}
 
 
-def write_html(figs: dict, path, title: str = "Purlin sweep") -> Path:
-    """All figures into one self-contained HTML page (plotly.js embedded once)."""
+def write_html(figs: dict, path, title: str = "Purlin sweep", plotlyjs=True) -> Path:
+    """All figures into one HTML page: plotly.js embedded once (works offline), or loaded
+    from its CDN with ``plotlyjs="cdn"`` (a small file, e.g. for documentation)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     parts = []
     for k, fig in enumerate(figs.values()):
-        parts.append(fig.to_html(full_html=False, include_plotlyjs=(k == 0)))
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=plotlyjs if k == 0 else False))
     html = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}</title></head>"
             f"<body style='font-family:sans-serif'><h2>{title}</h2>" + "\n".join(parts)
             + "</body></html>")

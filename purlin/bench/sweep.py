@@ -512,11 +512,12 @@ class Results:
 
         return figures(self.records, baseline=baseline, title=_title(self.info))
 
-    def write_html(self, path, baseline: str = "nccl") -> Path:
-        """All figures in one self-contained HTML file."""
+    def write_html(self, path, baseline: str = "nccl", plotlyjs=True) -> Path:
+        """All figures in one HTML file (self-contained; ``plotlyjs="cdn"``: small)."""
         from purlin.bench.figures import write_html
 
-        return write_html(self.figures(baseline), path, title=_title(self.info))
+        return write_html(self.figures(baseline), path, title=_title(self.info),
+                          plotlyjs=plotlyjs)
 
 
 def _title(info: dict) -> str:
@@ -583,10 +584,13 @@ def environment(datapath: str = "sm", nranks: int | None = None) -> dict:
 
 
 def commit() -> str:
-    """The git commit of the Purlin checkout (``$PURLIN_COMMIT`` or "unknown" without git)."""
+    """The commit being run: ``$PURLIN_COMMIT`` when set (a copied tree may carry a stale
+    ``.git``), else the checkout's git HEAD, else "unknown"."""
+    if os.environ.get("PURLIN_COMMIT"):
+        return os.environ["PURLIN_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True, cwd=Path(__file__).resolve().parent, timeout=10)
         return out.stdout.strip()
     except Exception:
-        return os.environ.get("PURLIN_COMMIT", "unknown")
+        return "unknown"
