@@ -104,3 +104,18 @@ def test_a_large_mixed_collective_leaves_an_sm_to_the_add_kernel(torch, name, st
         _run_and_compare(torch, bound, gen, bound.launch)
     graphs = bound.capture(2)
     _run_and_compare(torch, bound, gen, graphs.replay)
+
+
+def test_bindings_give_their_streams_back(torch):
+    """Each binding makes driver streams and events; close() (or garbage collection) destroys
+    them, so a loop of bindings does not pile streams onto the device's hardware queues."""
+    cluster = _cluster("local")
+    gen = np.random.default_rng(2)
+    for _ in range(40):
+        bound = cluster.bind(standard("all-gather", 2), "direct-pull", count=1024,
+                             dtype="float32", datapath="ce")
+        _run_and_compare(torch, bound, gen, bound.launch)
+        bound.close()
+        assert bound.contexts == {}
+        with pytest.raises(Exception, match="closed"):
+            bound.launch()

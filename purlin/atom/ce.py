@@ -262,6 +262,8 @@ class CeBound:
     def launch(self, streams=None) -> None:
         """Enqueue one call on every device (asynchronous): on each device's current stream, or
         on ``streams[device]`` given as raw stream handles."""
+        if getattr(self, "closed", False):
+            raise ExecutionError("this bound collective was closed: bind it again")
         if self.broken:
             raise ExecutionError(f"this bound collective failed earlier ({self.broken}); its "
                                  "counters no longer match: bind it again")
@@ -466,6 +468,34 @@ class CeBound:
         self.abort.zero_()
         self.calls, self.broken = 0, None
         self.synchronize()
+
+    def close(self) -> None:
+        """Give back the streams, events and context references this binding created (also
+        when it is garbage-collected). Each binding makes a stream per active (rank, lane) and
+        one more per device; the driver spreads streams over only CUDA_DEVICE_MAX_CONNECTIONS
+        hardware queues, so bindings that were never given back end up sharing queues with the
+        live ones."""
+        from purlin.atom import ce_driver as drv
+
+        contexts, self.contexts = getattr(self, "contexts", {}), {}
+        self.closed = True
+        for d, ctx in contexts.items():
+            res = getattr(self, "resources", {}).get(d)
+            streams = list(res.streams.values()) if res else []
+            events = list(res.events.values()) if res else []
+            streams += [s for s in (getattr(self, "_rescue", {}).get(d),) if s is not None]
+            events += [e for e in (getattr(self, "_sync_events", {}).get(d),
+                                   getattr(self, "_rescue_events", {}).get(d)) if e is not None]
+            try:
+                drv.destroy(ctx, streams, events)
+            finally:
+                ctx.release()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the driver may be gone
+            pass
 
     def __call__(self, inputs=None, out=None, trace: bool = False):
         """Copy ``inputs`` (tensors, one per rank) in, run once, wait, check and return the

@@ -44,13 +44,20 @@ def check(result, what: str):
 
 
 class DeviceContext:
-    """The primary context of a device, pushed around driver calls that need a current one."""
+    """The primary context of a device, pushed around driver calls that need a current one;
+    :meth:`release` gives back the reference this object holds."""
 
     def __init__(self, device: int):
         d = driver()
         self.device = device
         self.ctx = check(d.cuDevicePrimaryCtxRetain(d.CUdevice(device)),
                          f"cuDevicePrimaryCtxRetain({device})")
+
+    def release(self) -> None:
+        if self.ctx is not None:
+            d = driver()
+            d.cuDevicePrimaryCtxRelease(d.CUdevice(self.device))
+            self.ctx = None
 
     def __enter__(self):
         check(driver().cuCtxPushCurrent(self.ctx), "cuCtxPushCurrent")
@@ -313,6 +320,17 @@ def create_stream(ctx: DeviceContext):
     with ctx:
         return check(d.cuStreamCreate(int(d.CUstream_flags.CU_STREAM_NON_BLOCKING)),
                      f"cuStreamCreate on GPU {ctx.device}")
+
+
+def destroy(ctx: DeviceContext, streams=(), events=()) -> None:
+    """Destroy driver streams and events (best effort). Work still queued on a stream runs to
+    its end first: the driver frees the stream afterwards."""
+    d = driver()
+    with ctx:
+        for stream in streams:
+            d.cuStreamDestroy(stream)
+        for event in events:
+            d.cuEventDestroy(event)
 
 
 def create_event(ctx: DeviceContext):
