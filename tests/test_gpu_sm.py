@@ -145,14 +145,12 @@ def test_virtual_ranks(torch, n, strategy):
                    sizing, gen, calls=2)
 
 
-def test_graph_replays_10000(torch):
-    """10,000 CUDA-graph replays of an all-reduce with fresh inputs each time: zero wrong."""
-    cluster = _cluster("local", 2)
-    coll = standard("all-reduce", 2)
-    bound = cluster.bind(coll, "direct-push", count=4096, dtype="float32")
+def _wrong_over_replays(torch, bound, replays: int) -> int:
+    """Wrong elements over ``replays`` one-call graph replays of a 2-GPU float32 all-reduce of
+    4096 elements, with fresh inputs before each."""
     graphs = bound.capture(ops=1)
-    wrong = [torch.zeros((), dtype=torch.int64, device=f"cuda:{d}") for d in (0, 1)]
-    for i in range(10_000):
+    wrong = torch.zeros((), dtype=torch.int64, device="cuda:0")
+    for _ in range(replays):
         for r in (0, 1):
             with torch.cuda.device(r):
                 bound.inputs[r].copy_(torch.randn(4096, device=f"cuda:{r}") + 1.0)
@@ -160,9 +158,16 @@ def test_graph_replays_10000(torch):
         graphs.replay()
         for r in (0, 1):
             got = bound.outputs[r].to("cuda:0")
-            wrong[0] += (torch.abs(got - expect) > 1e-4 * (1 + torch.abs(expect))).sum()
+            wrong += (torch.abs(got - expect) > 1e-4 * (1 + torch.abs(expect))).sum()
     bound.check()
-    assert int(wrong[0].item()) == 0
+    return int(wrong.item())
+
+
+def test_graph_replays_10000(torch):
+    """10,000 CUDA-graph replays of an all-reduce with fresh inputs each time: zero wrong."""
+    cluster = _cluster("local", 2)
+    bound = cluster.bind(standard("all-reduce", 2), "direct-push", count=4096, dtype="float32")
+    assert _wrong_over_replays(torch, bound, 10_000) == 0
 
 
 def test_broken_schedule_times_out(torch):
@@ -178,5 +183,67 @@ def test_broken_schedule_times_out(torch):
     bound = sm.bind(cluster, broken, timeout=0.5)
     t0 = time.perf_counter()
     with pytest.raises(PurlinTimeoutError, match=r"rank 0 step \d+ .*timed out"):
+        bound([None, None])
+    assert time.perf_counter() - t0 < 5.0
+
+
+# -- LL protocol: flags inside the data ------------------------------------------------------
+LL_CASES = [("all-reduce", "direct-push"), ("all-gather", "direct-push"),
+            ("reduce-scatter", "direct-push"), ("all-to-all", "direct-push"),
+            ("all-reduce", "two-phase")]
+
+
+@pytest.mark.parametrize("kind,n", [("local", 2), ("virtual", 2), ("virtual", 4)])
+@pytest.mark.parametrize("name,strategy", LL_CASES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_ll_protocol_matches_the_reference(torch, kind, n, name, strategy, dtype):
+    """protocol="ll" (LL_PUT / LL_GET rows, no flags for the pairs) against the reference at
+    tiny, odd and 64 KiB sizes, eager calls with fresh inputs each time."""
+    from purlin.atom.lowering import ll_transfers
+
+    cluster = _cluster(kind, n)
+    gen = np.random.default_rng(5)
+    coll = standard(name, n)
+    for nbytes, odd in ((16, False), (1000, True), (64 << 10, False)):
+        sizing = _sizing(coll, nbytes, dtype, odd)
+        bound = cluster.bind(coll, strategy, sizing=sizing, protocol="ll")
+        assert bound.protocol == "ll" and bound.blocks_per_lane == 1
+        if len(ll_transfers(bound.schedule)):
+            ops = bound.lowered[0].tables[0][:, 0].tolist()
+            from purlin.kernels import isa
+
+            assert isa.LL_PUT in ops or isa.LL_GET in ops
+        _check(torch, bound, sizing, gen, calls=3)
+
+
+def test_ll_graph_replays_with_fresh_inputs(torch):
+    """2,000 graph replays of an LL all-reduce, inputs changed before each: zero wrong (the
+    tags of consecutive calls differ, so no stale unit is ever taken for new data)."""
+    cluster = _cluster("local", 2)
+    bound = cluster.bind(standard("all-reduce", 2), "direct-push", count=4096,
+                         dtype="float32", protocol="ll")
+    assert _wrong_over_replays(torch, bound, 2_000) == 0
+
+
+def test_ll_missing_put_times_out_naming_the_ll_area(torch):
+    """Rank 1 never sends (its LL_PUT rows turned into no-ops): rank 0's LL_GET times out and
+    the error names the LL data, the tag expected and the tag seen."""
+    from purlin.kernels import isa
+
+    cluster = _cluster("local", 2)
+    bound = cluster.bind(standard("all-reduce", 2), "direct-push", count=1024,
+                         dtype="float32", protocol="ll", timeout=0.5)
+    blob = bound._keep[1]  # rank 1's block: descriptor, control, lanes, tables, pool
+    words = blob.cpu().numpy()
+    rows = int(bound.lowered[1].lane_offsets[-1])
+    for column in (isa.D_TABLE, isa.D_TABLE_ODD):  # both scratch parities
+        table_at = (int(words[column]) - blob.data_ptr()) // 8
+        for k in range(rows):
+            if words[table_at + k * isa.ROW_WIDTH + isa.OP] == isa.LL_PUT:
+                words[table_at + k * isa.ROW_WIDTH + isa.OP] = isa.NOP
+    blob.copy_(torch.from_numpy(words))
+    t0 = time.perf_counter()
+    with pytest.raises(PurlinTimeoutError, match=r"rank 0 .*LL data rank 1 .*expected tag 1, "
+                                                 r"saw 0"):
         bound([None, None])
     assert time.perf_counter() - t0 < 5.0

@@ -41,6 +41,8 @@ def executor_ptx() -> str:
     "ld.global.v2.f64", "st.global.v2.f64",
     "cvt.rn.bf16x2.f32", "cvt.rn.f16x2.f32", "cvt.f32.f16",
     "bar.sync",
+    "st.volatile.global.v4.u32",       # LL_PUT: {data, tag, data, tag}
+    "ld.volatile.global.v4.u32",       # LL_GET polls
 ])
 def test_executor_emits(executor_ptx, instruction):
     assert instruction in executor_ptx
@@ -77,6 +79,7 @@ def test_executor_fits_its_launch_bound(executor_ptx):
     ("copy_bytes", "void(int64, int64, int64, int64, int64)"),
     ("reduce_row", "void(int64, int64, int64, int64, int64, int64, int64, int64, int64)"),
     ("itemsize", "int64(int64)"),
+    ("ll_put", "void(int64, int64, int64, int64, int64, int64)"),
 ])
 def test_atom_compiles(name, sig):
     ptx = compile_ptx(getattr(atoms, name).py_func, sig, cc=CC, device=True)

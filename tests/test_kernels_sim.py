@@ -8,6 +8,7 @@ another and fences are no-ops: every WAIT here is either satisfied already or me
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -380,6 +381,95 @@ def trace_records_when_tracing_is_on():
     plain = sim.HostRank(0, lanes, blocks_per_lane=2)  # tracing off: D_TRACE is 0
     sim.run_simulated([plain], blocks_per_lane=2, threads=2)
     assert plain.desc[isa.D_TRACE] == 0 and int(flags[0]) == 12
+
+
+@case
+def ll_put_then_get_round_trip_with_a_tail():
+    """LL_PUT writes (lo, tag, hi, tag) units, tag = epoch + 1; LL_GET unpacks them, the
+    odd tail byte by byte, and writes nothing past the end."""
+    from purlin.kernels import isa, sim
+
+    count = 13  # bfloat16: 26 bytes -> 4 units, the last one 2 data bytes
+    src_raw, src = _aligned(2 * count)
+    units_raw, units = _aligned(4 * isa.LL_UNIT)
+    dst_raw, dst = _aligned(2 * count)
+    for call in range(2):
+        data = np.random.default_rng(call).integers(0, 256, 2 * count, dtype=np.uint8)
+        _view(src_raw, src, 2 * count, np.uint8)[:] = data
+        rank = sim.HostRank(0, [[sim.ll_put_row(units, src, count, isa.BF16),
+                                 sim.ll_get_row(dst, units, count, isa.BF16)]])
+        rank.epoch[0] = call
+        sim.run_simulated([rank], threads=3)
+        assert rank.error_record["code"] == 0, rank.error_record
+        got = _view(units_raw, units, 16, np.uint32).reshape(4, 4)
+        assert (got == sim.ll_pack(data.tobytes(), call + 1)).all(), (call, got)
+        assert (_view(dst_raw, dst, 2 * count, np.uint8) == data).all(), call
+        assert _guards_intact(dst_raw, dst, 2 * count), "wrote past the destination"
+        assert _guards_intact(units_raw, units, 4 * isa.LL_UNIT), "wrote past the units"
+
+
+@case
+def ll_get_times_out_on_last_calls_tag():
+    """Units still holding the previous call's tag are not this call's data: LL_GET times
+    out and names the units' address, this call's tag and the tag it saw."""
+    from purlin.kernels import isa, sim
+
+    units_raw, units = _aligned(2 * isa.LL_UNIT)
+    _view(units_raw, units, 8, np.uint32)[:] = sim.ll_pack(bytes(16), 1).ravel()
+    dst_raw, dst = _aligned(16)
+    rank = sim.HostRank(0, [[sim.ll_get_row(dst, units, 4, step=3, peer=1)]])
+    rank.epoch[0] = 1  # this call's tag is 2
+    sim.run_simulated([rank], threads=2, timeout_ns=20_000_000)
+    rec = rank.error_record
+    assert rec["code"] == isa.ERR_TIMEOUT and rec["flag"] == units, rec
+    assert (rec["expected"], rec["seen"], rec["step"], rec["peer"]) == (2, 1, 3, 1), rec
+    assert int(rank.abort[0]) >= 1
+
+
+@case
+def ll_rows_of_a_lowered_all_reduce():
+    """A direct-push all-reduce lowered with LL areas: rank 0's table (its peer's LL units
+    written beforehand, as rank 1 would) sums correctly and leaves its own half in rank 1's
+    LL area, tagged with the call."""
+    from purlin.atom.lowering import ll_area_bytes, lower
+    from purlin.kernels import isa, sim
+    from purlin.snac import plan
+    from purlin.spec import collectives
+
+    count = 10  # float32
+    s = plan(collectives.all_reduce(2), "direct-push", count=count, dtype="float32")
+    xs = [np.arange(count, dtype=np.float32) + 100 * r for r in range(2)]
+    outs = [np.zeros(count, dtype=np.float32) for _ in range(2)]
+    scratch_bytes = {r: -(-s.scratch[r] * 4 // 16) * 16 for r in range(2)}
+    scratch = [np.zeros(scratch_bytes[r] * s.scratch_copies // 4 + 4, dtype=np.float32)
+               for r in range(2)]
+    ll = [np.zeros(ll_area_bytes(scratch_bytes[r]) * s.scratch_copies // 4, dtype=np.uint32)
+          for r in range(2)]
+    flags = [np.zeros(16, dtype=np.uint64) for _ in range(2)]
+    bases = {}
+    for r in range(2):
+        bases[(r, "input")], bases[(r, "output")] = xs[r].ctypes.data, outs[r].ctypes.data
+        bases[(r, "scratch")] = scratch[r].ctypes.data
+    lowered = lower(s, bases, {r: flags[r].ctypes.data for r in range(2)},
+                    scratch_bytes=scratch_bytes, ll_bases={r: ll[r].ctypes.data for r in range(2)})
+    ops = [isa.OPCODE_NAMES[op] for op in lowered[0].tables[0][:, isa.OP]]
+    assert ops == ["ll_put", "ll_get", "reduce"], ops
+    # rank 1's put into rank 0's LL area, as the GPU would have done it (call 0: tag 1)
+    put1 = lowered[1].tables[0][0]
+    src1 = int(lowered[1].srcs[put1[isa.SRC]])
+    at = (int(put1[isa.DST]) - ll[0].ctypes.data) // 4
+    units = sim.ll_pack(ctypes.string_at(src1, 4 * int(put1[isa.COUNT])), 1).ravel()
+    ll[0][at: at + units.size] = units
+    rank0 = sim.HostRank.from_lowered(lowered[0])
+    sim.run_simulated([rank0], threads=4)
+    assert rank0.error_record["code"] == 0, rank0.error_record
+    assert (outs[0] == xs[0] + xs[1]).all(), outs[0]
+    put0 = lowered[0].tables[0][0]
+    src0 = int(lowered[0].srcs[put0[isa.SRC]])
+    at = (int(put0[isa.DST]) - ll[1].ctypes.data) // 4
+    want = sim.ll_pack(ctypes.string_at(src0, 4 * int(put0[isa.COUNT])), 1).ravel()
+    assert (ll[1][at: at + want.size] == want).all(), "rank 0's units in rank 1's LL area"
+    assert not flags[0].any() and not flags[1].any(), "an LL pair notified a flag"
 
 
 # ------------------------------------------------------------------------ pytest entry points

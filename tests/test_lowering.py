@@ -108,3 +108,81 @@ def test_a_rank_block_holds_descriptor_control_lanes_tables_and_pool_contiguousl
     assert words[isa.D_TABLE] != words[isa.D_TABLE_ODD], "two scratch copies: two tables"
     pool = at(words[isa.D_SRCS])
     assert list(words[pool: pool + len(low.srcs)]) == list(low.srcs)
+
+
+# -- LL transfers (flags inside the data) --------------------------------------------------------
+def _ll(n):
+    return {r: (200 + r) << 24 for r in range(n)}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ll_replaces_each_direct_push_stage_notify_pair(n):
+    """Direct-push all-reduce: every rank's stage to a peer and its notify become one LL_PUT,
+    the peer's wait becomes an LL_GET; no NOTIFY or WAIT row is left."""
+    from purlin.atom.lowering import ll_area_bytes, ll_transfers
+
+    s = plan(collectives.all_reduce(n), "direct-push", count=16 * n)
+    assert len(ll_transfers(s)) == n * (n - 1)
+    scratch_bytes = {r: -(-s.scratch[r] * 4 // 16) * 16 for r in range(n)}
+    lowered = lower(s, _bases(n), _flags(n), scratch_bytes=scratch_bytes, ll_bases=_ll(n))
+    for low in lowered:
+        for parity, table in enumerate(low.tables):
+            ops = list(table[:, isa.OP])
+            assert ops.count(isa.LL_PUT) == n - 1 and ops.count(isa.LL_GET) == n - 1
+            assert isa.NOTIFY not in ops and isa.WAIT not in ops
+            for row in table[table[:, isa.OP] == isa.LL_PUT]:
+                peer = int(row[isa.PEER])
+                area = _ll(n)[peer] + parity * ll_area_bytes(scratch_bytes[peer])
+                assert area <= row[isa.DST] < area + ll_area_bytes(scratch_bytes[peer])
+                assert (row[isa.DST] - area) % isa.LL_UNIT == 0
+            for row in table[table[:, isa.OP] == isa.LL_GET]:
+                assert row[isa.FLAG] == low.srcs[row[isa.SRC]]  # errors name the units
+                assert row[isa.PEER] != low.rank
+
+
+def test_ll_leaves_pairs_it_cannot_prove_alone():
+    """Ring notifies a flag twice per call (its waits stay flags); a pull moves nothing a
+    Notify could carry; direct-push all-gather stages into the peer's scratch and qualifies;
+    the plain lowering stays the default."""
+    from purlin.atom.lowering import ll_transfers
+
+    assert len(ll_transfers(plan(collectives.all_reduce(4), "ring", count=64))) == 0
+    assert len(ll_transfers(plan(collectives.all_gather(2), "direct-pull", count=16))) == 0
+    assert len(ll_transfers(plan(collectives.all_gather(2), "direct-push", count=16))) == 2
+    s = plan(collectives.all_reduce(2), "direct-push", count=32)
+    ops = list(lower(s, _bases(2), _flags(2))[0].tables[0][:, isa.OP])
+    assert isa.LL_PUT not in ops and isa.NOTIFY in ops
+
+
+@pytest.mark.parametrize("name", ["all-reduce", "reduce-scatter", "all-gather", "all-to-all",
+                                  "broadcast", "reduce"])
+@pytest.mark.parametrize("strategy", ["direct-push", "direct-pull", "two-phase", "ring"])
+def test_every_ll_flag_had_one_notify_and_one_wait(name, strategy):
+    """Whatever the collective, a flag is dropped only where it grew once per call and had a
+    single wait of this call, in the step that reads the staged region."""
+    from purlin.atom.lowering import ll_transfers
+    from purlin.errors import PurlinError
+    from purlin.spec import standard
+
+    try:
+        s = plan(standard(name, 3), strategy, count=48, chunks=2)
+    except PurlinError:
+        pytest.skip(f"{strategy} does not plan {name}")
+    ll = ll_transfers(s)
+    per_call = s.flags()
+    for (rank, index, flag), (region, sender) in ll.gets.items():
+        assert per_call[flag] == 1 and flag.owner == rank and flag.src == sender
+        waits = [w for steps in s.steps for st in steps for w in st.waits if w.flag == flag]
+        assert len(waits) == 1 and (waits[0].value, waits[0].call) == (1, 0)
+        assert region in s.steps[rank][index].srcs
+    for (rank, index) in ll.skip:
+        assert isinstance(s.steps[rank][index], Notify)
+    lower(s, _bases(3), _flags(3), ll_bases=_ll(3))  # lowers without complaint
+
+
+def test_ll_needs_one_block_per_lane():
+    from purlin.errors import CapabilityError
+
+    s = plan(collectives.all_reduce(2), "direct-push", count=32)
+    with pytest.raises(CapabilityError, match="one block per lane"):
+        lower(s, _bases(2), _flags(2), blocks_per_lane=2, ll_bases=_ll(2))

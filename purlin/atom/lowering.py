@@ -12,6 +12,10 @@ and the same tables serve real GPUs and the CUDA simulator.
   exactly the same, 16-byte aligned region, where every thread only meets its own words.
 * With two scratch copies, each rank gets an even and an odd table (scratch addresses shifted);
   both share one source pool, the odd table indexing its second half.
+* With an LL area (``ll_bases``, one block per lane), each Stage + Notify pair that
+  :func:`ll_transfers` finds safe travels as LL units: an LL_PUT row on the sender instead of
+  COPY + NOTIFY, and an LL_GET row on the receiver instead of the WAIT on that flag (see
+  ``purlin.kernels.isa``: the tags inside the data are the flag).
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan
@@ -33,14 +37,15 @@ from purlin.errors import CapabilityError
 from purlin.kernels.isa import (AVG, COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, D_LANES,
                                 D_NLANES, D_RANK, D_SRCS, D_TABLE, D_TABLE_ODD, D_TRACE,
                                 D_TRACE_ROWS, DESC_WIDTH, DIVISOR, DST, DTYPE, DTYPE_CODES,
-                                EPOCH_OFFSET, ERR_WIDTH, FLAG, LANE, NOTIFY, NSRC, OP,
+                                EPOCH_OFFSET, ERR_WIDTH, FLAG, LANE, LL_DATA, LL_GET, LL_PUT,
+                                LL_UNIT, NOTIFY, NSRC, OP,
                                 OPCODE_NAMES, PEER, PER_CALL, REDOP, REDOP_CODES, REDUCE,
                                 ROW_WIDTH, SRC, STEP, VALUE, WAIT)
 from purlin.snac.ir import Consume, Flag, Notify, Region, Schedule
 from purlin.spec.dtypes import dtype as as_dtype
 
-__all__ = ["CONTROL_AT", "CONTROL_WORDS", "HEAD_WORDS", "LoweredRank", "blob_size", "build_blob",
-           "flag_slots", "lower", "OPCODE_NAMES"]
+__all__ = ["CONTROL_AT", "CONTROL_WORDS", "HEAD_WORDS", "LLTransfers", "LoweredRank", "blob_size",
+           "build_blob", "flag_slots", "ll_transfers", "lower", "OPCODE_NAMES"]
 
 CONTROL_AT = DESC_WIDTH          # the control words follow the descriptor in a rank's block
 CONTROL_WORDS = 2 + ERR_WIDTH    # epoch, done counter, error record
@@ -113,13 +118,112 @@ def _flag_address(flag_bases, flag: Flag, nlanes: int) -> int:
     return flag_bases[flag.owner] + 8 * (flag.src * nlanes + flag.lane)
 
 
+@dataclass(frozen=True)
+class LLTransfers:
+    """Stage + Notify pairs that travel as LL units: ``puts`` maps (sender rank, stage index)
+    to the region staged, ``skip`` holds the (sender rank, notify index) pairs they replace,
+    ``gets`` maps (receiver rank, step index, flag) to (region, sender rank)."""
+
+    puts: dict
+    skip: frozenset
+    gets: dict
+
+    def __len__(self) -> int:
+        return len(self.puts)
+
+
+def ll_transfers(schedule: Schedule) -> LLTransfers:
+    """The Stage + Notify pairs of ``schedule`` that can carry their flag inside the data.
+
+    A Notify of flag F from a lane to rank p qualifies when, of everything its lane wrote
+    before it in the call, exactly one region R lies on p: a one-source copy into p's
+    scratch, starting on an 8-byte boundary, that nothing else writes and no other rank
+    reads; F grows once per call and its only wait anywhere is one ``Wait(F, 1, call=0)`` in
+    the step that reads R; and p reads none of the lane's other writes (the Notify's release
+    would have carried them too).
+
+    >>> from purlin.spec import collectives
+    >>> from purlin.snac import plan
+    >>> len(ll_transfers(plan(collectives.all_reduce(2), "direct-push", count=8)))
+    2
+    >>> len(ll_transfers(plan(collectives.all_reduce(2), "ring", count=8)))
+    0
+    """
+    item = as_dtype(schedule.dtype).itemsize
+    per_call = schedule.flags()
+    waits: dict = {}
+    reads: dict = {}      # rank -> regions its steps read
+    writers: dict = {}    # rank -> regions written on it
+    for rank, steps in enumerate(schedule.steps):
+        for index, step in enumerate(steps):
+            for w in step.waits:
+                waits.setdefault(w.flag, []).append((rank, index, w))
+            if step.moves_data:
+                reads.setdefault(rank, []).extend(step.srcs)
+                writers.setdefault(step.dst.rank, []).append(step.dst)
+    puts, skip, gets = {}, set(), {}
+    for rank, steps in enumerate(schedule.steps):
+        for lane in range(schedule.lanes):
+            written: list = []   # (index, step) of the lane's data steps so far
+            for index, step in enumerate(steps):
+                if step.lane != lane:
+                    continue
+                if step.moves_data:
+                    written.append((index, step))
+                elif isinstance(step, Notify):
+                    found = _ll_pair(step, written, per_call, waits, reads, writers, schedule,
+                                     item)
+                    if found is not None and found[0] not in puts:
+                        stage_at, get_key = found
+                        puts[(rank, stage_at)] = steps[stage_at].dst
+                        skip.add((rank, index))
+                        gets[get_key] = (steps[stage_at].dst, rank)
+    return LLTransfers(puts, frozenset(skip), gets)
+
+
+def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item):
+    """((stage index), (receiver rank, step index, flag)) if ``note`` can travel as LL."""
+    flag = note.flag
+    p = flag.owner
+    to_p = [(i, st) for i, st in written if st.dst.rank == p]
+    if len(to_p) != 1:
+        return None
+    stage_at, stage = to_p[0]
+    region = stage.dst
+    if not (stage.op == "copy" and len(stage.srcs) == 1 and region.buffer == "scratch"
+            and stage.srcs[0].rank != p):
+        return None
+    if any(r.overlaps(st.dst) for i, st in written if i != stage_at for r in reads.get(p, ())):
+        return None
+    if per_call.get(flag) != 1 or len(waits.get(flag, ())) != 1:
+        return None
+    rank, index, w = waits[flag][0]
+    if (w.value, w.call) != (1, 0) or region not in schedule.steps[rank][index].srcs:
+        return None
+    if sum(1 for r in writers.get(p, ()) if r.overlaps(region)) != 1:
+        return None
+    # once LL, R is written by p's own LL_GET: nobody elsewhere may read it off p
+    if any(r.overlaps(region) for q, regs in reads.items() if q != p for r in regs):
+        return None
+    if (region.offset * item) % LL_DATA or (stage.srcs[0].offset * item) % LL_DATA:
+        return None
+    return stage_at, (rank, index, flag)
+
+
+def ll_area_bytes(scratch_bytes: int) -> int:
+    """Bytes of LL area per scratch copy: one 16-byte unit per 8 bytes of scratch."""
+    return scratch_bytes // LL_DATA * LL_UNIT + LL_UNIT
+
+
 def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: int = 1,
-          scratch_bytes: dict | None = None) -> list[LoweredRank]:
+          scratch_bytes: dict | None = None, ll_bases: dict | None = None) -> list[LoweredRank]:
     """Instruction tables for every rank of ``schedule``.
 
     ``bases[(rank, buffer)]`` is the device address of that buffer (buffer in input, output,
     scratch); ``flag_bases[rank]`` the address of the rank's flag array (``flag_slots`` uint64).
     ``scratch_bytes[rank]`` is the byte size of one scratch copy (default: from the schedule).
+    ``ll_bases[rank]``: the address of the rank's LL area (``ll_area_bytes`` per scratch copy),
+    to send the pairs :func:`ll_transfers` finds as LL units (one block per lane only).
     """
     dt = as_dtype(schedule.dtype)
     if dt.name not in DTYPE_CODES:
@@ -133,6 +237,16 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
     def address(region: Region, parity: int) -> int:
         base = bases[(region.rank, region.buffer)] + region.offset * item
         return base + (parity * copy_bytes[region.rank] if region.buffer == "scratch" else 0)
+
+    ll = ll_transfers(schedule) if ll_bases is not None else LLTransfers({}, frozenset(), {})
+    if len(ll) and bpl != 1:
+        raise CapabilityError(f"LL transfers run with one block per lane; got "
+                              f"blocks_per_lane={bpl}")
+
+    def ll_address(region: Region, parity: int) -> int:
+        per_copy = ll_area_bytes(copy_bytes[region.rank])
+        return (ll_bases[region.rank] + parity * per_copy
+                + region.offset * item // LL_DATA * LL_UNIT)
 
     def aligned(step) -> bool:
         """Every address of the step is 16-byte aligned (in both scratch parities), so the
@@ -150,7 +264,8 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
         for index, step in enumerate(schedule.steps[rank]):
             rows = lanes_rows[step.lane]
             if isinstance(step, Notify):
-                rows.append(("notify", index, step))
+                if (rank, index) not in ll.skip:
+                    rows.append(("notify", index, step))
                 continue
             reads = step.srcs if step.moves_data else ()
             dst = (step.dst,) if step.moves_data else ()
@@ -162,9 +277,10 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
                 written[step.lane], read[step.lane] = [], []
             if isinstance(step, Consume):
                 for w in step.waits:
-                    rows.append(("wait", index, w))
+                    got = ll.gets.get((rank, index, w.flag))
+                    rows.append(("ll_get", index, got) if got else ("wait", index, w))
             if step.moves_data:
-                rows.append(("data", index, step))
+                rows.append(("ll_put" if (rank, index) in ll.puts else "data", index, step))
                 written[step.lane].append((step.dst, ok))
                 read[step.lane].extend((src, ok) for src in step.srcs)
         pool: list[int] = []
@@ -173,6 +289,10 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
             table = []
             for lane, rows in enumerate(lanes_rows):
                 for kind, index, item_ in rows:
+                    if kind in ("ll_put", "ll_get"):
+                        table.append(_ll_row(kind, index, item_, lane, parity, pool, address,
+                                             ll_address, schedule))
+                        continue
                     table.extend(_rows(kind, index, item_, lane, rank, parity, pool, address,
                                        flag_bases, per_call, nlanes, bpl, barriers[lane], n,
                                        schedule))
@@ -182,6 +302,23 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
         out.append(LoweredRank(rank, tables, offsets, np.array(pool or [0], dtype=np.int64),
                                max(barriers)))
     return out
+
+
+def _ll_row(kind, index, item, lane, parity, pool, address, ll_address, schedule) -> list:
+    row = [0] * ROW_WIDTH
+    row[LANE], row[STEP], row[DTYPE] = lane, index, DTYPE_CODES[schedule.dtype]
+    if kind == "ll_put":
+        step = item
+        row[OP], row[COUNT], row[PEER] = LL_PUT, step.dst.count, step.dst.rank
+        row[DST], row[SRC], row[NSRC] = ll_address(step.dst, parity), len(pool), 1
+        pool.append(address(step.srcs[0], parity))
+        return row
+    region, sender = item
+    units = ll_address(region, parity)
+    row[OP], row[COUNT], row[PEER] = LL_GET, region.count, sender
+    row[DST], row[SRC], row[NSRC], row[FLAG] = address(region, parity), len(pool), 1, units
+    pool.append(units)
+    return row
 
 
 def _conflict(region: Region, aligned: bool, earlier: tuple) -> bool:

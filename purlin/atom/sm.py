@@ -87,10 +87,20 @@ def virtual_cluster(cls, n, device=0):
     return cls("virtual", n, (device,) * n)
 
 
+PROTOCOLS = ("simple", "ll")
+
+
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
-         threads: int = DEFAULT_THREADS, trace_rows: int = 0):
+         threads: int = DEFAULT_THREADS, trace_rows: int = 0, protocol: str = "simple"):
+    """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
+    that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
+    no release fence, no separate flag hop; twice the bytes on the wire), with one block per
+    lane."""
+    if protocol not in PROTOCOLS:
+        raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
+                              f"{protocol!r}")
     return SmBound(cluster, schedule, timeout=timeout, blocks_per_lane=blocks_per_lane,
-                   threads=threads, trace_rows=trace_rows)
+                   threads=threads, trace_rows=trace_rows, protocol=protocol)
 
 
 def default_blocks_per_lane(message_bytes: int, lanes: int, sms: int = 132) -> int:
@@ -104,8 +114,9 @@ class SmBound:
     """A schedule bound to GPUs. ``inputs[r]``/``outputs[r]`` are the rank's tensors; write the
     inputs in place and call :meth:`launch` (no copies), or call the object with tensors."""
 
-    def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows):
-        from purlin.atom.lowering import HEAD_WORDS, flag_slots, lower
+    def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows,
+                 protocol="simple"):
+        from purlin.atom.lowering import HEAD_WORDS, flag_slots, ll_transfers, lower
         from purlin.kernels.launch import Launcher
 
         torch = _torch()
@@ -116,16 +127,23 @@ class SmBound:
         self.torch = torch
         n, lanes = schedule.nranks, schedule.lanes
         sizing = schedule.sizing
-        bpl = blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes)
-        self.blocks_per_lane = bpl
+        ll = protocol == "ll" and len(ll_transfers(schedule)) > 0
+        if ll and (blocks_per_lane or 1) != 1:
+            raise CapabilityError(f"protocol='ll' runs one block per lane; got "
+                                  f"blocks_per_lane={blocks_per_lane}")
+        bpl = 1 if ll else (blocks_per_lane or
+                            default_blocks_per_lane(sizing.message_bytes, lanes))
+        self.blocks_per_lane, self.protocol = bpl, protocol
         devs = cluster.devices
         self.devices = devs
         self.inputs, self.outputs, self.scratch, self.flags, bases, self._scratch_bytes = \
-            allocate_buffers(torch, schedule, devs, flag_slots(n, lanes))
+            allocate_buffers(torch, schedule, devs, flag_slots(n, lanes), ll=ll)
         self.control = []
         self.abort = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", devs[0]))
+        self._ll_bases = {r: bases[(r, "ll")] for r in range(n)} if ll else None
         lowered = lower(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
-                        blocks_per_lane=bpl, scratch_bytes=self._scratch_bytes)
+                        blocks_per_lane=bpl, scratch_bytes=self._scratch_bytes,
+                        ll_bases=self._ll_bases)
         self.lowered = lowered
         self.trace_rows = trace_rows
         self._keep = []
@@ -208,6 +226,14 @@ class SmBound:
                      failed[0])
         r, rec = first
         step = int(rec[isa.E_STEP])
+        ll_rank = self._ll_rank_of(int(rec[isa.E_FLAG]))
+        if ll_rank is not None:
+            raise PurlinTimeoutError(
+                f"rank {r} step {step} (lane {int(rec[isa.E_LANE])}, block "
+                f"{int(rec[isa.E_BLOCK])}) timed out after {self.timeout:.3g} s waiting for the "
+                f"LL data rank {int(rec[isa.E_PEER])} sends into r{ll_rank}'s LL area: expected "
+                f"tag {int(rec[isa.E_EXPECTED])}, saw {int(rec[isa.E_SEEN])}; the bound "
+                "collective must be bound again")
         flag_rank, flag_index = self._flag_of(int(rec[isa.E_FLAG]))
         lanes = self.schedule.lanes
         bpl = self.blocks_per_lane
@@ -219,6 +245,14 @@ class SmBound:
             f"{int(rec[isa.E_PEER])}: expected >= {int(rec[isa.E_EXPECTED])} "
             f"({int(rec[isa.E_EXPECTED]) // bpl} notifies x {bpl} blocks), saw "
             f"{int(rec[isa.E_SEEN])}; the bound collective must be bound again")
+
+    def _ll_rank_of(self, address: int):
+        """The rank whose LL area holds ``address`` (None if it is no LL address)."""
+        for r, base in (self._ll_bases or {}).items():
+            s = self.scratch[r]
+            if base <= address < s.data_ptr() + s.numel():
+                return r
+        return None
 
     def _flag_of(self, address: int):
         for r, f in enumerate(self.flags):
@@ -285,10 +319,13 @@ def clock_pair(reference: int, device: int, rounds: int = 64):
     return a[:, 0], b[:, 1], a[:, 2]
 
 
-def allocate_buffers(torch, schedule, devices, flag_words: int):
+def allocate_buffers(torch, schedule, devices, flag_words: int, ll: bool = False):
     """Each rank's tensors on its device: input, output, scratch (all copies, each 16-byte
     rounded) and ``flag_words`` zeroed int64 flags; with the base addresses lowering needs
-    and each rank's bytes per scratch copy."""
+    and each rank's bytes per scratch copy. ``ll``: the scratch tensor also holds, after the
+    copies, a zeroed LL area per copy (``bases[(rank, "ll")]``)."""
+    from purlin.atom.lowering import ll_area_bytes
+
     sizing = schedule.sizing
     tdt = getattr(torch, schedule.dtype)
     scratch_bytes = {r: _round16(schedule.scratch[r] * sizing.dtype.itemsize)
@@ -296,14 +333,17 @@ def allocate_buffers(torch, schedule, devices, flag_words: int):
     inputs, outputs, scratch, flags, bases = [], [], [], [], {}
     for r in range(schedule.nranks):
         dev = torch.device("cuda", devices[r])
+        plain = scratch_bytes[r] * schedule.scratch_copies
+        extra = ll_area_bytes(scratch_bytes[r]) * schedule.scratch_copies if ll else 0
         inputs.append(torch.zeros(max(sizing.input_count(r), 1), dtype=tdt, device=dev))
         outputs.append(torch.zeros(max(sizing.output_count(r), 1), dtype=tdt, device=dev))
-        scratch.append(torch.zeros(max(scratch_bytes[r] * schedule.scratch_copies, 16),
-                                   dtype=torch.uint8, device=dev))
+        scratch.append(torch.zeros(max(plain + extra, 16), dtype=torch.uint8, device=dev))
         flags.append(torch.zeros(flag_words, dtype=torch.int64, device=dev))
         bases[(r, "input")] = inputs[r].data_ptr()
         bases[(r, "output")] = outputs[r].data_ptr()
         bases[(r, "scratch")] = scratch[r].data_ptr()
+        if ll:
+            bases[(r, "ll")] = scratch[r].data_ptr() + plain
     return inputs, outputs, scratch, flags, bases, scratch_bytes
 
 

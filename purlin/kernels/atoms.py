@@ -21,12 +21,14 @@ from __future__ import annotations
 import numpy as np
 
 from purlin.kernels.intrinsics import (bits_to_f32, device, f16x2_to_f32, f32x2_to_bf16x2,
-                                       f32x2_to_f16x2, load_f32, load_f64, load_i32, load_i64,
-                                       load_u8, load_u16, load_u32, load_v2_f64, load_v4_f32,
-                                       load_v4_i32, load_v4_u32, store_f32, store_f64, store_i64,
+                                       f32x2_to_f16x2, globaltimer, load_acquire, load_f32,
+                                       load_f64, load_i32, load_i64, load_u8, load_u16, load_u32,
+                                       load_v2_f64, load_v4_f32, load_v4_i32, load_v4_u32,
+                                       load_volatile_v4_u32, store_f32, store_f64, store_i64,
                                        store_u8, store_u16, store_u32, store_v2_f64, store_v4_f32,
-                                       store_v4_i32, store_v4_u32)
-from purlin.kernels.isa import AVG, BF16, F16, F32, F64, I32, MAX, MIN
+                                       store_v4_i32, store_v4_u32, store_volatile_v4_u32)
+from purlin.kernels.isa import (AVG, BF16, ERR_ABORTED, ERR_TIMEOUT, F16, F32, F64, I32,
+                                LL_DATA, LL_TAG_MOD, LL_UNIT, MAX, MIN)
 
 # ---------------------------------------------------------------------------------------- copy
 
@@ -308,3 +310,73 @@ def reduce_row(dst, pool, nsrc, count, dt, op, divisor, tid, nthreads):
         _reduce_vectors(dst, pool, nsrc, head * size, nvec, dt, op, divisor, tid, nthreads)
     tail = head + nvec * (16 // size)
     _reduce_scalar(dst, pool, nsrc, tail, count - tail, dt, op, divisor, tid, nthreads)
+
+
+# ------------------------------------------------------------------------------------------ LL
+@device
+def ll_tag(epoch):
+    """The tag of call ``epoch`` (never 0, the value of fresh memory)."""
+    return epoch % LL_TAG_MOD + 1
+
+
+@device
+def _data_word(src, at, nbytes):
+    """The 8 data bytes at ``src + at`` as two uint32 (zeros past ``nbytes``); ``src`` is
+    8-byte aligned."""
+    if at + LL_DATA <= nbytes:
+        return load_u32(src + at), load_u32(src + at + 4)
+    lo = 0
+    hi = 0
+    for k in range(nbytes - at):
+        b = load_u8(src + at + k)
+        if k < 4:
+            lo |= b << (8 * k)
+        else:
+            hi |= b << (8 * (k - 4))
+    return lo, hi
+
+
+@device
+def ll_put(dst, src, nbytes, tag, tid, nthreads):
+    """Send ``nbytes`` from ``src`` as LL units to ``dst``: one 16-byte volatile store of
+    {data, tag, data, tag} per 8 data bytes. No fence or flag follows: the tags are the flag."""
+    nunits = (nbytes + LL_DATA - 1) // LL_DATA
+    i = tid
+    while i < nunits:
+        lo, hi = _data_word(src, i * LL_DATA, nbytes)
+        store_volatile_v4_u32(dst + i * LL_UNIT, (lo, tag, hi, tag))
+        i += nthreads
+
+
+@device
+def ll_get(dst, src, nbytes, tag, tid, nthreads, timeout_ns, abort):
+    """Receive ``nbytes`` of LL units at ``src`` into ``dst`` (8-byte aligned): each thread
+    polls its own units until both tags equal ``tag``. Returns (0 | ERR_TIMEOUT | ERR_ABORTED,
+    the tag last seen)."""
+    nunits = (nbytes + LL_DATA - 1) // LL_DATA
+    i = tid
+    while i < nunits:
+        unit = src + i * LL_UNIT
+        v = load_volatile_v4_u32(unit)
+        if v[1] != tag or v[3] != tag:
+            deadline = globaltimer() + timeout_ns
+            spins = 0
+            while v[1] != tag or v[3] != tag:
+                spins += 1
+                if spins % 64 == 0:
+                    if load_acquire(abort) != 0:
+                        return ERR_ABORTED, int(v[1])
+                    if globaltimer() > deadline:
+                        return ERR_TIMEOUT, int(v[1])
+                v = load_volatile_v4_u32(unit)
+        at = i * LL_DATA
+        if at + LL_DATA <= nbytes:
+            store_u32(dst + at, v[0])
+            store_u32(dst + at + 4, v[2])
+        else:
+            for k in range(nbytes - at):
+                word = v[0] if k < 4 else v[2]
+                store_u8(dst + at + k, (word >> (8 * (k & 3))) & 0xFF)
+        i += nthreads
+    return 0, int(tag)
+

@@ -21,6 +21,10 @@ writes (each block of the lane adds separately). WAIT: thread 0 spins with acqui
 block leaves its rows; a block that sees ABORT while waiting leaves too, recording
 ``ERR_ABORTED`` if its rank has no record yet.
 
+LL_PUT / LL_GET (``isa``: flags inside the data): every thread of the lane stores, or polls
+and unpacks, its own 16-byte units; the tag is this call's ``epoch % LL_TAG_MOD + 1``; an LL_GET
+that times out records the units' address, the tag expected and the tag seen.
+
 Every block, finished or aborted, then adds one to DONE; the block that brings it to
 ``blocks_per_rank`` resets DONE to 0 and bumps EPOCH. After an error the host must reset the
 flags, EPOCH, ABORT and the error record before the next call (the flags no longer match).
@@ -31,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from purlin.kernels.atoms import copy_bytes, itemsize, reduce_row
+from purlin.kernels.atoms import copy_bytes, itemsize, ll_get, ll_put, ll_tag, reduce_row
 from purlin.kernels.intrinsics import (SIMULATOR, atomic_add, atomic_cas, device, fence_system,
                                        globaltimer, load_acquire, load_i64, red_release_add,
                                        store_i64)
@@ -39,7 +43,8 @@ from purlin.kernels.isa import (COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, 
                                 D_NLANES, D_RANK, D_SRCS, D_TABLE, D_TABLE_ODD, D_TRACE,
                                 D_TRACE_ROWS, DESC_WIDTH, DIVISOR, DST, DTYPE, E_BLOCK, E_CODE,
                                 E_EXPECTED, E_FLAG, E_LANE, E_PEER, E_RANK, E_SEEN, E_STEP,
-                                EPOCH_OFFSET, ERR_ABORTED, ERR_TIMEOUT, FLAG, NOTIFY, NSRC, OP,
+                                EPOCH_OFFSET, ERR_ABORTED, ERR_TIMEOUT, FLAG, LL_GET, LL_PUT,
+                                NOTIFY, NSRC, OP,
                                 PEER, PER_CALL, REDOP, REDUCE, ROW_WIDTH, SRC, STEP, TRACE_WIDTH,
                                 VALUE, WAIT)
 
@@ -109,6 +114,19 @@ def _run_row(desc, row, rows, base, epoch, lane, sub, tid, lane_tid, lane_thread
         reduce_row(rows[base + DST], pool, rows[base + NSRC], rows[base + COUNT],
                    rows[base + DTYPE], rows[base + REDOP], rows[base + DIVISOR], lane_tid,
                    lane_threads)
+    elif op == LL_PUT:
+        nbytes = rows[base + COUNT] * itemsize(rows[base + DTYPE])
+        src = load_i64(_get(desc, D_SRCS) + rows[base + SRC] * 8)
+        ll_put(rows[base + DST], src, nbytes, ll_tag(epoch), lane_tid, lane_threads)
+    elif op == LL_GET:
+        nbytes = rows[base + COUNT] * itemsize(rows[base + DTYPE])
+        src = load_i64(_get(desc, D_SRCS) + rows[base + SRC] * 8)
+        tag = ll_tag(epoch)
+        code, seen = ll_get(rows[base + DST], src, nbytes, tag, lane_tid, lane_threads,
+                            timeout_ns, _get(desc, D_ABORT))
+        if code != 0:
+            _record(desc, code, row, tag, seen, lane, sub)
+            return code
     elif op == NOTIFY:
         # the barrier after the previous row ordered every thread's writes before this
         # release, and a release at system scope is cumulative: no separate fence is needed

@@ -17,6 +17,8 @@ serves every collective. Each helper below exists twice, with the same name and 
 ``store_v4_u32(a, t)``      16-byte store of a 4-tuple (``store_v4_f32/_i32``, ``store_v2_f64``)
 ``load_u8/u16/u32(a)``      zero-extended to int64; ``load_i32``, ``load_i64``, ``load_f32/f64``
 ``store_u8/u16/u32(a, v)``  truncating stores; ``store_i64``, ``store_f32``, ``store_f64``
+``load_volatile_v4_u32(a)`` ``ld.volatile.global.v4.u32`` (LL receivers poll with it)
+``store_volatile_v4_u32``   ``st.volatile.global.v4.u32`` (LL senders: two (data, tag) pairs)
 ``load_acquire(a)``         ``ld.acquire.sys.global.u64``
 ``red_release_add(a, v)``   ``red.release.sys.global.add.u64``
 ``atomic_add(a, v)``        ``atom.acq_rel.gpu.global.add.u64``, returns the old value
@@ -243,7 +245,45 @@ def _compiled() -> SimpleNamespace:
 
         return pack
 
+    u32x4 = types.UniTuple(types.uint32, 4)
+
+    @intrinsic
+    def load_volatile_v4_u32(typingctx, addr):
+        """``ld.volatile.global.v4.u32``: polled by LL receivers (never cached in a register)."""
+        if not isinstance(addr, types.Integer):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a = address(context, builder, sig.args[0], args[0])
+            ret = ir.LiteralStructType([i32] * 4)
+            out = asm(builder, ret, [i64], "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];",
+                      "=r,=r,=r,=r,l,~{memory}", [a])
+            items = [builder.extract_value(out, i) for i in range(4)]
+            return context.make_tuple(builder, u32x4, items)
+
+        return u32x4(addr), codegen
+
+    @intrinsic
+    def store_volatile_v4_u32(typingctx, addr, values):
+        """``st.volatile.global.v4.u32``: one 16-byte store of two (data, tag) pairs (LL)."""
+        if not (isinstance(addr, types.Integer) and isinstance(values, types.BaseTuple)
+                and len(values) == 4):
+            return None
+
+        def codegen(context, builder, sig, args):
+            a = address(context, builder, sig.args[0], args[0])
+            items = [context.cast(builder, item, ty, types.uint32) for item, ty in
+                     zip(cgutils.unpack_tuple(builder, args[1], 4), sig.args[1].types)]
+            asm(builder, ir.VoidType(), [i64] + [i32] * 4,
+                "st.volatile.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}",
+                [a] + items)
+            return context.get_dummy_value()
+
+        return types.void(addr, values), codegen
+
     return SimpleNamespace(
+        load_volatile_v4_u32=load_volatile_v4_u32,
+        store_volatile_v4_u32=store_volatile_v4_u32,
         load_v4_u32=vector_load(types.uint32, 4),
         load_v4_f32=vector_load(types.float32, 4),
         load_v4_i32=vector_load(types.int32, 4),
@@ -363,7 +403,17 @@ def _simulated() -> SimpleNamespace:
     def f32x2_to_bf16x2(lo, hi):
         return to_bf16(lo) | (to_bf16(hi) << 16)
 
+    def load_volatile_v4_u32(addr):
+        with lock:  # one 16-byte unit at a time, as the GPU's 8-byte halves are
+            return load("<4I", scalar=False)(addr)
+
+    def store_volatile_v4_u32(addr, values):
+        with lock:
+            store("<4I", bits=32, scalar=False)(addr, values)
+
     return SimpleNamespace(
+        load_volatile_v4_u32=load_volatile_v4_u32,
+        store_volatile_v4_u32=store_volatile_v4_u32,
         load_v4_u32=load("<4I", scalar=False),
         load_v4_f32=load("<4f", scalar=False, convert=np.float32),
         load_v4_i32=load("<4i", scalar=False),
@@ -411,6 +461,8 @@ def device(fn):
 
 _impl = _simulated() if SIMULATOR else _compiled()
 
+load_volatile_v4_u32 = _impl.load_volatile_v4_u32
+store_volatile_v4_u32 = _impl.store_volatile_v4_u32
 load_v4_u32 = _impl.load_v4_u32
 load_v4_f32 = _impl.load_v4_f32
 load_v4_i32 = _impl.load_v4_i32

@@ -16,8 +16,17 @@ when its last block finishes), ``PER_CALL`` is the total the flag grows by in on
 """
 
 # opcodes (column OP)
-NOP, COPY, REDUCE, NOTIFY, WAIT = 0, 1, 2, 3, 4
-OPCODE_NAMES = {NOP: "nop", COPY: "copy", REDUCE: "reduce", NOTIFY: "notify", WAIT: "wait"}
+NOP, COPY, REDUCE, NOTIFY, WAIT, LL_PUT, LL_GET = 0, 1, 2, 3, 4, 5, 6
+OPCODE_NAMES = {NOP: "nop", COPY: "copy", REDUCE: "reduce", NOTIFY: "notify", WAIT: "wait",
+                LL_PUT: "ll_put", LL_GET: "ll_get"}
+
+# LL ("low latency") transfers carry their flag inside the data: LL_PUT writes COUNT elements
+# from the source as 16-byte units {4 data bytes, tag, 4 data bytes, tag} at DST (a peer's LL
+# area), where tag = epoch % LL_TAG_MOD + 1 identifies the call; LL_GET polls the units at its
+# source until both tags of each equal this call's tag, then writes the data bytes to DST.
+# Only 8-byte single-copy atomicity is relied on: each (data, tag) half arrives whole.
+LL_UNIT, LL_DATA = 16, 8     # bytes of a unit, data bytes in it
+LL_TAG_MOD = 0xFFFFFFFF      # tags run 1 .. 2**32 - 1 (0 is what fresh memory holds)
 
 # dtype codes (column DTYPE)
 BF16, F16, F32, I32, F64 = 0, 1, 2, 3, 4
@@ -37,7 +46,7 @@ DST = 4           # destination address (COPY, REDUCE)
 COUNT = 5         # elements (COPY, REDUCE)
 NSRC = 6          # number of sources (REDUCE; COPY uses 1)
 SRC = 7           # index of the first source address in the rank's source pool
-FLAG = 8          # flag address (NOTIFY: usually a peer's; WAIT: this rank's)
+FLAG = 8          # flag address (NOTIFY: usually a peer's; WAIT: this rank's; LL_GET: its units)
 VALUE = 9         # NOTIFY: amount added per block; WAIT: target within the call
 PER_CALL = 10     # WAIT: how much the flag grows per call
 EPOCH_OFFSET = 11 # WAIT: 0 this call, -1 previous call, ...

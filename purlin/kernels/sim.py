@@ -55,6 +55,34 @@ def wait_row(flag: int, value: int, per_call: int, epoch_offset: int = 0, step: 
                 epoch_offset=epoch_offset, step=step, peer=peer)
 
 
+def ll_put_row(units: int, src: int, count: int, dtype: int = isa.F32, step: int = 0,
+               peer: int = -1) -> dict:
+    """LL_PUT ``count`` elements from ``src`` as LL units at ``units`` (see ``isa``)."""
+    return _row(isa.LL_PUT, dst=units, srcs=[src], count=count, dtype=dtype, step=step,
+                peer=peer)
+
+
+def ll_get_row(dst: int, units: int, count: int, dtype: int = isa.F32, step: int = 0,
+               peer: int = -1) -> dict:
+    """LL_GET ``count`` elements from the LL units at ``units`` into ``dst``."""
+    return _row(isa.LL_GET, dst=dst, srcs=[units], flag=units, count=count, dtype=dtype,
+                step=step, peer=peer)
+
+
+def ll_pack(data: bytes, tag: int) -> np.ndarray:
+    """What LL_PUT writes for ``data`` with ``tag``: uint32[units, 4] of (lo, tag, hi, tag).
+
+    >>> ll_pack(bytes(range(10)), 7).tolist()
+    [[50462976, 7, 117835012, 7], [2312, 7, 0, 7]]
+    """
+    padded = bytes(data) + bytes(-len(data) % isa.LL_DATA)
+    words = np.frombuffer(padded, dtype="<u4").reshape(-1, 2)
+    out = np.empty((len(words), 4), dtype=np.uint32)
+    out[:, 0], out[:, 2] = words[:, 0], words[:, 1]
+    out[:, 1] = out[:, 3] = tag
+    return out
+
+
 def build_table(lanes: Sequence[Sequence[dict]], pool: list | None = None):
     """(table int64[rows, ROW_WIDTH], lane offsets int64[nlanes + 1], source pool int64[]).
 
@@ -153,6 +181,21 @@ class HostRank:
             self.pool.ctypes.data, self.epoch.ctypes.data, self.done.ctypes.data,
             self.error.ctypes.data, self.abort.ctypes.data,
             self.trace.ctypes.data if trace_rows else 0, trace_rows, self.table_odd.ctypes.data)
+
+    @classmethod
+    def from_lowered(cls, low, abort: np.ndarray | None = None) -> "HostRank":
+        """A host rank running the tables of ``purlin.atom.lowering.lower`` (a LoweredRank)."""
+        host = cls(low.rank, [[]], abort=abort)
+        host.table = np.ascontiguousarray(low.tables[0])
+        host.table_odd = np.ascontiguousarray(low.tables[-1])
+        host.lanes = np.ascontiguousarray(low.lane_offsets, dtype=np.int64)
+        host.pool = np.ascontiguousarray(low.srcs, dtype=np.int64)
+        host.nlanes = len(host.lanes) - 1
+        host.desc[isa.D_TABLE], host.desc[isa.D_TABLE_ODD] = (host.table.ctypes.data,
+                                                              host.table_odd.ctypes.data)
+        host.desc[isa.D_LANES], host.desc[isa.D_SRCS] = host.lanes.ctypes.data, host.pool.ctypes.data
+        host.desc[isa.D_NLANES] = host.nlanes
+        return host
 
     @property
     def error_record(self) -> dict:

@@ -89,7 +89,8 @@ class Cluster:
                                                 "dtype": dtype, "chunk_sizes": chunk_sizes})
             choice = select(collective, self, **size)
             strategy, chunks, lanes = choice.strategy, choice.chunks, choice.lanes
-            if self.kind != "cpu" and options.get("blocks_per_lane") is None:
+            if (self.kind != "cpu" and options.get("blocks_per_lane") is None
+                    and options.get("protocol", "simple") != "ll"):  # LL: one block per lane
                 options["blocks_per_lane"] = choice.blocks_per_lane  # the table's, or None
         datapath, caps = self._datapath(collective, datapath, count=count, nbytes=nbytes,
                                         dtype=dtype, chunk_sizes=chunk_sizes, sizing=sizing)
