@@ -4,7 +4,7 @@
 #   env kernels tests allreduce      (the default set: ~5 minutes; cetests: the ce part alone)
 #   timeline    measured vs predicted timelines (needs plotly: bench/gpu_wheels.sh)
 #   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap (ce1g: 1 GiB)
-#   process     purlin.torch against NCCL, and the TP=2 decoder layer
+#   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   tune sweep  the tuning table, then the six-collective sweep against NCCL
 # Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
@@ -59,6 +59,12 @@ for stage in "${stages[@]}"; do
             echo "rc=$?"; tail -15 "$OUT/process.log"
             timeout 240 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1
             echo "rc=$?"; tail -20 "$OUT/tp.log"
+            ;;
+        processll)
+            timeout 150 python3 bench/process_mode_gpu.py --protocol ll --max-bytes 4194304 \
+                --sections correctness,graph,latency --out "$OUT/process_mode_ll.json" \
+                > "$OUT/process_ll.log" 2>&1
+            echo "rc=$?"; tail -15 "$OUT/process_ll.log"
             ;;
         notebooks)
             timeout 400 python3 - "$OUT" > "$OUT/notebooks.log" 2>&1 <<'PY'

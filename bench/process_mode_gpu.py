@@ -16,6 +16,7 @@ size with new data, and notes any fallback. Then:
 * timeout: rank 1 skips a call; rank 0's check() must raise PurlinTimeoutError naming rank 1.
 
 Prints tables and writes ``<out>/process_mode_gpu.json`` (``--out`` may name a .json file).
+``--protocol ll`` runs it all on a communicator that sends messages up to 256 KiB as LL.
 """
 
 from __future__ import annotations
@@ -240,7 +241,8 @@ def worker(rank, n, opts):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         t0 = time.perf_counter()
-        comm = Communicator(staging_bytes=opts["staging"], timeout=10.0)
+        comm = Communicator(staging_bytes=opts["staging"], timeout=10.0,
+                            protocol=opts.get("protocol", "simple"))
         report["setup_s"] = time.perf_counter() - t0
         for section, fn in (("correctness", correctness), ("graph", graph_check),
                             ("latency", latency)):
@@ -348,13 +350,15 @@ def main(argv=None) -> int:
     ap.add_argument("--staging", type=int, default=2560 * MiB)
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--sections", default="correctness,graph,latency,timeout")
+    ap.add_argument("--protocol", default="simple", choices=("simple", "ll"),
+                    help="the communicator's protocol (ll: flags inside the data, <= 256 KiB)")
     args = ap.parse_args(argv)
     from purlin.torch.testing import run_processes
 
     opts = {"sizes": sizes(16, args.max_bytes) + [14, 6 * KiB + 6, 3 * MiB + 2],
             "latency_sizes": [s for s in (8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB)
                               if s <= args.max_bytes],
-            "staging": args.staging, "replays": args.replays,
+            "staging": args.staging, "replays": args.replays, "protocol": args.protocol,
             "sections": set(args.sections.split(","))}
     t0 = time.time()
     outcomes = run_processes(worker, args.world, opts, backend="nccl", timeout=540,

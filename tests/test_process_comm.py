@@ -344,3 +344,27 @@ def test_killed_peer_makes_survivors_time_out_naming_it(strategy):
     # at least one survivor timed out itself, waiting on a flag, and says so
     own = [o[1]["error"] for o in outcomes[:-1] if "timed out after" in o[1]["error"]]
     assert own and "flag(r" in own[0] and "saw " in own[0]
+
+
+def test_ll_is_used_for_small_provable_messages_on_gpus_only():
+    """protocol="ll": small direct-push messages on the sm datapath get LL areas; large ones,
+    ring plans and the cpu datapath keep the simple protocol."""
+    from types import SimpleNamespace
+
+    from purlin.runtime.shm import layout
+    from purlin.snac import plan
+    from purlin.spec import collectives
+    from purlin.torch.comm import LL_MAX_BYTES, Communicator
+
+    ar = collectives.all_reduce(2)
+    small = plan(ar, "direct-push", nbytes=16 << 10, dtype="bfloat16")
+    big = plan(ar, "direct-push", nbytes=2 * LL_MAX_BYTES, dtype="bfloat16")
+    ring = plan(ar, "ring", nbytes=16 << 10, dtype="bfloat16")
+    gpu_ll = SimpleNamespace(protocol="ll", datapath="sm")
+    assert Communicator._uses_ll(gpu_ll, small)
+    assert not Communicator._uses_ll(gpu_ll, big)
+    assert not Communicator._uses_ll(gpu_ll, ring)
+    assert not Communicator._uses_ll(SimpleNamespace(protocol="ll", datapath="cpu"), small)
+    assert not Communicator._uses_ll(SimpleNamespace(protocol="simple", datapath="sm"), small)
+    with_ll, without = layout(small, ll=True), layout(small)
+    assert with_ll.has_ll and not without.has_ll and with_ll.size > without.size

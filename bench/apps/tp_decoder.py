@@ -10,8 +10,9 @@ causal over the prompt when prefilling, row-parallel output projection) and a Sw
 A step is ``--layers`` layers (32 by default, the same weights each time, like a 32-layer
 model). For hidden 4096 and 8192 it times decode steps at batch 1, 8, 32, 64 and a 2048-token prefill,
 each captured in one CUDA graph per all-reduce provider -- ``torch.distributed.all_reduce`` on
-NCCL; ``purlin.torch.Communicator.all_reduce``; and the same with the row-parallel products
-written straight into ``comm.input_buffer`` (no copy in) -- and checks that every provider's
+NCCL; ``purlin.torch.Communicator.all_reduce``; the same with the row-parallel products
+written straight into ``comm.input_buffer`` (no copy in); and that on a communicator with
+``protocol="ll"`` (flags inside the data up to 256 KiB) -- and checks that every provider's
 layer output agrees with NCCL's (bf16 tolerance). Prints a table and writes
 ``<out>/tp_decoder.json``.
 """
@@ -137,13 +138,17 @@ def worker(rank, world, opts):
     warnings.simplefilter("ignore", FutureWarning)
     device = torch.device("cuda", torch.cuda.current_device())
     comm = Communicator(staging_bytes=opts["staging"], timeout=10.0)
-    def staging(hidden):  # the all-reduce's input region, [tokens, hidden]
-        return lambda tokens: comm.input_buffer("all_reduce", tokens * hidden,
-                                                torch.bfloat16).view(tokens, hidden)
+    # LL for messages up to 256 KiB (decode), the simple protocol above (prefill)
+    comm_ll = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="ll")
+
+    def staging(c):  # the all-reduce's input region of communicator c, [tokens, hidden]
+        return lambda hidden: (lambda tokens: c.input_buffer(
+            "all_reduce", tokens * hidden, torch.bfloat16).view(tokens, hidden))
 
     providers = {"nccl": (lambda t: dist.all_reduce(t), None),
                  "purlin": (comm.all_reduce, None),
-                 "purlin-inplace": (comm.all_reduce, staging)}
+                 "purlin-inplace": (comm.all_reduce, staging(comm)),
+                 "purlin-ll-inplace": (comm_ll.all_reduce, staging(comm_ll))}
     rows = []
     for hidden in opts["hidden"]:
         layer = Layer(torch, hidden, world, rank, device)
@@ -175,6 +180,7 @@ def worker(rank, world, opts):
                     row[f"{name}_us"] = us
                     row[f"{name}_tokens_per_s"] = row["tokens"] / (us * 1e-6)
                 comm.check()
+                comm_ll.check()
                 scale = outs["nccl"].abs().max().item()
                 row["output_scale"] = scale
                 row["agree"] = True
@@ -201,8 +207,8 @@ def print_table(rows) -> bool:
           "purlin: comm.all_reduce(t); purlin-inplace: the row-parallel matmul writes into "
           "comm.input_buffer (no copy in)")
     print(f"{'hidden':>6} {'phase':>7} {'batch':>5} {'tokens':>6} {'AR size':>9} "
-          f"{'nccl':>8} {'purlin':>8} {'inplace':>8} {'speedup':>7} {'inplace':>7} "
-          f"{'nccl tok/s':>11} {'purlin tok/s':>12} {'agree':>5} {'max|diff|':>9}")
+          f"{'nccl':>8} {'purlin':>8} {'inplace':>8} {'ll':>8} {'speedup':>7} {'inplace':>7} "
+          f"{'ll':>7} {'nccl tok/s':>11} {'purlin tok/s':>12} {'agree':>5} {'max|diff|':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} ERROR\n{r['error']}")
@@ -210,10 +216,13 @@ def print_table(rows) -> bool:
             continue
         size = r["allreduce_bytes"]
         size_s = f"{size // 1024} KiB" if size < 1 << 20 else f"{size / (1 << 20):.0f} MiB"
-        best = max(r["purlin_tokens_per_s"], r["purlin-inplace_tokens_per_s"])
+        best = max(r["purlin_tokens_per_s"], r["purlin-inplace_tokens_per_s"],
+                   r["purlin-ll-inplace_tokens_per_s"])
         print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} {r['tokens']:>6} {size_s:>9} "
               f"{r['nccl_us']:8.1f} {r['purlin_us']:8.1f} {r['purlin-inplace_us']:8.1f} "
+              f"{r['purlin-ll-inplace_us']:8.1f} "
               f"{r['purlin_speedup']:7.2f} {r['purlin-inplace_speedup']:7.2f} "
+              f"{r['purlin-ll-inplace_speedup']:7.2f} "
               f"{r['nccl_tokens_per_s']:11.0f} {best:12.0f} "
               f"{'yes' if r['agree'] else 'NO':>5} {r['max_abs_diff']:9.2g}")
         ok &= r["agree"]

@@ -192,26 +192,36 @@ class Layout:
     flags: int
     flag_count: int
     abort: int
-    offsets: tuple            # per rank: (input, output, scratch) byte offsets
+    offsets: tuple            # per rank: (input, output, scratch[, ll]) byte offsets
     scratch_bytes: tuple      # per rank, bytes of one scratch copy
+    ll_bytes: tuple = ()      # per rank, bytes of its LL area (all copies); () without LL
 
     def offset(self, rank: int, buffer: str) -> int:
-        return self.offsets[rank][("input", "output", "scratch").index(buffer)]
+        return self.offsets[rank][("input", "output", "scratch", "ll").index(buffer)]
+
+    @property
+    def has_ll(self) -> bool:
+        return bool(self.ll_bytes)
 
 
 ABORT_WORDS = 16
 
 
-def layout(schedule: Schedule) -> Layout:
-    """The slice layout of ``schedule`` (pure: every rank computes the same).
+def layout(schedule: Schedule, ll: bool = False) -> Layout:
+    """The slice layout of ``schedule`` (pure: every rank computes the same). ``ll``: each
+    rank also gets an LL area after its scratch (``purlin.atom.lowering.ll_area_bytes`` per
+    scratch copy) for the sm datapath's LL transfers.
 
     >>> from purlin.snac import plan
     >>> from purlin.spec import collectives
     >>> lay = layout(plan(collectives.all_gather(2), "direct-push", count=8))
     >>> lay.offset(0, "input"), lay.offset(0, "output"), lay.size
     (256, 512, 1024)
+    >>> lay = layout(plan(collectives.all_gather(2), "direct-push", count=8), ll=True)
+    >>> lay.offset(0, "ll"), lay.ll_bytes, lay.size
+    (1024, (96, 96), 1280)
     """
-    from purlin.atom.lowering import flag_slots
+    from purlin.atom.lowering import flag_slots, ll_area_bytes
     from purlin.spec.dtypes import dtype as as_dtype
 
     item = as_dtype(schedule.dtype).itemsize
@@ -220,16 +230,22 @@ def layout(schedule: Schedule) -> Layout:
     flag_count = flag_slots(n, schedule.lanes)
     abort = round_up(flag_count * 8, 64)
     start = round_up(abort + ABORT_WORDS * 8)
-    offsets, scratch, ends = [], [], []
+    offsets, scratch, ends, lls = [], [], [], []
     for r in range(n):
         one = (schedule.scratch[r] * item + 15) // 16 * 16
         at_in = start
         at_out = at_in + round_up(sizing.input_count(r) * item)
         at_scr = at_out + round_up(sizing.output_count(r) * item)
-        ends.append(at_scr + round_up(one * schedule.scratch_copies))
-        offsets.append((at_in, at_out, at_scr))
+        end = at_scr + round_up(one * schedule.scratch_copies)
+        if ll:
+            lls.append(ll_area_bytes(one) * schedule.scratch_copies)
+            offsets.append((at_in, at_out, at_scr, end))
+            end += round_up(lls[-1])
+        else:
+            offsets.append((at_in, at_out, at_scr))
+        ends.append(end)
         scratch.append(one)
-    return Layout(max(ends), 0, flag_count, abort, tuple(offsets), tuple(scratch))
+    return Layout(max(ends), 0, flag_count, abort, tuple(offsets), tuple(scratch), tuple(lls))
 
 
 # -- running one rank ----------------------------------------------------------------------------

@@ -56,6 +56,9 @@ DATAPATHS = {"cpu": ("purlin.torch.cpu_path", "CpuPath"),
              "sm": ("purlin.torch.sm_path", "SmPath")}
 
 
+LL_MAX_BYTES = 256 << 10  # protocol="ll" sends messages up to this size so; larger: simple
+
+
 class Communicator:
     """Purlin collectives on the ranks of ``group`` (default: the world).
 
@@ -64,14 +67,17 @@ class Communicator:
     per rank that prepared collectives share. ``timeout``: seconds a wait may last (per wait on
     GPUs, per call on the CPU). ``strategy``/``chunks``/``lanes``: as in
     :func:`purlin.snac.plan` (``"auto"`` picks per size). ``ranks_per_node``/``node_of_rank``:
-    which ranks share a node (default: by hostname).
+    which ranks share a node (default: by hostname). ``protocol="ll"`` (sm datapath): for
+    messages up to ``LL_MAX_BYTES`` the Stage+Notify pairs the lowering can prove safe carry
+    their flags inside the data, one block per lane (``purlin.atom.sm.bind``).
     """
 
     def __init__(self, group=None, datapath: str = "auto", staging_bytes: int = DEFAULT_STAGING,
                  timeout: float = DEFAULT_TIMEOUT, *, strategy: str = "auto",
                  chunks: int | None = None, lanes: int | None = None,
                  ranks_per_node: int | None = None, node_of_rank=None,
-                 blocks_per_lane: int | None = None, threads: int = 512):
+                 blocks_per_lane: int | None = None, threads: int = 512,
+                 protocol: str = "simple"):
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError("purlin.torch.Communicator needs torch.distributed: call "
                                  "dist.init_process_group(...) first")
@@ -81,6 +87,9 @@ class Communicator:
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.backend = str(dist.get_backend(self.group))
         self.datapath = _choose_datapath(datapath, self.backend)
+        if protocol not in ("simple", "ll"):
+            raise CapabilityError(f"protocol must be 'simple' or 'll', got {protocol!r}")
+        self.protocol = protocol
         self.timeout, self.strategy = float(timeout), strategy
         self.chunks, self.lanes = chunks, lanes
         self.staging_bytes = int(staging_bytes)
@@ -402,7 +411,24 @@ class Communicator:
             chunks, lanes = self.chunks or chosen[0], self.lanes or chosen[1]
         if strategy == "two-phase" and not coll.op.is_reduce:
             strategy = "direct-push"
-        return plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes), blocks
+        schedule = plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes)
+        if self._uses_ll(schedule):
+            blocks = 1  # LL runs one block per lane: not the table's count
+        return schedule, blocks
+
+    def _uses_ll(self, schedule) -> bool:
+        """LL transfers for this schedule: protocol "ll" on GPUs, a message of at most
+        LL_MAX_BYTES (LL doubles the bytes on the wire and runs one block per lane), and pairs
+        the lowering can send so."""
+        from purlin.atom.lowering import ll_transfers
+
+        return (self.protocol == "ll" and self.datapath == "sm"
+                and schedule.sizing.message_bytes <= LL_MAX_BYTES
+                and len(ll_transfers(schedule)) > 0)
+
+    def _layout(self, schedule):
+        """The staging layout, with LL areas where this communicator sends LL transfers."""
+        return layout(schedule, ll=self._uses_ll(schedule))
 
     def _prepared(self, key, sizing=None, capturing=None):
         """The prepared collective for ``key``, preparing it on a miss; a string says why it
@@ -416,7 +442,7 @@ class Communicator:
             return ("first call of this size inside a CUDA graph capture (call each size once "
                     "eagerly before capturing)")
         schedule, blocks = self._plan(sizing or self._sizing(key))
-        lay = layout(schedule)
+        lay = self._layout(schedule)
         offset = self.staging.place(key, lay.size)
         if offset is None:
             victims = self.staging.victims(lay.size)

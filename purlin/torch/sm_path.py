@@ -42,8 +42,13 @@ class SmPrepared:
         bases = {(q, b): ptrs[q] + offset + lay.offset(q, b)
                  for q in range(n) for b in ("input", "output", "scratch")}
         self.flag_bases = {q: ptrs[q] + offset + lay.flags for q in range(n)}
+        # LL areas (a layout made for protocol="ll"): every peer's, as the puts target them
+        self.ll_bases = ({q: ptrs[q] + offset + lay.offset(q, "ll") for q in range(n)}
+                         if lay.has_ll else None)
+        self.ll_bytes = lay.ll_bytes
         low = lower(schedule, bases, self.flag_bases, blocks_per_lane=bpl,
-                    scratch_bytes=dict(enumerate(lay.scratch_bytes)))[rank]
+                    scratch_bytes=dict(enumerate(lay.scratch_bytes)),
+                    ll_bases=self.ll_bases)[rank]
         # one abort word for the whole group: rank 0's copy
         self.desc, self.control = rank_blob(torch, low, dev, ptrs[0] + offset + lay.abort,
                                             lanes)
@@ -68,8 +73,13 @@ class SmPrepared:
         if code == isa.ERR_NONE:
             return None
         rank, step = self.path.rank, rec[isa.E_STEP]
-        what, owner = self._flag_of(rec[isa.E_FLAG])
         peer = rec[isa.E_PEER]
+        if self._is_ll(rec[isa.E_FLAG]) and code != isa.ERR_ABORTED:
+            return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}) timed out after "
+                    f"{self.path.timeout:.3g} s waiting for the LL data rank {peer} sends: "
+                    f"expected tag {rec[isa.E_EXPECTED]}, saw {rec[isa.E_SEEN]} — is rank "
+                    f"{peer} alive?")
+        what, owner = self._flag_of(rec[isa.E_FLAG])
         if code == isa.ERR_ABORTED:
             return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}) gave up waiting on {what} "
                     f"from rank {peer}: another rank timed out first (its own check() names the "
@@ -80,7 +90,13 @@ class SmPrepared:
                 f"{rec[isa.E_EXPECTED]} ({rec[isa.E_EXPECTED] // bpl} notifies x {bpl} blocks) "
                 f"from rank {peer}: saw {rec[isa.E_SEEN]} — is rank {peer} alive?")
 
+    def _is_ll(self, address: int) -> bool:
+        base = (self.ll_bases or {}).get(self.path.rank)
+        return base is not None and base <= address < base + self.ll_bytes[self.path.rank]
+
     def _flag_of(self, address: int):
+        if self._is_ll(address):
+            return "its LL data", self.path.rank
         lanes, n = self.schedule.lanes, self.schedule.nranks
         for q, base in self.flag_bases.items():
             if base <= address < base + 8 * self.flag_count:
@@ -150,6 +166,9 @@ class SmPath:
         p = SmPrepared(self, schedule, offset, lay, self.blocks_per_lane or blocks_per_lane,
                        self.threads)
         self.buf[offset: offset + lay.abort + 8 * ABORT_WORDS].zero_()  # flags, abort record
+        if lay.has_ll:  # tags restart at 1: no unit left by an earlier tenant may match
+            at = offset + lay.offset(self.rank, "ll")
+            self.buf[at: at + lay.ll_bytes[self.rank]].zero_()
         self.prepared.append(p)
         return p
 
