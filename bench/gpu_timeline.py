@@ -77,6 +77,25 @@ def main() -> int:
 
     floor = launch_floor(torch)
     print(f"empty executor launch under a CUDA graph: {floor:.2f} us per op")
+
+    # what tracing costs: the same bindings timed with the trace buffer off and on (if even
+    # tracing on is within the noise, the branch that tracing off leaves costs nothing)
+    overhead = []
+    for nbytes in (8 * KiB, 1 * MiB):
+        row = {"nbytes": nbytes}
+        for label, rows_ in (("off", 0), ("on", 64)):
+            bound = cluster.bind(coll, "direct-push", nbytes=nbytes, dtype="bfloat16",
+                                 trace_rows=rows_)
+            times = time_graph(torch, bound, 50, 15)
+            row[f"trace_{label}_us"] = float(np.median(times))
+            row[f"trace_{label}_p20_p80"] = [float(np.percentile(times, 20)),
+                                             float(np.percentile(times, 80))]
+            del bound
+        overhead.append(row)
+        print(f"tracing {nbytes:>8} B: off {row['trace_off_us']:.2f} us "
+              f"(p20-p80 {row['trace_off_p20_p80'][0]:.2f}-{row['trace_off_p20_p80'][1]:.2f}), "
+              f"on {row['trace_on_us']:.2f} us "
+              f"(p20-p80 {row['trace_on_p20_p80'][0]:.2f}-{row['trace_on_p20_p80'][1]:.2f})")
     small = cluster.bind(coll, "direct-push", nbytes=8 * KiB, dtype="bfloat16",
                          blocks_per_lane=1, trace_rows=16)
     for _ in range(50):
@@ -121,6 +140,7 @@ def main() -> int:
         "clock": {"offset_ns": offset, "uncertainty_ns": uncertainty},
         "profile": json.loads((out / "profile-h200-calibrated.json").read_text()),
         "graph_vs_predicted": rows, "traced": traced, "empty_launch_graph_us": floor,
+        "tracing_overhead": overhead,
         "events_8KiB": [e.__dict__ if hasattr(e, "__dict__") else str(e) for e in t8.events]},
         indent=1, default=str))
     return 0
