@@ -154,20 +154,21 @@ def test_ll_leaves_pairs_it_cannot_prove_alone():
     assert isa.LL_PUT not in ops and isa.NOTIFY in ops
 
 
-@pytest.mark.parametrize("name", ["all-reduce", "reduce-scatter", "all-gather", "all-to-all",
-                                  "broadcast", "reduce"])
-@pytest.mark.parametrize("strategy", ["direct-push", "direct-pull", "two-phase", "ring"])
+LL_PLANS = [(name, strategy)
+            for name in ("all-reduce", "reduce-scatter", "all-gather", "all-to-all",
+                         "broadcast", "reduce")
+            for strategy in ("direct-push", "direct-pull", "two-phase", "ring")
+            if strategy != "two-phase" or name in ("all-reduce", "reduce-scatter", "reduce")]
+
+
+@pytest.mark.parametrize("name,strategy", LL_PLANS)
 def test_every_ll_flag_had_one_notify_and_one_wait(name, strategy):
     """Whatever the collective, a flag is dropped only where it grew once per call and had a
     single wait of this call, in the step that reads the staged region."""
     from purlin.atom.lowering import ll_transfers
-    from purlin.errors import PurlinError
     from purlin.spec import standard
 
-    try:
-        s = plan(standard(name, 3), strategy, count=48, chunks=2)
-    except PurlinError:
-        pytest.skip(f"{strategy} does not plan {name}")
+    s = plan(standard(name, 3), strategy, count=48, chunks=2)
     ll = ll_transfers(s)
     per_call = s.flags()
     for (rank, index, flag), (region, sender) in ll.gets.items():
