@@ -3,7 +3,8 @@
 # Usage (on the GPU machine, from the repo root): bash bench/gpu_session.sh [stage ...]
 #   env kernels tests allreduce      (the default set: ~5 minutes; cetests: the ce part alone)
 #   timeline    measured vs predicted timelines (needs plotly: bench/gpu_wheels.sh)
-#   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap (ce1g: 1 GiB)
+#   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap (ce1g: 1 GiB;
+#               cehang: where the hang after a mixed collective comes from)
 #   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   tune sweep  the tuning table, then the six-collective sweep against NCCL
@@ -48,6 +49,11 @@ for stage in "${stages[@]}"; do
         ce)
             timeout 300 python3 bench/gpu_ce.py --out "$OUT/ce.json" > "$OUT/ce.log" 2>&1
             echo "rc=$?"; tail -30 "$OUT/ce.log"
+            ;;
+        cehang)
+            timeout 250 python3 bench/ce_hang_probe.py --out "$OUT/cehang" --limit 75 \
+                > "$OUT/cehang.log" 2>&1
+            echo "rc=$?"; tail -6 "$OUT/cehang.log"
             ;;
         ce1g)
             timeout 200 python3 bench/gpu_ce.py --correct-only --sizes 1GiB \

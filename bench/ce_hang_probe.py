@@ -1,0 +1,98 @@
+"""Reproduce and locate the ce datapath's hang after a mixed ce+sm collective (2 GPUs).
+
+    PYTHONPATH=. python3 bench/ce_hang_probe.py --out DIR
+
+Seen on 2 x H200 (docs/ADDING_A_DATAPATH.md): after a ce+sm all-reduce has run in a process,
+the next copy-engine collective bound in it hung. This runs that sequence -- two-phase ce+sm
+all-reduces timed under CUDA graphs, then direct-pull all-gathers (one lane, then four) and a
+broadcast on the copy engines -- in child processes that differ in one thing each:
+
+* ``lazy``:   CUDA's default lazy module loading, bindings closed after use (as now);
+* ``eager``:  ``CUDA_MODULE_LOADING=EAGER`` (no kernel is loaded while a stream waits);
+* ``leak``:   three more bindings kept alive after each step (their streams stay, as every
+              binding's did before ``CeBound.close()``).
+
+A child that hangs dumps every thread's Python stack after ``--stall`` seconds (faulthandler)
+and is killed at ``--limit``; the table says which variants finished, and DIR/<variant>.log
+holds each child's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = {"lazy": {}, "eager": {"CUDA_MODULE_LOADING": "EAGER"}, "leak": {}}
+SIZE = 1 << 20
+
+
+def child(variant: str, stall: float) -> int:
+    import faulthandler
+
+    faulthandler.dump_traceback_later(stall, exit=False)
+    import torch
+
+    from purlin.bench.ce import time_ce
+    from purlin.runtime import Cluster
+    from purlin.spec import standard
+
+    cluster = Cluster.local(2)
+    kept = []
+    # (collective, strategy, bytes, chunks, lanes): the order of the runs that hung
+    steps = [("all-reduce", "two-phase", SIZE, 1, 1), ("all-reduce", "two-phase", 64 * SIZE, 1, 1),
+             ("all-gather", "direct-pull", SIZE, 1, 1),
+             ("all-gather", "direct-pull", 64 * SIZE, 4, 4),
+             ("broadcast", "direct-pull", SIZE, 1, 1)]
+    for name, strategy, nbytes, chunks, lanes in steps:
+        t0 = time.monotonic()
+        print(f"{variant}: {name} {strategy} {nbytes} B c{chunks} l{lanes} ...", flush=True)
+        rec = time_ce(cluster, standard(name, 2), nbytes, "bfloat16", strategy, chunks, lanes,
+                      ops=20, repeats=5)
+        print(f"{variant}: {rec.time_us:.1f} us, wrong {rec.wrong}, "
+              f"{time.monotonic() - t0:.1f} s", flush=True)
+        if variant == "leak":  # bindings never closed: their streams stay on the queues
+            kept += [cluster.bind(standard(name, 2), strategy, nbytes=nbytes,
+                                  dtype="bfloat16", chunks=chunks, lanes=lanes, datapath="ce")
+                     for _ in range(3)]
+    torch.cuda.synchronize()
+    faulthandler.cancel_dump_traceback_later()
+    print(f"{variant}: done ({len(kept)} bindings kept alive)", flush=True)
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--stall", type=float, default=30.0, help="seconds before a stack dump")
+    ap.add_argument("--limit", type=float, default=60.0, help="seconds before a child is killed")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return child(args.child, args.stall)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for variant, env in VARIANTS.items():
+        t0 = time.monotonic()
+        log = out / f"{variant}.log"
+        with open(log, "w") as f:
+            try:
+                rc = subprocess.run([sys.executable, __file__, "--child", variant, "--stall",
+                                     str(args.stall)], env={**os.environ, **env}, stdout=f,
+                                    stderr=subprocess.STDOUT, timeout=args.limit).returncode
+                state = "finished" if rc == 0 else f"failed (rc {rc})"
+            except subprocess.TimeoutExpired:
+                state = f"hung (killed after {args.limit:.0f} s)"
+        results[variant] = {"state": state, "seconds": round(time.monotonic() - t0, 1)}
+        print(f"{variant:>6}: {state}, {results[variant]['seconds']} s; {log}", flush=True)
+    (out / "ce_hang_probe.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
