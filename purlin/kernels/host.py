@@ -1,0 +1,220 @@
+"""The instruction tables run on host memory by Python threads: lowering checked end to end.
+
+The CUDA simulator runs one block after another, so it cannot run two ranks that wait on each
+other. This interpreter can: one thread per (rank, lane) runs the rows of ``isa.py`` --
+COPY, REDUCE, NOTIFY, WAIT, LL_PUT, LL_GET -- on real host addresses (numpy buffers), each rank
+driven call after call by its own thread, so ranks drift apart across calls as GPUs do. It
+checks what the lowering computed (addresses, counts, flag targets, parities, LL tags), not
+GPU memory ordering. One block per lane.
+
+>>> import numpy as np
+>>> from purlin.snac import plan
+>>> from purlin.spec import collectives, reference
+>>> s = plan(collectives.all_reduce(2), "direct-push", count=8)
+>>> bufs = HostBuffers(s, ll=True)
+>>> xs = [[np.arange(8.0) + r for r in range(2)] for call in range(3)]
+>>> outs = run_calls(bufs.lower(), bufs, xs)
+>>> all(np.allclose(outs[c][r], reference(s.sizing, xs[c])[r]) for c in range(3) for r in range(2))
+True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import numpy as np
+
+from purlin.errors import PurlinTimeoutError
+from purlin.kernels import isa
+
+_NP = {isa.F32: np.float32, isa.F64: np.float64, isa.I32: np.int32, isa.F16: np.float16}
+
+
+def _bytes(addr: int, nbytes: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr)) if nbytes else \
+        np.zeros(0, np.uint8)
+
+
+def _load(addr: int, count: int, code: int) -> np.ndarray:
+    raw = _bytes(addr, count * isa.ITEMSIZE[code])
+    if code == isa.BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return raw.view(_NP[code]).astype(np.int64 if code == isa.I32 else np.float64)
+
+
+def _store(addr: int, values: np.ndarray, code: int) -> None:
+    raw = _bytes(addr, len(values) * isa.ITEMSIZE[code])
+    if code == isa.BF16:
+        b = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
+        raw.view(np.uint16)[:] = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+    elif code == isa.I32:
+        raw.view(np.int32)[:] = (np.asarray(values, np.int64) & 0xFFFFFFFF).astype(
+            np.uint32).view(np.int32)
+    else:
+        raw.view(_NP[code])[:] = values
+
+
+class _Memory:
+    """Flags and LL units shared by every thread: one lock, one condition."""
+
+    def __init__(self, timeout: float):
+        self.cond = threading.Condition()
+        self.timeout = timeout
+
+    def add(self, addr: int, value: int) -> None:
+        with self.cond:
+            cell = ctypes.c_int64.from_address(addr)
+            cell.value += value
+            self.cond.notify_all()
+
+    def wait(self, addr: int, target: int, what: str) -> None:
+        cell = ctypes.c_int64.from_address(addr)
+        with self.cond:
+            if not self.cond.wait_for(lambda: cell.value >= target, self.timeout):
+                raise PurlinTimeoutError(f"{what}: waited for {target}, saw {cell.value}")
+
+    def ll_put(self, dst: int, data: bytes, tag: int) -> None:
+        from purlin.kernels.sim import ll_pack
+
+        units = ll_pack(data, tag)
+        with self.cond:
+            _bytes(dst, units.nbytes)[:] = units.view(np.uint8).ravel()
+            self.cond.notify_all()
+
+    def ll_get(self, src: int, nbytes: int, tag: int, what: str) -> bytes:
+        n = (nbytes + isa.LL_DATA - 1) // isa.LL_DATA
+        view = _bytes(src, n * isa.LL_UNIT).view(np.uint32).reshape(n, 4)
+        with self.cond:
+            if not self.cond.wait_for(lambda: bool(((view[:, 1] == tag) & (view[:, 3] == tag))
+                                                   .all()), self.timeout):
+                raise PurlinTimeoutError(f"{what}: LL units never all carried tag {tag}")
+            data = np.stack([view[:, 0], view[:, 2]], axis=1).astype(np.uint32)
+        return data.view(np.uint8).ravel().tobytes()[:nbytes]
+
+
+def _run_lane(rows, pool, epoch, mem: _Memory, rank: int) -> None:
+    for row in rows:
+        op, code, count = int(row[isa.OP]), int(row[isa.DTYPE]), int(row[isa.COUNT])
+        nbytes = count * isa.ITEMSIZE.get(code, 1)
+        what = f"rank {rank} step {int(row[isa.STEP])}"
+        if op == isa.COPY:
+            ctypes.memmove(int(row[isa.DST]), int(pool[row[isa.SRC]]), nbytes)
+        elif op == isa.REDUCE:
+            srcs = [int(a) for a in pool[row[isa.SRC]: row[isa.SRC] + row[isa.NSRC]]]
+            values = [_load(a, count, code) for a in srcs]
+            redop = int(row[isa.REDOP])
+            out = (np.max(values, axis=0) if redop == isa.MAX else
+                   np.min(values, axis=0) if redop == isa.MIN else np.sum(values, axis=0))
+            if redop == isa.AVG:
+                out = (out // row[isa.DIVISOR] if code == isa.I32
+                       else out / row[isa.DIVISOR])
+            _store(int(row[isa.DST]), out, code)
+        elif op == isa.NOTIFY:
+            mem.add(int(row[isa.FLAG]), int(row[isa.VALUE]))
+        elif op == isa.WAIT:
+            target = ((epoch + int(row[isa.EPOCH_OFFSET])) * int(row[isa.PER_CALL])
+                      + int(row[isa.VALUE]))
+            if target > 0:
+                mem.wait(int(row[isa.FLAG]), target, what)
+        elif op == isa.LL_PUT:
+            tag = epoch % isa.LL_TAG_MOD + 1
+            mem.ll_put(int(row[isa.DST]), _bytes(int(pool[row[isa.SRC]]), nbytes).tobytes(), tag)
+        elif op == isa.LL_GET:
+            tag = epoch % isa.LL_TAG_MOD + 1
+            data = mem.ll_get(int(pool[row[isa.SRC]]), nbytes, tag, what)
+            _bytes(int(row[isa.DST]), nbytes)[:] = np.frombuffer(data, np.uint8)
+
+
+class HostBuffers:
+    """Every rank's input, output, scratch (+ LL area) and flags as numpy memory, sized for
+    ``schedule``; :meth:`lower` lowers the schedule onto them."""
+
+    def __init__(self, schedule, ll: bool = False):
+        from purlin.atom.lowering import flag_slots, ll_area_bytes
+
+        self.schedule, self.ll = schedule, ll
+        item = schedule.sizing.dtype.itemsize
+        n = schedule.nranks
+        self.code = isa.DTYPE_CODES[schedule.dtype]
+        # the device representation: bfloat16 as its 16 raw bits
+        self.np_dtype = np.dtype(np.uint16 if self.code == isa.BF16 else _NP[self.code])
+        self.scratch_bytes = {r: -(-schedule.scratch[r] * item // 16) * 16 for r in range(n)}
+        self.inputs = [np.zeros(max(schedule.sizing.input_count(r), 1), self.np_dtype)
+                       for r in range(n)]
+        self.outputs = [np.zeros(max(schedule.sizing.output_count(r), 1), self.np_dtype)
+                        for r in range(n)]
+        self.scratch = [np.zeros(self.scratch_bytes[r] * schedule.scratch_copies + 16, np.uint8)
+                        for r in range(n)]
+        self.ll_areas = [np.zeros(ll_area_bytes(self.scratch_bytes[r])
+                                  * schedule.scratch_copies if ll else 16, np.uint8)
+                         for r in range(n)]
+        self.flags = [np.zeros(flag_slots(n, schedule.lanes), np.int64) for r in range(n)]
+
+    def lower(self):
+        from purlin.atom.lowering import lower
+
+        n = self.schedule.nranks
+        bases = {}
+        for r in range(n):
+            bases[(r, "input")] = self.inputs[r].ctypes.data
+            bases[(r, "output")] = self.outputs[r].ctypes.data
+            bases[(r, "scratch")] = self.scratch[r].ctypes.data
+        return lower(self.schedule, bases, {r: self.flags[r].ctypes.data for r in range(n)},
+                     scratch_bytes=self.scratch_bytes,
+                     ll_bases={r: self.ll_areas[r].ctypes.data for r in range(n)}
+                     if self.ll else None)
+
+
+def run_calls(lowered, buffers: HostBuffers, inputs_per_call, timeout: float = 10.0):
+    """Run ``len(inputs_per_call)`` calls: each rank's own thread writes its input of call k,
+    runs the call (a thread per lane) and keeps a copy of its output, then goes on, so ranks
+    drift apart as GPUs do. Returns outputs[call][rank]; raises the first error."""
+    mem = _Memory(timeout)
+    n = buffers.schedule.nranks
+    calls = len(inputs_per_call)
+    outputs = [[None] * n for _ in range(calls)]
+    errors: list = []
+
+    def rank_thread(rank: int) -> None:
+        low = lowered[rank]
+        nlanes = len(low.lane_offsets) - 1
+        try:
+            for call in range(calls):
+                x = np.asarray(inputs_per_call[call][rank], dtype=np.float64)
+                _store(buffers.inputs[rank].ctypes.data, x, buffers.code)
+                table = low.tables[call % len(low.tables)]
+                lanes = [threading.Thread(target=_lane_guard, args=(
+                    table[low.lane_offsets[lane]: low.lane_offsets[lane + 1]], low.srcs, call,
+                    mem, rank, errors)) for lane in range(nlanes)]
+                for t in lanes:
+                    t.start()
+                for t in lanes:
+                    t.join()
+                if errors:
+                    return
+                outputs[call][rank] = _load(buffers.outputs[rank].ctypes.data,
+                                            buffers.schedule.sizing.output_count(rank),
+                                            buffers.code).astype(np.float64)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank_thread, args=(r,)) for r in range(n)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5 + (time.monotonic() - t0))
+    if errors:
+        raise errors[0]
+    return outputs
+
+
+def _lane_guard(rows, pool, epoch, mem, rank, errors) -> None:
+    try:
+        _run_lane(rows, pool, epoch, mem, rank)
+    except Exception as exc:  # noqa: BLE001 - reported to the caller
+        errors.append(exc)
+        with mem.cond:
+            mem.cond.notify_all()
