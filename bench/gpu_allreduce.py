@@ -28,14 +28,17 @@ SIZES = [8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
 
 
 def candidates(nbytes: int):
-    """(strategy, chunks, lanes, blocks_per_lane[, protocol]) worth trying at this size
-    (lanes x blocks within the 132 SMs); "ll": flags inside the data, one block per lane."""
+    """(strategy, chunks, lanes, blocks_per_lane[, options]) worth trying at this size
+    (lanes x blocks within the 132 SMs); options: "ll" (flags inside the data, one block per
+    lane), "pdl" (programmatic dependent launch), "ll+pdl"."""
     if nbytes <= 8 * KiB:
-        return [("direct-push", 1, 1, 1, "ll"), ("direct-push", 1, 1, 1),
+        return [("direct-push", 1, 1, 1, "ll"), ("direct-push", 1, 1, 1, "pdl"),
+                ("direct-push", 1, 1, 1, "ll+pdl"), ("direct-push", 1, 1, 1),
                 ("direct-push", 1, 1, 2), ("direct-pull", 1, 1, 1), ("two-phase", 1, 1, 1),
                 ("two-phase", 1, 2, 1, "ll")]
     if nbytes <= 64 * KiB:
         return [("direct-push", 1, 1, 1, "ll"), ("direct-push", 4, 4, 1, "ll"),
+                ("direct-push", 4, 4, 1, "ll+pdl"), ("direct-push", 1, 1, 8, "pdl"),
                 ("direct-push", 1, 1, 4), ("direct-push", 1, 1, 8), ("two-phase", 1, 2, 4),
                 ("direct-pull", 1, 1, 4)]
     if nbytes <= 1 * MiB:
@@ -73,19 +76,21 @@ def main() -> int:
     coll = collectives.all_reduce(2)
     records, failures = [], []
     for nbytes in SIZES:
-        for strategy, chunks, lanes, bpl, *proto in candidates(nbytes)[: 2 if args.quick
-                                                                       else None]:
-            protocol = proto[0] if proto else "simple"
+        for strategy, chunks, lanes, bpl, *opt in candidates(nbytes)[: 2 if args.quick
+                                                                     else None]:
+            options = opt[0] if opt else ""
+            protocol = "ll" if "ll" in options else "simple"
             try:
                 rec = time_purlin(cluster, coll, nbytes, args.dtype, strategy, chunks, lanes,
-                                  bpl, mode="graph", ops=50, repeats=15, protocol=protocol)
+                                  bpl, mode="graph", ops=50, repeats=15, protocol=protocol,
+                                  pdl="pdl" in options)
                 records.append(rec)
-                print(f"  {nbytes:>10} {strategy:>12} c{chunks} l{lanes} b{bpl} {protocol}: "
+                print(f"  {nbytes:>10} {strategy:>12} c{chunks} l{lanes} b{bpl} {options}: "
                       f"{rec.time_us:9.2f} us  busbw {rec.busbw_gbs:6.1f}  wrong {rec.wrong}",
                       flush=True)
             except Exception:
                 failures.append({"nbytes": nbytes,
-                                 "config": [strategy, chunks, lanes, bpl, protocol],
+                                 "config": [strategy, chunks, lanes, bpl, options],
                                  "error": traceback.format_exc(limit=4)})
                 print(f"  {nbytes:>10} {strategy} c{chunks} l{lanes} b{bpl}: FAILED\n"
                       + failures[-1]["error"], flush=True)
@@ -95,7 +100,7 @@ def main() -> int:
             try:
                 records.append(time_purlin(cluster, coll, nbytes, args.dtype, "direct-push", 1,
                                            1, 1, mode="eager", ops=200, repeats=10,
-                                           protocol=protocol))
+                                           protocol=protocol, pdl=protocol == "ll"))
             except Exception:
                 failures.append({"nbytes": nbytes, "eager": True, "protocol": protocol,
                                  "error": traceback.format_exc(limit=4)})
@@ -129,8 +134,9 @@ def summary(records, baselines) -> str:
             continue
         best = min(mine, key=lambda r: r.time_us)
         cfg = (f"{best.extra['strategy']} c{best.extra['chunks']} l{best.extra['lanes']} "
-               f"b{best.extra['blocks_per_lane']}" + (" ll" if best.extra.get("protocol")
-                                                      == "ll" else ""))
+               f"b{best.extra['blocks_per_lane']}"
+               + (" ll" if best.extra.get("protocol") == "ll" else "")
+               + (" pdl" if best.extra.get("pdl") else ""))
         n_us = nccl[0].time_us if nccl else float("nan")
         n_bw = nccl[0].busbw_gbs if nccl else float("nan")
         lines.append(f"{nbytes:>10} {cfg:>34} {best.time_us:8.2f} {n_us:8.2f} "

@@ -247,3 +247,21 @@ def test_ll_missing_put_times_out_naming_the_ll_area(torch):
                                                  r"saw 0"):
         bound([None, None])
     assert time.perf_counter() - t0 < 5.0
+
+
+# -- programmatic dependent launch -------------------------------------------------------------
+@pytest.mark.parametrize("protocol", ["simple", "ll"])
+def test_pdl_launches_match_the_reference(torch, protocol):
+    """pdl=True (executor_pdl, launched with programmatic stream serialization): eager calls
+    and 2,000 graph replays with fresh inputs give the reference, with either protocol."""
+    cluster = _cluster("local", 2)
+    gen = np.random.default_rng(9)
+    coll = standard("all-reduce", 2)
+    for nbytes, odd in ((16, False), (1000, True), (64 << 10, False)):
+        sizing = _sizing(coll, nbytes, "bfloat16", odd)
+        bound = cluster.bind(coll, "direct-push", sizing=sizing, protocol=protocol, pdl=True)
+        assert bound.pdl
+        _check(torch, bound, sizing, gen, calls=3)
+    bound = cluster.bind(coll, "direct-push", count=4096, dtype="float32", protocol=protocol,
+                         pdl=True)
+    assert _wrong_over_replays(torch, bound, 2_000) == 0

@@ -22,10 +22,23 @@ from purlin.kernels.compat import compile_ptx, ensure_numpy_compat  # noqa: E402
 CC = (9, 0)
 
 
-@pytest.fixture(scope="module")
-def executor_ptx() -> str:
-    return compile_ptx(executor.executor.py_func, executor.SIGNATURE, cc=CC,
+@pytest.fixture(scope="module", params=["executor", "executor_pdl"])
+def executor_ptx(request) -> str:
+    kernel = getattr(executor, request.param)
+    return compile_ptx(kernel.py_func, executor.SIGNATURE, cc=CC,
                        launch_bounds=executor.MAX_THREADS)
+
+
+def test_the_pdl_executor_waits_for_the_kernel_before_it():
+    """executor_pdl lets the next kernel launch early and waits before reading anything."""
+    ptx = compile_ptx(executor.executor_pdl.py_func, executor.SIGNATURE, cc=CC,
+                      launch_bounds=executor.MAX_THREADS)
+    body = ptx[ptx.index(".entry"):]
+    assert body.index("griddepcontrol.launch_dependents") < body.index("griddepcontrol.wait")
+    assert body.index("griddepcontrol.wait") < body.index("ld.global")
+    plain = compile_ptx(executor.executor.py_func, executor.SIGNATURE, cc=CC,
+                        launch_bounds=executor.MAX_THREADS)
+    assert "griddepcontrol" not in plain
 
 
 @pytest.mark.parametrize("instruction", [

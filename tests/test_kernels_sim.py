@@ -352,6 +352,20 @@ def odd_calls_run_the_odd_table():
 
 
 @case
+def the_pdl_executor_runs_the_same_rows():
+    """executor_pdl (programmatic dependent launch) runs a table exactly as executor does."""
+    from purlin.kernels import sim
+
+    a, b = np.arange(8, dtype=np.float32), np.full(8, 2.0, dtype=np.float32)
+    out = np.zeros(8, dtype=np.float32)
+    flags = np.zeros(1, dtype=np.uint64)
+    rank = sim.HostRank(0, [[sim.reduce_row(out.ctypes.data, [a.ctypes.data, b.ctypes.data], 8),
+                             sim.notify_row(flags.ctypes.data)]])
+    sim.run_simulated([rank], threads=4, pdl=True)
+    assert (out == a + b).all() and int(flags[0]) == 1 and int(rank.epoch[0]) == 1
+
+
+@case
 def trace_records_when_tracing_is_on():
     """Thread 0 writes (row, sub-block, start, end) per row; rows past D_TRACE_ROWS are not."""
     from purlin.kernels import isa, sim

@@ -91,16 +91,18 @@ PROTOCOLS = ("simple", "ll")
 
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
-         threads: int = DEFAULT_THREADS, trace_rows: int = 0, protocol: str = "simple"):
+         threads: int = DEFAULT_THREADS, trace_rows: int = 0, protocol: str = "simple",
+         pdl: bool = False):
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), with one block per
-    lane."""
+    lane. ``pdl=True`` (sm_90+) launches with programmatic dependent launch, overlapping each
+    call's launch with the end of the kernel before it."""
     if protocol not in PROTOCOLS:
         raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                               f"{protocol!r}")
     return SmBound(cluster, schedule, timeout=timeout, blocks_per_lane=blocks_per_lane,
-                   threads=threads, trace_rows=trace_rows, protocol=protocol)
+                   threads=threads, trace_rows=trace_rows, protocol=protocol, pdl=pdl)
 
 
 def default_blocks_per_lane(message_bytes: int, lanes: int, sms: int = 132) -> int:
@@ -115,7 +117,7 @@ class SmBound:
     inputs in place and call :meth:`launch` (no copies), or call the object with tensors."""
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows,
-                 protocol="simple"):
+                 protocol="simple", pdl=False):
         from purlin.atom.lowering import HEAD_WORDS, flag_slots, ll_transfers, lower
         from purlin.kernels.launch import Launcher
 
@@ -133,7 +135,7 @@ class SmBound:
                                   f"blocks_per_lane={blocks_per_lane}")
         bpl = 1 if ll else (blocks_per_lane or
                             default_blocks_per_lane(sizing.message_bytes, lanes))
-        self.blocks_per_lane, self.protocol = bpl, protocol
+        self.blocks_per_lane, self.protocol, self.pdl = bpl, protocol, pdl
         devs = cluster.devices
         self.devices = devs
         self.inputs, self.outputs, self.scratch, self.flags, bases, self._scratch_bytes = \
@@ -175,7 +177,7 @@ class SmBound:
                 head = 0
             self._keep.append(table)
             launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=lanes,
-                                blocks_per_lane=bpl, threads=threads, head_words=head)
+                                blocks_per_lane=bpl, threads=threads, head_words=head, pdl=pdl)
             _check_resident(torch, d, launcher, cluster.kind)
             self.launches.append((d, launcher, table.data_ptr(), ranks))
         self.timeout_ns = int(timeout * 1e9)

@@ -112,14 +112,17 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
                 strategy: str = "direct-push", chunks: int = 1, lanes: int = 1,
                 blocks_per_lane: int | None = None, threads: int = 512, mode: str = "graph",
                 ops: int = 50, repeats: int = 20, provider: str | None = None,
-                protocol: str = "simple") -> Record:
+                protocol: str = "simple", pdl: bool = False) -> Record:
     """Bind, check and time one point; returns a Record (graph: device time per op).
-    ``protocol="ll"``: the sm datapath's LL transfers (``purlin.atom.sm.bind``)."""
+    ``protocol="ll"``: the sm datapath's LL transfers; ``pdl``: programmatic dependent launch
+    (both ``purlin.atom.sm.bind``)."""
     import torch
 
     coll = collective
     sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
     more = {"protocol": protocol} if protocol != "simple" else {}
+    if pdl:
+        more["pdl"] = True
     bound = cluster.bind(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
                          blocks_per_lane=blocks_per_lane, threads=threads, **more)
     wrong = count_wrong(torch, bound)

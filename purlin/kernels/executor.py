@@ -37,8 +37,8 @@ from numba import cuda
 
 from purlin.kernels.atoms import copy_bytes, itemsize, ll_get, ll_put, ll_tag, reduce_row
 from purlin.kernels.intrinsics import (SIMULATOR, atomic_add, atomic_cas, device, fence_system,
-                                       globaltimer, load_acquire, load_i64, red_release_add,
-                                       store_i64)
+                                       globaltimer, griddep_launch_dependents, griddep_wait,
+                                       load_acquire, load_i64, red_release_add, store_i64)
 from purlin.kernels.isa import (COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, D_LANES,
                                 D_NLANES, D_RANK, D_SRCS, D_TABLE, D_TABLE_ODD, D_TRACE,
                                 D_TRACE_ROWS, DESC_WIDTH, DIVISOR, DST, DTYPE, E_BLOCK, E_CODE,
@@ -212,6 +212,22 @@ def _kernel(fn):
 @_kernel
 def executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words):
     """Run every rank's table of this launch (see the module docstring)."""
+    _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words)
+
+
+@_kernel
+def executor_pdl(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words):
+    """The executor for programmatic dependent launch (sm_90 and newer): the next kernel on
+    the stream may be scheduled as soon as every block of this one runs, and this one starts
+    only once the previous kernel's writes are visible -- the launch gap overlaps the tail of
+    the call before. Launch it with the programmatic-stream-serialization attribute."""
+    griddep_launch_dependents()
+    griddep_wait()  # before anything is read: even the prefetch may touch the last call's words
+    _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words)
+
+
+@device
+def _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words):
     blocks_per_rank = cuda.gridDim.x // nranks_in_launch
     slot = cuda.blockIdx.x // blocks_per_rank
     if slot >= nranks_in_launch:

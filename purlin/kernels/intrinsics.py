@@ -25,6 +25,8 @@ serves every collective. Each helper below exists twice, with the same name and 
 ``atomic_cas(a, old, new)`` ``atom.acq_rel.gpu.global.cas.b64``, returns the value found
 ``fence_system()``          ``fence.acq_rel.sys``
 ``globaltimer()``           ``mov.u64 %globaltimer`` (nanoseconds)
+``griddep_wait()``          ``griddepcontrol.wait`` (sm_90: programmatic dependent launch;
+                            ``griddep_launch_dependents()``: ``.launch_dependents``)
 ``bits_to_f32(b)``          reinterpret the low 32 bits as float32 (``f32_to_bits`` back)
 ``f16x2_to_f32(w)``         two float16 in a 32-bit word to (low, high) float32
 ``f32x2_to_f16x2(lo, hi)``  round to nearest even, pack (``f32x2_to_bf16x2`` for bfloat16)
@@ -187,13 +189,21 @@ def _compiled() -> SimpleNamespace:
 
         return types.int64(addr, old, new), codegen
 
-    @intrinsic
-    def fence_system(typingctx):
-        def codegen(context, builder, sig, args):
-            asm(builder, ir.VoidType(), [], "fence.acq_rel.sys;", "~{memory}", [])
-            return context.get_dummy_value()
+    def statement(text):
+        """An intrinsic of no arguments that emits one PTX statement (a memory clobber)."""
+        @intrinsic
+        def emit(typingctx):
+            def codegen(context, builder, sig, args):
+                asm(builder, ir.VoidType(), [], text, "~{memory}", [])
+                return context.get_dummy_value()
 
-        return types.void(), codegen
+            return types.void(), codegen
+
+        return emit
+
+    fence_system = statement("fence.acq_rel.sys;")
+    griddep_launch_dependents = statement("griddepcontrol.launch_dependents;")
+    griddep_wait = statement("griddepcontrol.wait;")
 
     @intrinsic
     def globaltimer(typingctx):
@@ -282,6 +292,8 @@ def _compiled() -> SimpleNamespace:
         return types.void(addr, values), codegen
 
     return SimpleNamespace(
+        griddep_launch_dependents=griddep_launch_dependents,
+        griddep_wait=griddep_wait,
         load_volatile_v4_u32=load_volatile_v4_u32,
         store_volatile_v4_u32=store_volatile_v4_u32,
         load_v4_u32=vector_load(types.uint32, 4),
@@ -412,6 +424,8 @@ def _simulated() -> SimpleNamespace:
             store("<4I", bits=32, scalar=False)(addr, values)
 
     return SimpleNamespace(
+        griddep_launch_dependents=lambda: None,  # one launch at a time in the simulator
+        griddep_wait=lambda: None,
         load_volatile_v4_u32=load_volatile_v4_u32,
         store_volatile_v4_u32=store_volatile_v4_u32,
         load_v4_u32=load("<4I", scalar=False),
@@ -461,6 +475,8 @@ def device(fn):
 
 _impl = _simulated() if SIMULATOR else _compiled()
 
+griddep_launch_dependents = _impl.griddep_launch_dependents
+griddep_wait = _impl.griddep_wait
 load_volatile_v4_u32 = _impl.load_volatile_v4_u32
 store_volatile_v4_u32 = _impl.store_volatile_v4_u32
 load_v4_u32 = _impl.load_v4_u32

@@ -19,7 +19,7 @@ from __future__ import annotations
 import ctypes
 
 from purlin.errors import ExecutionError, SpecError
-from purlin.kernels.executor import MAX_THREADS, SIGNATURE, executor
+from purlin.kernels.executor import MAX_THREADS, SIGNATURE, executor, executor_pdl
 from purlin.kernels.intrinsics import SIMULATOR
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
@@ -31,11 +31,14 @@ class Launcher:
     The grid is ``nranks_in_launch * nlanes * blocks_per_lane`` blocks of ``threads`` threads.
     Call it with the address of the ranks' descriptors (int64[nranks_in_launch, DESC_WIDTH] in
     device memory), a CUDA stream handle as an int (0: the legacy default stream of this
-    device) and optionally a per-wait time limit in nanoseconds.
+    device) and optionally a per-wait time limit in nanoseconds. ``pdl=True`` (sm_90 and
+    newer) launches ``executor_pdl`` with programmatic stream serialization, so the launch
+    overlaps the end of the kernel before it on the stream.
     """
 
     def __init__(self, device: int = 0, nranks_in_launch: int = 1, nlanes: int = 1,
-                 blocks_per_lane: int = 1, threads: int = 256, head_words: int = 0):
+                 blocks_per_lane: int = 1, threads: int = 256, head_words: int = 0,
+                 pdl: bool = False):
         for name, value in (("nranks_in_launch", nranks_in_launch), ("nlanes", nlanes),
                             ("blocks_per_lane", blocks_per_lane), ("threads", threads)):
             if int(value) < 1:
@@ -51,6 +54,7 @@ class Launcher:
         # of at least this many int64 words prefetches them (0: no prefetch)
         self.head_words = int(head_words) if self.nranks_in_launch == 1 else 0
         self.grid = self.nranks_in_launch * int(nlanes) * self.blocks_per_lane
+        self.pdl = bool(pdl)
         self.registers = None  # per thread, once loaded on a GPU
         if SIMULATOR:
             self._launch = self._launch_simulated
@@ -74,7 +78,11 @@ class Launcher:
         from numba import cuda
 
         with cuda.gpus[self.device]:
-            kernel = executor.compile(SIGNATURE)
+            if self.pdl and cuda.get_current_device().compute_capability < (9, 0):
+                raise ExecutionError(f"pdl=True needs compute capability 9.0 or newer; GPU "
+                                     f"{self.device} has "
+                                     f"{cuda.get_current_device().compute_capability}")
+            kernel = (executor_pdl if self.pdl else executor).compile(SIGNATURE)
             kernel.bind()
             # numba-cuda keeps the loaded function on its code library, one per device
             cufunc = kernel._codelibrary.get_cufunc()
@@ -88,6 +96,19 @@ class Launcher:
         self._params = (ctypes.c_void_p * 5)(*(base + 8 * i for i in range(5)))
         self._params_addr = ctypes.addressof(self._params)
         self._streams = {}
+        self._config = None
+        if self.pdl:
+            cfg = driver.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = self.grid, 1, 1
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self.threads, 1, 1
+            cfg.sharedMemBytes = 0
+            attr = driver.CUlaunchAttribute()
+            attr.id = (driver.CUlaunchAttributeID
+                       .CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            self._config = cfg
 
     def _launch_driver(self, desc_ptr, stream, timeout_ns) -> None:
         values = self._values
@@ -98,19 +119,27 @@ class Launcher:
             handle = self._streams[stream] = self._driver.CUstream(stream)
         if stream == 0:  # the NULL stream belongs to whichever context is current
             self._driver.cuCtxPushCurrent(self._context)
-            (err,) = self._driver.cuLaunchKernel(self._function, self.grid, 1, 1, self.threads,
-                                                 1, 1, 0, handle, self._params_addr, 0)
+            err = self._launch_on(handle)
             self._driver.cuCtxPopCurrent()
         else:
-            (err,) = self._driver.cuLaunchKernel(self._function, self.grid, 1, 1, self.threads,
-                                                 1, 1, 0, handle, self._params_addr, 0)
+            err = self._launch_on(handle)
         if err:
             raise ExecutionError(f"cuLaunchKernel of the executor on device {self.device} "
                                  f"failed: {err!r} (grid {self.grid} x {self.threads})")
 
+    def _launch_on(self, handle):
+        if self._config is not None:
+            self._config.hStream = handle
+            (err,) = self._driver.cuLaunchKernelEx(self._config, self._function,
+                                                   self._params_addr, 0)
+            return err
+        (err,) = self._driver.cuLaunchKernel(self._function, self.grid, 1, 1, self.threads,
+                                             1, 1, 0, handle, self._params_addr, 0)
+        return err
+
     # -- simulator path ------------------------------------------------------------------------
 
     def _launch_simulated(self, desc_ptr, stream, timeout_ns) -> None:
-        executor[self.grid, self.threads](int(desc_ptr), self.nranks_in_launch,
-                                          self.blocks_per_lane, int(timeout_ns),
-                                          self.head_words)
+        kernel = executor_pdl if self.pdl else executor
+        kernel[self.grid, self.threads](int(desc_ptr), self.nranks_in_launch,
+                                        self.blocks_per_lane, int(timeout_ns), self.head_words)

@@ -203,7 +203,7 @@ class HostRank:
 
 
 def run_simulated(ranks: Sequence[HostRank], blocks_per_lane: int = 1, threads: int = 8,
-                  timeout_ns: int = 10_000_000) -> np.ndarray:
+                  timeout_ns: int = 10_000_000, pdl: bool = False) -> np.ndarray:
     """Launch the executor once in the CUDA simulator over ``ranks`` (blocks run one by one).
 
     Every rank gets ``max(nlanes) * blocks_per_lane`` blocks. Returns the descriptor array
@@ -217,6 +217,6 @@ def run_simulated(ranks: Sequence[HostRank], blocks_per_lane: int = 1, threads: 
                            "imported; on a GPU use purlin.kernels.launch.Launcher")
     desc = np.ascontiguousarray(np.stack([r.desc for r in ranks]))
     nlanes = max(max(r.nlanes for r in ranks), 1)
-    launcher = Launcher(0, len(ranks), nlanes, blocks_per_lane, threads)
+    launcher = Launcher(0, len(ranks), nlanes, blocks_per_lane, threads, pdl=pdl)
     launcher(desc.ctypes.data, timeout_ns=timeout_ns)
     return desc
