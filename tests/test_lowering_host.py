@@ -61,6 +61,23 @@ def test_ll_all_reduce_in_other_dtypes_and_odd_sizes(dtype):
         _run(s, ll=True, calls=4, seed=count)
 
 
+def test_int32_avg_truncates_toward_zero_like_the_executor():
+    """A hand-built int32 AVG row (the spec refuses integer averages, the ISA has them):
+    the interpreter divides the exact sum truncating toward zero, as the executor does."""
+    from purlin.kernels import isa
+    from purlin.kernels.host import _Memory, _run_lane
+
+    a = np.array([-4, -4, 5, 7], dtype=np.int32)
+    b = np.array([2, -1, 0, 0], dtype=np.int32)
+    out = np.zeros(4, dtype=np.int32)
+    pool = np.array([a.ctypes.data, b.ctypes.data], dtype=np.int64)
+    row = np.zeros(isa.ROW_WIDTH, dtype=np.int64)
+    row[isa.OP], row[isa.DTYPE], row[isa.REDOP] = isa.REDUCE, isa.I32, isa.AVG
+    row[isa.COUNT], row[isa.NSRC], row[isa.DIVISOR], row[isa.DST] = 4, 2, 2, out.ctypes.data
+    _run_lane([row], pool, 0, _Memory(1.0), 0)
+    assert out.tolist() == [-1, -2, 2, 3]  # floor would give -1, -3, 2, 3
+
+
 def test_a_missing_notify_times_out_in_the_interpreter():
     """The interpreter's waits are bounded: a table whose NOTIFY rows are gone fails with
     PurlinTimeoutError naming the rank and step instead of hanging."""

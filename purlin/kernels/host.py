@@ -95,6 +95,7 @@ class _Memory:
 
 
 def _run_lane(rows, pool, epoch, mem: _Memory, rank: int) -> None:
+    tag = epoch % isa.LL_TAG_MOD + 1  # this call's LL tag (atoms.ll_tag on the GPU)
     for row in rows:
         op, code, count = int(row[isa.OP]), int(row[isa.DTYPE]), int(row[isa.COUNT])
         nbytes = count * isa.ITEMSIZE.get(code, 1)
@@ -107,9 +108,10 @@ def _run_lane(rows, pool, epoch, mem: _Memory, rank: int) -> None:
             redop = int(row[isa.REDOP])
             out = (np.max(values, axis=0) if redop == isa.MAX else
                    np.min(values, axis=0) if redop == isa.MIN else np.sum(values, axis=0))
-            if redop == isa.AVG:
-                out = (out // row[isa.DIVISOR] if code == isa.I32
-                       else out / row[isa.DIVISOR])
+            if redop == isa.AVG:  # int32: the exact sum divided, truncated toward zero
+                div = int(row[isa.DIVISOR])
+                out = (np.where(out < 0, -(-out // div), out // div) if code == isa.I32
+                       else out / div)
             _store(int(row[isa.DST]), out, code)
         elif op == isa.NOTIFY:
             mem.add(int(row[isa.FLAG]), int(row[isa.VALUE]))
@@ -119,10 +121,8 @@ def _run_lane(rows, pool, epoch, mem: _Memory, rank: int) -> None:
             if target > 0:
                 mem.wait(int(row[isa.FLAG]), target, what)
         elif op == isa.LL_PUT:
-            tag = epoch % isa.LL_TAG_MOD + 1
             mem.ll_put(int(row[isa.DST]), _bytes(int(pool[row[isa.SRC]]), nbytes).tobytes(), tag)
         elif op == isa.LL_GET:
-            tag = epoch % isa.LL_TAG_MOD + 1
             data = mem.ll_get(int(pool[row[isa.SRC]]), nbytes, tag, what)
             _bytes(int(row[isa.DST]), nbytes)[:] = np.frombuffer(data, np.uint8)
 
