@@ -100,14 +100,20 @@ def _record(desc, code, row, target, seen, lane, sub):
 
 
 @device
+def _one_source(desc, rows, base):
+    """(bytes, source address) of a one-source row (COPY, LL_PUT, LL_GET)."""
+    nbytes = rows[base + COUNT] * itemsize(rows[base + DTYPE])
+    return nbytes, load_i64(_get(desc, D_SRCS) + rows[base + SRC] * 8)
+
+
+@device
 def _run_row(desc, row, rows, base, epoch, lane, sub, tid, lane_tid, lane_threads, timeout_ns):
     """Execute one row, read from the block's shared copy ``rows[base:base + ROW_WIDTH]``
     (``row`` is its global address, for error records); returns a nonzero error code when the
     block must leave."""
     op = rows[base + OP]
     if op == COPY:
-        nbytes = rows[base + COUNT] * itemsize(rows[base + DTYPE])
-        src = load_i64(_get(desc, D_SRCS) + rows[base + SRC] * 8)
+        nbytes, src = _one_source(desc, rows, base)
         copy_bytes(rows[base + DST], src, nbytes, lane_tid, lane_threads)
     elif op == REDUCE:
         pool = _get(desc, D_SRCS) + rows[base + SRC] * 8
@@ -115,12 +121,10 @@ def _run_row(desc, row, rows, base, epoch, lane, sub, tid, lane_tid, lane_thread
                    rows[base + DTYPE], rows[base + REDOP], rows[base + DIVISOR], lane_tid,
                    lane_threads)
     elif op == LL_PUT:
-        nbytes = rows[base + COUNT] * itemsize(rows[base + DTYPE])
-        src = load_i64(_get(desc, D_SRCS) + rows[base + SRC] * 8)
+        nbytes, src = _one_source(desc, rows, base)
         ll_put(rows[base + DST], src, nbytes, ll_tag(epoch), lane_tid, lane_threads)
     elif op == LL_GET:
-        nbytes = rows[base + COUNT] * itemsize(rows[base + DTYPE])
-        src = load_i64(_get(desc, D_SRCS) + rows[base + SRC] * 8)
+        nbytes, src = _one_source(desc, rows, base)
         tag = ll_tag(epoch)
         code, seen = ll_get(rows[base + DST], src, nbytes, tag, lane_tid, lane_threads,
                             timeout_ns, _get(desc, D_ABORT))
