@@ -87,8 +87,11 @@ class Communicator:
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.backend = str(dist.get_backend(self.group))
         self.datapath = _choose_datapath(datapath, self.backend)
-        if protocol not in ("simple", "ll"):
-            raise CapabilityError(f"protocol must be 'simple' or 'll', got {protocol!r}")
+        from purlin.atom.sm import PROTOCOLS
+
+        if protocol not in PROTOCOLS:
+            raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
+                                  f"{protocol!r}")
         self.protocol = protocol
         self.timeout, self.strategy = float(timeout), strategy
         self.chunks, self.lanes = chunks, lanes
@@ -411,10 +414,7 @@ class Communicator:
             chunks, lanes = self.chunks or chosen[0], self.lanes or chosen[1]
         if strategy == "two-phase" and not coll.op.is_reduce:
             strategy = "direct-push"
-        schedule = plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes)
-        if self._uses_ll(schedule):
-            blocks = 1  # LL runs one block per lane: not the table's count
-        return schedule, blocks
+        return plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes), blocks
 
     def _uses_ll(self, schedule) -> bool:
         """LL transfers for this schedule: protocol "ll" on GPUs, a message of at most
@@ -425,10 +425,6 @@ class Communicator:
         return (self.protocol == "ll" and self.datapath == "sm"
                 and schedule.sizing.message_bytes <= LL_MAX_BYTES
                 and len(ll_transfers(schedule)) > 0)
-
-    def _layout(self, schedule):
-        """The staging layout, with LL areas where this communicator sends LL transfers."""
-        return layout(schedule, ll=self._uses_ll(schedule))
 
     def _prepared(self, key, sizing=None, capturing=None):
         """The prepared collective for ``key``, preparing it on a miss; a string says why it
@@ -442,7 +438,10 @@ class Communicator:
             return ("first call of this size inside a CUDA graph capture (call each size once "
                     "eagerly before capturing)")
         schedule, blocks = self._plan(sizing or self._sizing(key))
-        lay = self._layout(schedule)
+        ll = self._uses_ll(schedule)
+        if ll:
+            blocks = 1  # LL runs one block per lane: not the table's count
+        lay = layout(schedule, ll=ll)  # with LL areas where LL transfers go
         offset = self.staging.place(key, lay.size)
         if offset is None:
             victims = self.staging.victims(lay.size)
