@@ -102,6 +102,7 @@ class CeBound:
         from purlin.atom import ce_driver as drv
         from purlin.atom.sm import _torch, allocate_buffers
 
+        self.closed = False
         torch = _torch()
         if schedule.dtype not in TORCH_DTYPES:
             raise CapabilityError(f"the ce datapath moves {', '.join(TORCH_DTYPES)}, not "
@@ -262,7 +263,7 @@ class CeBound:
     def launch(self, streams=None) -> None:
         """Enqueue one call on every device (asynchronous): on each device's current stream, or
         on ``streams[device]`` given as raw stream handles."""
-        if getattr(self, "closed", False):
+        if self.closed:
             raise ExecutionError("this bound collective was closed: bind it again")
         if self.broken:
             raise ExecutionError(f"this bound collective failed earlier ({self.broken}); its "
