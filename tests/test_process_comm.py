@@ -42,6 +42,16 @@ def _same(torch, got, want, what, bad):
                    f"{want.tolist()[:8]}...")
 
 
+def _check_all_gather(torch, dist, comm, rank, n, salt, dtype, counts, tag, bad):
+    for count in counts:
+        inp = _data(torch, rank, salt, count, dtype)
+        out = torch.full((n * count,), -9, dtype=inp.dtype)
+        ref = torch.empty_like(out)
+        dist.all_gather_into_tensor(ref, inp)
+        comm.all_gather_into_tensor(out, inp)
+        _same(torch, out, ref, f"{tag}all_gather {dtype} n={count}", bad)
+
+
 def _check_functions(torch, dist, comm, rank, n, salt, bad, tag):
     R = dist.ReduceOp
     for dtype in DTYPES:
@@ -78,13 +88,7 @@ def _check_functions(torch, dist, comm, rank, n, salt, bad, tag):
                     comm.reduce(t, dst=root, op=getattr(R, op.upper()))
                     _same(torch, t, ref if rank == root else before,
                           f"{tag} reduce {dtype} {op} n={count} root={root}", bad)
-        for count in (1, 5, 33):
-            inp = _data(torch, rank, salt, count, dtype)
-            out = torch.full((n * count,), -9, dtype=inp.dtype)
-            ref = torch.empty_like(out)
-            dist.all_gather_into_tensor(ref, inp)
-            comm.all_gather_into_tensor(out, inp)
-            _same(torch, out, ref, f"{tag} all_gather {dtype} n={count}", bad)
+        _check_all_gather(torch, dist, comm, rank, n, salt, dtype, (1, 5, 33), f"{tag} ", bad)
         for count in (1, 3, 17):
             inp = _data(torch, rank, salt, count * n, dtype)
             out, ref = torch.full_like(inp, -9), torch.empty_like(inp)
@@ -227,13 +231,7 @@ def _hierarchical_worker(rank, n, node_of_rank):
                         ref /= n
                     comm.reduce_scatter_tensor(out, inp, op=rop)
                     _same(torch, out, ref, f"reduce_scatter {dtype} {op} n={count}", bad)
-            for count in (1, 6, 13):
-                inp = _data(torch, rank, salt, count, dtype)
-                out = torch.full((n * count,), -9, dtype=inp.dtype)
-                ref = torch.empty_like(out)
-                dist.all_gather_into_tensor(ref, inp)
-                comm.all_gather_into_tensor(out, inp)
-                _same(torch, out, ref, f"all_gather {dtype} n={count}", bad)
+            _check_all_gather(torch, dist, comm, rank, n, salt, dtype, (1, 6, 13), "", bad)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         t, ref = torch.arange(4.0) * rank, torch.arange(4.0) * rank
