@@ -3,6 +3,7 @@
 # Usage (on the GPU machine, from the repo root): bash bench/gpu_session.sh [stage ...]
 #   env kernels tests allreduce      (the default set: ~5 minutes; cetests: the ce part alone)
 #   timeline    measured vs predicted timelines (needs plotly: bench/gpu_wheels.sh)
+#   tracecli    `purlin trace ... --measure` on the GPUs
 #   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap (ce1g: 1 GiB;
 #               cehang: where the hang after a mixed collective comes from)
 #   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL)
@@ -45,6 +46,12 @@ for stage in "${stages[@]}"; do
         timeline)
             timeout 200 python3 bench/gpu_timeline.py --out "$OUT" > "$OUT/timeline.log" 2>&1
             echo "rc=$?"; tail -25 "$OUT/timeline.log"
+            ;;
+        tracecli)
+            timeout 120 python3 -m purlin trace all-reduce -n 2 -b 1MiB --dtype bfloat16 --measure \
+                --out "$OUT/trace-cli-allreduce-1MiB.html" --perfetto "$OUT/trace-cli-allreduce-1MiB.json" \
+                > "$OUT/tracecli.log" 2>&1
+            echo "rc=$?"; tail -15 "$OUT/tracecli.log"
             ;;
         ce)
             timeout 300 python3 bench/gpu_ce.py --out "$OUT/ce.json" > "$OUT/ce.log" 2>&1
