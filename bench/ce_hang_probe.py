@@ -8,9 +8,12 @@ all-reduces timed under CUDA graphs, then direct-pull all-gathers (one lane, the
 broadcast on the copy engines -- in child processes that differ in one thing each:
 
 * ``lazy``:   CUDA's default lazy module loading, bindings closed after use (as now);
-* ``eager``:  ``CUDA_MODULE_LOADING=EAGER`` (no kernel is loaded while a stream waits);
+* ``conn32``: ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (streams share hardware queues less often);
 * ``leak``:   three more bindings kept alive after each step (their streams stay, as every
-              binding's did before ``CeBound.close()``).
+              binding's did until bindings stopped referring to themselves);
+* ``fresh``:  the copy collectives alone (no mixed one before them): the control.
+
+(``CUDA_MODULE_LOADING=EAGER`` hung as the default lazy loading did, so it is no suspect.)
 
 A child that hangs dumps every thread's Python stack after ``--stall`` seconds (faulthandler)
 and is killed at ``--limit``; the table says which variants finished, and DIR/<variant>.log
@@ -27,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = {"lazy": {}, "eager": {"CUDA_MODULE_LOADING": "EAGER"}, "leak": {}}
+VARIANTS = {"lazy": {}, "conn32": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}, "leak": {},
+            "fresh": {}}
 SIZE = 1 << 20
 
 
@@ -48,6 +52,8 @@ def child(variant: str, stall: float) -> int:
              ("all-gather", "direct-pull", SIZE, 1, 1),
              ("all-gather", "direct-pull", 64 * SIZE, 4, 4),
              ("broadcast", "direct-pull", SIZE, 1, 1)]
+    if variant == "fresh":
+        steps = steps[2:]
     for name, strategy, nbytes, chunks, lanes in steps:
         t0 = time.monotonic()
         print(f"{variant}: {name} {strategy} {nbytes} B c{chunks} l{lanes} ...", flush=True)

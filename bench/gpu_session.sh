@@ -58,7 +58,7 @@ for stage in "${stages[@]}"; do
             echo "rc=$?"; tail -30 "$OUT/ce.log"
             ;;
         cehang)
-            timeout 250 python3 bench/ce_hang_probe.py --out "$OUT/cehang" --limit 75 \
+            timeout 250 python3 bench/ce_hang_probe.py --out "$OUT/cehang" --limit 55 \
                 > "$OUT/cehang.log" 2>&1
             echo "rc=$?"; tail -6 "$OUT/cehang.log"
             ;;
@@ -98,7 +98,7 @@ PY
             echo "rc=$?"; tail -10 "$OUT/notebooks.log"
             ;;
         tune)
-            timeout 150 python3 bench/gpu_tune.py --time-limit 90 --out "$OUT/tune" > "$OUT/tune.log" 2>&1
+            timeout 200 python3 bench/gpu_tune.py --time-limit 130 --out "$OUT/tune" > "$OUT/tune.log" 2>&1
             echo "rc=$?"; tail -15 "$OUT/tune.log"
             ;;
         sweep)

@@ -149,3 +149,19 @@ def test_cluster_bind_passes_the_tables_blocks_per_lane_to_sm(table, monkeypatch
 def test_choice_repr():
     text = "Choice(ring, chunks=2, lanes=4, from rules)"
     assert repr(Choice("ring", 2, 4, None, "rules")) == text
+
+
+def test_auto_passes_the_tables_protocol_and_pdl_to_the_sm_bind_only():
+    from purlin.runtime.cluster import _auto_options
+
+    ll = Choice("direct-push", 1, 1, 1, "table", "ll", True)
+    assert _auto_options(ll, {}, sm=True) == {"blocks_per_lane": 1, "protocol": "ll",
+                                              "pdl": True}
+    assert _auto_options(ll, {"blocks_per_lane": None}, sm=True)["protocol"] == "ll"
+    # the caller's blocks per lane replace the table's LL pair; its protocol wins too
+    assert _auto_options(ll, {"blocks_per_lane": 8}, sm=True) == {"blocks_per_lane": 8,
+                                                                  "pdl": True}
+    assert _auto_options(ll, {"protocol": "simple"}, sm=True) == {"protocol": "simple",
+                                                                  "pdl": True}
+    assert _auto_options(ll, {}, sm=False) == {"blocks_per_lane": 1}  # ce: blocks only
+    assert "protocol='ll', pdl=True" in repr(ll)

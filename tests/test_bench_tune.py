@@ -46,7 +46,22 @@ def test_candidates_are_ordered_and_limited_per_strategy():
     assert strategies[:4] == ["direct-push", "direct-pull", "two-phase", "ring"]
     assert all(strategies.count(s) == 3 for s in set(strategies))
     small = candidates(collectives.all_reduce(2), 8 * KiB)
-    assert small[0] == Config("direct-push", 1, 1, 1)  # the rule of thumb first
+    assert small[0] == Config("direct-push", 1, 1, 1, "ll", True)  # LL + PDL first
+    simple = [c for c in small if c.protocol == "simple" and c.strategy == "direct-push"]
+    assert simple[0] == Config("direct-push", 1, 1, 1)  # then the rule of thumb
+    assert simple[1] == Config("direct-push", 1, 1, 1, pdl=True)  # each also with PDL
+
+
+def test_launch_variants_only_where_they_can_pay():
+    ar = collectives.all_reduce(2)
+    for c in candidates(ar, 8 * KiB) + candidates(ar, 256 * KiB):
+        assert c.protocol == "simple" or (c.strategy == "direct-push"
+                                          and c.blocks_per_lane == 1)
+    assert not any(c.protocol == "ll" for c in candidates(ar, 1 * MiB))
+    assert any(c.pdl for c in candidates(ar, 1 * MiB))
+    assert not any(c.pdl or c.protocol == "ll" for c in candidates(ar, 16 * MiB))
+    assert Config("direct-push", 1, 1, 1, "ll", True).bind_options() == {
+        "blocks_per_lane": 1, "protocol": "ll", "pdl": True}
     big = candidates(collectives.all_reduce(2), 256 * MiB)[:8]
     assert min(c.blocks for c in big) >= 32  # big messages start with many blocks
     assert len({c.blocks for c in candidates(collectives.all_reduce(2), 64 * MiB,
@@ -77,3 +92,19 @@ def test_best_entry_keeps_the_fastest_correct_candidate():
 def test_tune_needs_gpus():
     with pytest.raises(CapabilityError, match="needs GPUs"):
         tune(Cluster.cpu(2), ["all-reduce"], [1024])
+
+
+def test_best_entry_records_ll_and_pdl_for_auto():
+    timed = [(Config("direct-push", 1, 1, 1, "ll", True), _rec(6.3, nbytes=8 * KiB)),
+             (Config("direct-push", 1, 1, 1), _rec(7.6, nbytes=8 * KiB)),
+             (Config("ring", 1, 1, 1, pdl=True), _rec(8.0, nbytes=8 * KiB))]
+    e = best_entry("all-reduce", timed, "bfloat16")
+    assert (e["protocol"], e["pdl"], e["blocks_per_lane"]) == ("ll", True, 1)
+    assert e["per_strategy"]["ring"] == {"chunks": 1, "lanes": 1, "blocks_per_lane": 1,
+                                         "pdl": True, "time_us": 8.0}
+    from purlin.runtime.auto import TuningTable
+
+    table = TuningTable("NVIDIA H200", {2: [e]})
+    choice = table.lookup("all-reduce", 2, 8 * KiB)
+    assert (choice.protocol, choice.pdl) == ("ll", True)
+    assert table.lookup("all-reduce", 2, 8 * KiB, strategy="ring").pdl

@@ -119,3 +119,37 @@ def test_bindings_give_their_streams_back(torch):
         assert bound.contexts == {}
         with pytest.raises(Exception, match="closed"):
             bound.launch()
+
+
+def test_a_dropped_binding_is_freed_at_once(torch):
+    """Nothing in a binding refers back to it, so dropping it frees its streams right away,
+    not whenever the cyclic garbage collector runs (bindings piling up streams onto the
+    hardware queues was one suspect of the hang below)."""
+    import gc
+    import weakref
+
+    cluster = _cluster("local")
+    gc.disable()
+    try:
+        bound = cluster.bind(standard("all-reduce", 2), "two-phase", count=4096,
+                             dtype="float32", datapath="ce")
+        ref = weakref.ref(bound)
+        del bound
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_a_copy_collective_after_a_mixed_one_under_graphs(torch):
+    """The sequence that hung on 2 x H200: a ce+sm all-reduce replayed in CUDA graphs, then a
+    copy-engine all-gather bound and replayed in graphs in the same process."""
+    cluster = _cluster("local")
+    gen = np.random.default_rng(3)
+    for name, strategy in [("all-reduce", "two-phase"), ("all-gather", "direct-pull"),
+                           ("broadcast", "direct-pull")]:
+        bound = cluster.bind(standard(name, 2), strategy, nbytes=1 << 20, dtype="bfloat16",
+                             datapath="ce")
+        _run_and_compare(torch, bound, gen, bound.launch)
+        graphs = bound.capture(4)
+        for _ in range(3):
+            _run_and_compare(torch, bound, gen, graphs.replay)

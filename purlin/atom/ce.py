@@ -144,9 +144,9 @@ class CeBound:
                                       "which the ce datapath waits with")
         self._check_connections(drv)
         self._keep: list = []
+        self.timeout_ns = int(timeout * 1e9)
         self._build(drv, torch, threads)
         self._warm_up(drv)
-        self.timeout_ns = int(timeout * 1e9)
         self.calls = 0
         self._bound_calls: dict = {}
         self.synchronize()
@@ -219,10 +219,13 @@ class CeBound:
         self.synchronize()
 
     def _pair_array_maker(self, torch, device):
+        keep = self._keep  # not self: a closure holding the binding would keep it (and its
+        # streams) alive until the cyclic garbage collector ran
+
         def make(pairs):
             t = torch.tensor([v for a, x in pairs for v in (a, _signed(x))], dtype=torch.int64,
                              device=torch.device("cuda", device))
-            self._keep.append(t)
+            keep.append(t)
             return t.data_ptr()
         return make
 
@@ -256,8 +259,8 @@ class CeBound:
             from purlin.atom.ce_driver import preload
 
             preload(launcher._function, device)
-        desc_ptr = table.data_ptr()
-        return lambda stream: launcher(desc_ptr, stream, self.timeout_ns)
+        desc_ptr, timeout_ns = table.data_ptr(), self.timeout_ns
+        return lambda stream: launcher(desc_ptr, stream, timeout_ns)
 
     # -- running -----------------------------------------------------------------------------
     def launch(self, streams=None) -> None:
@@ -327,7 +330,7 @@ class CeBound:
 
         if not self._wait_idle(drv, time.monotonic() + self.timeout):
             stuck = self._stuck_waits()
-            self._release(drv)
+            self._release(drv, stuck)
             self.broken = stuck
             self._raise_kernel_error()
             raise PurlinTimeoutError(f"{stuck}; the counters were released and the bound "
@@ -425,7 +428,7 @@ class CeBound:
                 return f"{kind} of r{r} lane {(k - n * lanes) % lanes}"
         return f"counter at {addr:#x}"
 
-    def _release(self, drv) -> None:
+    def _release(self, drv, stuck: str = "") -> None:
         """Write RELEASE_VALUE into every counter and raise ABORT, so that every stream wait
         and executor wait passes and the GPUs drain (results are garbage)."""
         d_ = drv.driver()
@@ -441,8 +444,10 @@ class CeBound:
                                            self._release_values.data_ptr(), 8,
                                            self._rescue[d0]), "cuMemcpyHtoDAsync")
         if not self._wait_idle(drv, time.monotonic() + max(10.0, self.timeout)):
-            raise PurlinTimeoutError("the ce datapath stayed stuck after its counters were "
-                                     "released; the GPUs need a new process")
+            raise PurlinTimeoutError(f"{stuck or 'the ce datapath timed out'}; it stayed "
+                                     "stuck after its counters were released (a stream "
+                                     "that writes them may share a hardware queue with a "
+                                     "stuck one); the GPUs need a new process")
 
     def _raise_kernel_error(self) -> None:
         records = [c[2:].cpu().numpy() for c in self.control]

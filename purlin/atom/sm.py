@@ -88,6 +88,7 @@ def virtual_cluster(cls, n, device=0):
 
 
 PROTOCOLS = ("simple", "ll")
+LL_MAX_BYTES = 256 << 10  # where LL pays: it doubles the bytes on the wire, one block per lane
 
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,

@@ -128,7 +128,11 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
     wrong = count_wrong(torch, bound)
     sched = bound.schedule
     extra = {"strategy": sched.strategy, "chunks": sched.chunks, "lanes": sched.lanes,
-             "blocks_per_lane": bound.blocks_per_lane, "threads": threads, **more}
+             "blocks_per_lane": bound.blocks_per_lane, "threads": threads}
+    if getattr(bound, "protocol", "simple") != "simple":  # as bound: auto may choose them
+        extra["protocol"] = bound.protocol
+    if getattr(bound, "pdl", False):
+        extra["pdl"] = True
     ops, repeats = op_counts(sizing.message_bytes, ops, repeats)
     if mode == "graph":
         timing = Timing.of(time_graph(torch, bound, ops, repeats))

@@ -1,7 +1,10 @@
 """``purlin tune``: measure candidate configurations on the GPUs and keep the fastest correct
 one per collective and size, as the tuning table that ``strategy="auto"`` reads.
 
-A candidate is (strategy, chunks, lanes, blocks per lane). The generator keeps every launch
+A candidate is (strategy, chunks, lanes, blocks per lane), and for small messages how it
+launches and signals: each candidate up to ``PDL_MAX_BYTES`` is also tried with programmatic
+dependent launch (``pdl``), and direct-push up to ``LL_MAX_BYTES`` with the LL protocol (flags
+inside the data, one block per lane; ``purlin.atom.sm``). The generator keeps every launch
 within the SM budget (all blocks of a launch must be resident at once, or a wait could starve
 its producer: lanes x blocks per lane x ranks per launch <= SMs x blocks per SM), gives no
 lane nothing to do (lanes <= pieces), and orders the candidates from the most to the least
@@ -11,6 +14,10 @@ plausible for the size, so that a time limit cuts the least likely ones.
 >>> cands = candidates(collectives.all_reduce(2), 64 << 20, sms=132)
 >>> all(c.lanes * c.blocks_per_lane <= 132 for c in cands), cands[0].strategy
 (True, 'direct-push')
+>>> [c for c in candidates(collectives.all_reduce(2), 8 << 10, sms=132, limit=1)
+...  if c.strategy == "direct-push"]  # doctest: +NORMALIZE_WHITESPACE
+[direct-push c1 l1 b1 ll pdl, direct-push c1 l1 b1 ll, direct-push c2 l2 b1 ll pdl,
+ direct-push c2 l2 b1 ll, direct-push c1 l1 b1, direct-push c1 l1 b1 pdl]
 >>> sm_budget(132, threads=512), sm_budget(132, threads=128)
 (132, 528)
 """
@@ -19,8 +26,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from purlin.atom.sm import LL_MAX_BYTES
 from purlin.bench.metrics import Record, Timing
 from purlin.bench.sweep import Progress, Results, environment
 from purlin.errors import CapabilityError
@@ -28,6 +36,7 @@ from purlin.errors import CapabilityError
 REGISTERS_PER_SM = 65536
 REGISTERS_PER_THREAD = 128  # the executor's launch bound (kernels/executor.py)
 KiB, MiB = 1 << 10, 1 << 20
+PDL_MAX_BYTES = 1 * MiB     # above this the launch gap PDL hides is lost in the transfer time
 
 
 @dataclass(frozen=True)
@@ -38,13 +47,22 @@ class Config:
     chunks: int
     lanes: int
     blocks_per_lane: int
+    protocol: str = "simple"
+    pdl: bool = False
 
     @property
     def blocks(self) -> int:
         return self.lanes * self.blocks_per_lane
 
     def __repr__(self) -> str:
-        return f"{self.strategy} c{self.chunks} l{self.lanes} b{self.blocks_per_lane}"
+        return (f"{self.strategy} c{self.chunks} l{self.lanes} b{self.blocks_per_lane}"
+                f"{' ll' if self.protocol == 'll' else ''}{' pdl' if self.pdl else ''}")
+
+    def bind_options(self) -> dict:
+        """The keyword arguments of ``cluster.bind`` beyond strategy, chunks and lanes."""
+        more = {"protocol": self.protocol} if self.protocol != "simple" else {}
+        return {"blocks_per_lane": self.blocks_per_lane, **more,
+                **({"pdl": True} if self.pdl else {})}
 
 
 def sm_budget(sms: int = 132, threads: int = 512, ranks_per_launch: int = 1) -> int:
@@ -113,11 +131,37 @@ def candidates(collective, nbytes: int, dtype: str = "bfloat16", *, sms: int = 1
         if first in found:
             found[first] = -1.0
         ranked = _diverse(sorted(found, key=lambda c: (found[c], c.blocks, c.chunks)))
-        per_strategy.append(ranked[:limit] if limit else ranked)
+        ranked = ranked[:limit] if limit else ranked
+        per_strategy.append(_ll_configs(sizing, strategy, lane_opts)
+                            + _with_pdl(ranked, size))
     out = []
     for k in range(max((len(r) for r in per_strategy), default=0)):
         out += [r[k] for r in per_strategy if k < len(r)]
     return out
+
+
+def _with_pdl(configs: list[Config], size: int) -> list[Config]:
+    """Each configuration, followed by its PDL launch where that can pay (small messages)."""
+    if size > PDL_MAX_BYTES:
+        return configs
+    return [v for c in configs for v in (c, replace(c, pdl=True))]
+
+
+def _ll_configs(sizing, strategy: str, lane_opts) -> list[Config]:
+    """LL candidates (one block per lane, PDL first), for direct-push up to LL_MAX_BYTES:
+    the strategy whose Stage+Notify pairs the lowering can turn into LL transfers."""
+    size = sizing.message_bytes
+    if strategy != "direct-push" or size > LL_MAX_BYTES:
+        return []
+    out = []
+    for lanes in sorted(set(lane_opts)):
+        chunks = lanes  # a piece per lane
+        if lanes > max(1, pieces(sizing, strategy, chunks)) or size // lanes < 2 * KiB \
+                and lanes > 1:
+            continue
+        out += [Config(strategy, chunks, lanes, 1, "ll", True), Config(strategy, chunks, lanes, 1,
+                                                                       "ll")]
+    return out[:4]
 
 
 def _diverse(ranked: list[Config], per_blocks: int = 2) -> list[Config]:
@@ -205,7 +249,9 @@ def tune(cluster, collectives, sizes, dtype: str = "bfloat16", *, limit: int | N
                 out.add(cluster.nranks, entry)
                 if log is not None:
                     print(f"{coll.name:>15} {entry['nbytes']:>11} B  {entry['strategy']:>11} "
-                          f"c{entry['chunks']} l{entry['lanes']} b{entry['blocks_per_lane']}  "
+                          f"c{entry['chunks']} l{entry['lanes']} b{entry['blocks_per_lane']}"
+                          f"{' ll' if entry.get('protocol') == 'll' else ''}"
+                          f"{' pdl' if entry.get('pdl') else ''}  "
                           f"{entry['time_us']:9.2f} us  ({len(timed)} timed)", file=log,
                           flush=True)
     finally:
@@ -221,7 +267,8 @@ def _time(time_purlin, cluster, coll, size, dtype, cfg: Config, threads, ops, re
     try:
         return time_purlin(cluster, coll, size, dtype, cfg.strategy, cfg.chunks, cfg.lanes,
                            cfg.blocks_per_lane, threads=threads, mode="graph", ops=ops,
-                           repeats=repeats, provider=f"purlin:{cfg.strategy}")
+                           repeats=repeats, provider=f"purlin:{cfg.strategy}",
+                           protocol=cfg.protocol, pdl=cfg.pdl)
     except Exception as exc:  # a candidate that cannot bind or times out is no candidate
         nan = float("nan")
         return Record.make(f"purlin:{cfg.strategy}", coll.name, coll.nranks, size, 0, dtype,
@@ -243,11 +290,18 @@ def best_entry(collective: str, timed, dtype: str, threads: int = 512) -> dict |
             per[cfg.strategy] = (cfg, r)
     cfg, r = min(per.values(), key=lambda p: p[1].time_us)
     return {"collective": collective, "nbytes": r.nbytes, "dtype": dtype,
-            "strategy": cfg.strategy, "chunks": cfg.chunks, "lanes": cfg.lanes,
-            "blocks_per_lane": cfg.blocks_per_lane, "threads": threads,
+            "strategy": cfg.strategy, **_launch(cfg), "threads": threads,
             "time_us": round(r.time_us, 3), "busbw_gbs": round(r.busbw_gbs, 2),
             "timed": len(timed),
-            "per_strategy": {s: {"chunks": c.chunks, "lanes": c.lanes,
-                                 "blocks_per_lane": c.blocks_per_lane,
-                                 "time_us": round(rr.time_us, 3)}
+            "per_strategy": {s: {**_launch(c), "time_us": round(rr.time_us, 3)}
                              for s, (c, rr) in per.items()}}
+
+
+def _launch(cfg: Config) -> dict:
+    """A table entry's configuration fields (protocol and pdl only where not the default)."""
+    out = {"chunks": cfg.chunks, "lanes": cfg.lanes, "blocks_per_lane": cfg.blocks_per_lane}
+    if cfg.protocol != "simple":
+        out["protocol"] = cfg.protocol
+    if cfg.pdl:
+        out["pdl"] = True
+    return out

@@ -56,11 +56,24 @@ class Choice:
     lanes: int
     blocks_per_lane: int | None = None
     source: str = "rules"
+    protocol: str = "simple"
+    pdl: bool = False
 
     def __repr__(self) -> str:
         bpl = "" if self.blocks_per_lane is None else f", blocks_per_lane={self.blocks_per_lane}"
-        return (f"Choice({self.strategy}, chunks={self.chunks}, lanes={self.lanes}{bpl}, "
+        more = (f", protocol={self.protocol!r}" if self.protocol != "simple" else "") + \
+            (", pdl=True" if self.pdl else "")
+        return (f"Choice({self.strategy}, chunks={self.chunks}, lanes={self.lanes}{bpl}{more}, "
                 f"from {self.source})")
+
+    def sm_options(self) -> dict:
+        """What the sm datapath's bind takes from this choice beyond strategy, chunks, lanes."""
+        out = {"blocks_per_lane": self.blocks_per_lane}
+        if self.protocol != "simple":
+            out["protocol"] = self.protocol
+        if self.pdl:
+            out["pdl"] = True
+        return out
 
 
 # -- tuning tables ---------------------------------------------------------------------------
@@ -68,7 +81,7 @@ class Choice:
 class TuningTable:
     """Measured best configurations of one GPU model: ``entries[nranks]`` is a list of dicts
     with ``collective``, ``nbytes``, ``strategy``, ``chunks``, ``lanes``, ``blocks_per_lane``
-    and optionally ``dtype``, ``time_us``, ``threads`` and ``per_strategy`` (the best
+    and optionally ``protocol`` ("ll"), ``pdl`` (true), ``dtype``, ``time_us``, ``threads`` and ``per_strategy`` (the best
     configuration of every strategy tried, ``{strategy: {chunks, lanes, ...}}``)."""
 
     gpu: str
@@ -94,7 +107,8 @@ class TuningTable:
             return None
         where = f"table {self.gpu} @ {best['nbytes']} B"
         return Choice(cfg["strategy"], int(cfg["chunks"]), int(cfg["lanes"]),
-                      cfg.get("blocks_per_lane"), where)
+                      cfg.get("blocks_per_lane"), where, cfg.get("protocol", "simple"),
+                      bool(cfg.get("pdl", False)))
 
     def add(self, nranks: int, entry: dict) -> None:
         """Add or replace the entry of the same collective, size and dtype."""

@@ -81,6 +81,7 @@ class Cluster:
         if collective.nranks != self.nranks:
             raise PlanError(f"{collective.name} is declared for {collective.nranks} ranks but "
                             f"the cluster has {self.nranks}")
+        choice = None
         if strategy == "auto":
             from purlin.runtime.auto import select
 
@@ -89,11 +90,10 @@ class Cluster:
                                                 "dtype": dtype, "chunk_sizes": chunk_sizes})
             choice = select(collective, self, **size)
             strategy, chunks, lanes = choice.strategy, choice.chunks, choice.lanes
-            if (self.kind != "cpu" and options.get("blocks_per_lane") is None
-                    and options.get("protocol", "simple") != "ll"):  # LL: one block per lane
-                options["blocks_per_lane"] = choice.blocks_per_lane  # the table's, or None
         datapath, caps = self._datapath(collective, datapath, count=count, nbytes=nbytes,
                                         dtype=dtype, chunk_sizes=chunk_sizes, sizing=sizing)
+        if choice is not None and self.kind != "cpu":
+            options = _auto_options(choice, options, sm=datapath == "sm")
         schedule = plan(collective, strategy, count=count, nbytes=nbytes, dtype=dtype,
                         chunk_sizes=chunk_sizes, sizing=sizing, chunks=chunks, lanes=lanes,
                         capabilities=caps)
@@ -130,6 +130,17 @@ class Cluster:
     def __repr__(self) -> str:
         where = f" on GPUs {list(self.devices)}" if self.devices else ""
         return f"Cluster.{self.kind}({self.nranks} ranks{where})"
+
+
+def _auto_options(choice, options: dict, sm: bool) -> dict:
+    """The bind options of an ``auto`` choice under those the caller gave: blocks per lane,
+    and on the sm datapath its protocol and PDL. LL runs one block per lane, so the caller's
+    blocks per lane or protocol replace the table's pair."""
+    mine = choice.sm_options() if sm else {"blocks_per_lane": choice.blocks_per_lane}
+    if options.get("blocks_per_lane") is not None or "protocol" in options:
+        mine = {k: v for k, v in mine.items() if k not in ("blocks_per_lane", "protocol")}
+    given = {k: v for k, v in options.items() if not (k == "blocks_per_lane" and v is None)}
+    return {**mine, **given}
 
 
 class Bound:

@@ -39,6 +39,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from purlin.atom.sm import LL_MAX_BYTES  # protocol="ll" up to this size; larger: simple
 from purlin.errors import CapabilityError, ExecutionError, PurlinError, PurlinTimeoutError, \
     SpecError
 from purlin.runtime.shm import layout
@@ -56,7 +57,6 @@ DATAPATHS = {"cpu": ("purlin.torch.cpu_path", "CpuPath"),
              "sm": ("purlin.torch.sm_path", "SmPath")}
 
 
-LL_MAX_BYTES = 256 << 10  # protocol="ll" sends messages up to this size so; larger: simple
 
 
 class Communicator:
