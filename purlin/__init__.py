@@ -5,6 +5,23 @@
 4
 """
 
+import os as _os
+import sys as _sys
+
+
+def _more_hardware_queues() -> None:
+    """Ask CUDA for 32 hardware queues per device (its default is 8) unless the user chose a
+    number or CUDA has already started: the ce datapath's stream waits hung under CUDA graphs
+    with 8 on 2 x H200 and ran with 32 (bench/ce_hang_probe.py). Streams beyond the queue count
+    share queues, and a stream waiting on a counter then holds up the one behind it."""
+    torch = _sys.modules.get("torch")
+    started = torch is not None and torch.cuda.is_initialized()
+    if not started and "CUDA_DEVICE_MAX_CONNECTIONS" not in _os.environ:
+        _os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
+
+
+_more_hardware_queues()
+
 from purlin.errors import (CapabilityError, ExecutionError, PlanError, PurlinError,
                            PurlinTimeoutError, SpecError, VerificationError)
 from purlin.spec import (Collective, Layout, Op, collectives, copy, dtype, reduce, reference,

@@ -119,3 +119,19 @@ def test_launch_is_only_on_devices_with_sm_steps():
                    {r: (100 + r) << 20 for r in range(2)}, {r: (200 + r) << 20 for r in range(2)},
                    (0, 1))
     assert not any(isinstance(op, Launch) for p in low.programs.values() for op in p[0].head)
+
+
+def test_import_asks_for_32_hardware_queues_unless_told_otherwise():
+    import os
+    import subprocess
+    import sys
+
+    code = "import purlin, os; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])"
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert got == "32"
+    got = subprocess.run([sys.executable, "-c", code],
+                         env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert got == "8"

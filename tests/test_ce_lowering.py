@@ -329,3 +329,26 @@ def test_chained_lanes_wait_for_the_previous_lane():
 def test_lanes_chained_one_after_another_still_compute_the_collective(case):
     """What a captured graph runs: a rank's lanes in lane order, the executor beside them."""
     check_calls(planned(*case), 2, seeds=range(4), hook=_chained)
+
+
+@pytest.mark.parametrize("name,strategy", [("all-reduce", "two-phase"), ("all-reduce", "ring"),
+                                           ("reduce-scatter", "ring")])
+def test_an_sm_flag_notified_twice_waits_for_every_block_first(name, strategy):
+    """As on the sm datapath (tests/test_lowering.py): with several blocks per lane, two sm
+    notifies of one flag in a call have a lane barrier (or a hand-off) between them."""
+    s = plan(standard(name, 2), strategy, count=2 * 64 * 8, chunks=8, lanes=1,
+             capabilities=CAPABILITIES)
+    repeated = False
+    for low in lowered(s, blocks_per_lane=4).ranks:
+        rows = low.sm.tables[0]
+        since: dict = {}
+        own = (100 + low.rank) << 20
+        for row in rows:
+            if row[OP] == WAIT and row[FLAG] - own >= 8 * 2:  # lane barrier or hand-off
+                since = {f: True for f in since}
+            if row[OP] == NOTIFY and row[FLAG] in since:
+                repeated = True
+                assert since[row[FLAG]], (name, strategy)
+            if row[OP] == NOTIFY:
+                since[row[FLAG]] = False
+    assert repeated

@@ -130,6 +130,23 @@ def test_two_gpus_256mib(torch, strategy):
         torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("name,strategy", [("all-reduce", "ring"), ("all-reduce", "two-phase"),
+                                           ("all-gather", "ring"), ("all-to-all", "ring"),
+                                           ("broadcast", "ring")])
+def test_two_gpus_chunks_pipelined_through_one_many_block_lane(torch, name, strategy):
+    """256 MiB as 8 chunks through one lane of 66 blocks: the tuning run that found wrong
+    elements here (a fast block's second notify made up a waiter's target before a slow block
+    finished its part of the first chunk); the lowering now puts a lane barrier between."""
+    cluster = _cluster("local", 2)
+    gen = np.random.default_rng(5)
+    coll = standard(name, 2)
+    sizing = coll.sized(nbytes=256 << 20, dtype="bfloat16")
+    bound = cluster.bind(coll, strategy, sizing=sizing, chunks=8, lanes=1, blocks_per_lane=66)
+    _check(torch, bound, sizing, gen, calls=2)
+    del bound
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("n", range(2, 9))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_virtual_ranks(torch, n, strategy):

@@ -24,7 +24,7 @@ Capabilities(name='ce', can_reduce=False, reduce_engine='sm')
 from __future__ import annotations
 
 import time
-
+import warnings
 
 from purlin.atom.ce_lowering import assign_engines, ce_flag_slots, chain_lanes, lower_ce
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
@@ -37,6 +37,7 @@ DEFAULT_THREADS = 512
 # copy engines pay a few µs per operation; below this the sm datapath is faster (NCCL's
 # NCCL_SYM_CE_THRESHOLD default is the same 8 MiB)
 AUTO_MIN_BYTES = 8 << 20
+SAFE_CONNECTIONS = 32       # hardware queues per device under which ce graphs ran (purlin/__init__)
 RELEASE_VALUE = 1 << 62     # written into every counter to free stuck waits after a timeout
 
 
@@ -296,7 +297,15 @@ class CeBound:
 
         ``chain_lanes``: a rank's copy-engine lanes run one after another inside the graph
         (see ``ce_lowering.chain_lanes``); the executor still runs beside them."""
+        from purlin.atom import ce_driver as drv
+
         torch = self.torch
+        if drv.max_connections() < SAFE_CONNECTIONS:
+            warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={drv.max_connections()}: CUDA graphs of "
+                          "the ce datapath hung with 8 hardware queues per device on 2 x H200 "
+                          f"and ran with {SAFE_CONNECTIONS} (`import purlin` asks for "
+                          f"{SAFE_CONNECTIONS} unless CUDA started first or the variable was "
+                          "set)", RuntimeWarning, stacklevel=2)
         self.synchronize()
         parities = self.lowered.parities
         starts = [self.calls % parities]

@@ -367,6 +367,7 @@ def _lower_rank(ctx: _Ctx, rank: int, device: int, parities: int) -> CeRank:
             current = None
             written: list = []
             read: list = []
+            notified: dict = {}  # flag -> (barriers, hand-offs) at its last sm notify
             for i, step in seq:
                 engine = engines[i]
                 if current is not None and engine != current:
@@ -380,8 +381,14 @@ def _lower_rank(ctx: _Ctx, rank: int, device: int, parities: int) -> CeRank:
                     continue
                 reads = step.srcs if step.moves_data else ()
                 dst = (step.dst,) if step.moves_data else ()
-                if ctx.unit > 1 and (any(r.overlaps(w) for r in reads for w in written) or
-                                     any(d.overlaps(r) for d in dst for r in read)):
+                # a flag's second sm notify in a call: every block adds the first one before
+                # any adds again (purlin.atom.lowering: the same lane barrier)
+                again = isinstance(step, Notify) and \
+                    notified.get(step.flag) == (n_barrier, n_hand)
+                if isinstance(step, Notify):
+                    notified[step.flag] = (n_barrier + (again and ctx.unit > 1), n_hand)
+                if ctx.unit > 1 and (again or any(r.overlaps(w) for r in reads for w in written)
+                                     or any(d.overlaps(r) for d in dst for r in read)):
                     n_barrier += 1
                     lane_rows.append(_row(NOTIFY, lane, i, FLAG=barrier, VALUE=1))
                     lane_rows.append(_row(WAIT, lane, i, FLAG=barrier,

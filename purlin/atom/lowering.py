@@ -5,7 +5,11 @@ and the same tables serve real GPUs and the CUDA simulator.
 
 * Data steps become COPY / REDUCE rows, preceded by one WAIT row per wait of a Consume.
 * A Notify becomes a NOTIFY row that adds 1 per thread block of the lane, so WAIT targets and
-  per-call growth are multiplied by ``blocks_per_lane``.
+  per-call growth are multiplied by ``blocks_per_lane``. Where a lane notifies one flag more
+  than once in a call (chunks pipelined through the lane), a lane barrier comes before each
+  notify after the first: the waiter's target ``k * blocks`` then means every block added
+  ``k`` times (blocks stay within one notify of each other), where a fast block's extra adds
+  could otherwise make it up while a slow block's part is still missing.
 * When a lane has several blocks and a step reads what an earlier step of the same lane wrote
   (or writes what it read), a lane barrier (NOTIFY + WAIT on a lane-local flag) separates them,
   since different blocks may own different parts of the two regions -- unless both steps cover
@@ -261,10 +265,20 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
         # regions the lane wrote / read since its last barrier, with "was the step aligned"
         written: list[list[tuple]] = [[] for _ in range(nlanes)]
         read: list[list[tuple]] = [[] for _ in range(nlanes)]
+        # the lane's barrier count at each flag's last notify in this call
+        notified: list[dict] = [{} for _ in range(nlanes)]
         for index, step in enumerate(schedule.steps[rank]):
             rows = lanes_rows[step.lane]
             if isinstance(step, Notify):
                 if (rank, index) not in ll.skip:
+                    if bpl > 1 and notified[step.lane].get(step.flag) == barriers[step.lane]:
+                        # a second notify of one flag in a call: every block of the lane must
+                        # have added the first before any adds again, or a fast block's second
+                        # add could make up the target while a slow block's data is missing
+                        barriers[step.lane] += 1
+                        rows.append(("barrier", index, barriers[step.lane]))
+                        written[step.lane], read[step.lane] = [], []
+                    notified[step.lane][step.flag] = barriers[step.lane]
                     rows.append(("notify", index, step))
                 continue
             reads = step.srcs if step.moves_data else ()
