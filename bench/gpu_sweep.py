@@ -144,7 +144,8 @@ def best_configs(res: Results) -> None:
         b, n = slot["best"], slot.get("nccl")
         e = b.extra
         cfg = (f"{b.provider.removeprefix('purlin:')}={e.get('strategy')} c{e.get('chunks')} "
-               f"l{e.get('lanes')} b{e.get('blocks_per_lane')}")
+               f"l{e.get('lanes')} b{e.get('blocks_per_lane')}"
+               f"{' ll' if e.get('protocol') == 'll' else ''}{' pdl' if e.get('pdl') else ''}")
         nus = n.time_us if n else float("nan")
         print(f"{coll:<15} {nbytes:>11} {cfg:<34} {b.time_us:9.2f} {nus:9.2f} "
               f"{nus / b.time_us:6.2f}")

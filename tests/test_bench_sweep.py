@@ -180,3 +180,26 @@ def test_the_ce_provider_defaults_to_one_lane_whole_pieces():
     assert choice("all-reduce", "ce:auto") == ("two-phase", 1, 1)
     assert choice("all-gather", "ce:auto") == ("direct-pull", 1, 1)
     assert choice("broadcast", "ce:direct-push") == ("direct-push", 1, 1)
+
+
+def test_auto_points_run_with_the_tables_ll_and_pdl():
+    """purlin:auto times the table's whole configuration; a given one runs without LL / PDL."""
+    from purlin.bench.sweep import Point, Provider, Sweep
+    from purlin.runtime.auto import TuningTable
+    from purlin.spec import standard
+
+    table = TuningTable("NVIDIA H200", {2: [
+        {"collective": "all-reduce", "nbytes": 8192, "dtype": "bfloat16",
+         "strategy": "direct-push", "chunks": 1, "lanes": 1, "blocks_per_lane": 1,
+         "protocol": "ll", "pdl": True}]})
+    sweep = Sweep(collectives=["all-reduce"], sizes=[8192], dtypes=["bfloat16"],
+                  providers=["purlin:auto"], nranks=2, table=table)
+
+    def choice(provider):
+        point = Point(standard("all-reduce", 2), 8192, "bfloat16", Provider.parse(provider),
+                      "graph")
+        c = sweep.configure(None, point)
+        return c.strategy, c.blocks_per_lane, c.protocol, c.pdl
+
+    assert choice("purlin:auto") == ("direct-push", 1, "ll", True)
+    assert choice("purlin:auto/b4") == ("direct-push", 4, "simple", False)

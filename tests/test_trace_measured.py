@@ -124,7 +124,7 @@ def _gpu_trace(schedule, timeline, lowered, bpl, clock_ns, jitter=7, spare_rows=
     """What the executor would write if it ran like ``timeline``: per block, one record per
     table row of its lane, stamped with the device's clock ``clock_ns[r]`` (ns added to the
     true time). Several WAIT rows of a step share its wait span; a lane barrier takes no time
-    just before the step it guards. Block ``sub`` runs ``jitter * sub`` ns late."""
+    just before the step it guards (a data step, or a flag's second notify). Block ``sub`` runs ``jitter * sub`` ns late."""
     spans = {(e.rank, e.step, e.kind): e for e in timeline}
     traces = []
     for r, low in enumerate(lowered):
@@ -137,7 +137,7 @@ def _gpu_trace(schedule, timeline, lowered, bpl, clock_ns, jitter=7, spare_rows=
                     op, step, peer = table[row, isa.OP], table[row, isa.STEP], table[row, isa.PEER]
                     if op in (isa.NOTIFY, isa.WAIT) and peer < 0:  # lane barrier
                         nxt = spans.get((r, step, "wait")) or spans.get((r, step, "consume")) \
-                            or spans[(r, step, "stage")]
+                            or spans.get((r, step, "notify")) or spans[(r, step, "stage")]
                         start = end = nxt.start_ns
                     else:
                         kind = {isa.NOTIFY: "notify", isa.WAIT: "wait"}.get(op)

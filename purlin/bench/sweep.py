@@ -339,10 +339,12 @@ class Sweep:
         choice = select(point.collective, cluster, nbytes=point.nbytes, dtype=point.dtype,
                         strategy=strategy, table=self.table,
                         model=True if self.datapath == "model" else None)
+        given = bool(pr.chunks or pr.lanes or pr.blocks_per_lane)
+        # the table's LL and PDL belong to its configuration: a given one runs without them
         return Choice(choice.strategy, pr.chunks or choice.chunks, pr.lanes or choice.lanes,
                       pr.blocks_per_lane or choice.blocks_per_lane,
-                      choice.source if not (pr.chunks or pr.lanes or pr.blocks_per_lane)
-                      else "given")
+                      choice.source if not given else "given",
+                      "simple" if given else choice.protocol, choice.pdl and not given)
 
     def _purlin(self, cluster, p: Point) -> Record:
         from purlin.bench import providers
@@ -359,7 +361,8 @@ class Sweep:
                 rec = providers.time_purlin(cluster, p.collective, p.nbytes, p.dtype,
                                             c.strategy, c.chunks, c.lanes, c.blocks_per_lane,
                                             mode=p.mode, ops=self.ops, repeats=self.repeats,
-                                            provider=p.provider.name)
+                                            provider=p.provider.name, protocol=c.protocol,
+                                            pdl=c.pdl)
             elif self.datapath == "cpu":
                 rec = providers.time_purlin_cpu(p.collective, p.nbytes, p.dtype, c.strategy,
                                                 c.chunks, c.lanes,
