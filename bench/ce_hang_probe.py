@@ -12,6 +12,10 @@ broadcast on the copy engines -- in child processes that differ in one thing eac
 * ``leak``:    three more bindings kept alive after each step (their streams stay);
 * ``fresh8``:  the copy collectives alone (no mixed one before them), with 8 queues.
 
+* ``allreduce1g``: the ``ce:auto`` sweep's all-reduce points as the sweep ran them (two-phase,
+  one lane, 1 MiB .. 1 GiB, 50 ops / 15 repeats): the 1 GiB one stalled a sweep (run M).
+  Not in the default set (``--variants allreduce1g``).
+
 Found so far: with 8 queues the 1 MiB all-gather's 20-call graph hung whether or not a mixed
 collective ran first; with 32 every step ran. ``CUDA_MODULE_LOADING=EAGER`` hung as the
 default lazy loading did.
@@ -32,7 +36,7 @@ import time
 from pathlib import Path
 
 VARIANTS = {"default": {}, "conn8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "leak": {},
-            "fresh8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}}
+            "fresh8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "allreduce1g": {}}
 SIZE = 1 << 20
 
 
@@ -53,13 +57,17 @@ def child(variant: str, stall: float) -> int:
              ("all-gather", "direct-pull", SIZE, 1, 1),
              ("all-gather", "direct-pull", 64 * SIZE, 4, 4),
              ("broadcast", "direct-pull", SIZE, 1, 1)]
+    ops, repeats = 20, 5
     if variant == "fresh8":
         steps = steps[2:]
+    if variant == "allreduce1g":
+        steps = [("all-reduce", "two-phase", SIZE << k, 1, 1) for k in (0, 4, 8, 10)]
+        ops, repeats = 50, 15
     for name, strategy, nbytes, chunks, lanes in steps:
         t0 = time.monotonic()
         print(f"{variant}: {name} {strategy} {nbytes} B c{chunks} l{lanes} ...", flush=True)
         rec = time_ce(cluster, standard(name, 2), nbytes, "bfloat16", strategy, chunks, lanes,
-                      ops=20, repeats=5)
+                      ops=ops, repeats=repeats)
         print(f"{variant}: {rec.time_us:.1f} us, wrong {rec.wrong}, "
               f"{time.monotonic() - t0:.1f} s", flush=True)
         if variant == "leak":  # bindings never closed: their streams stay on the queues
@@ -77,6 +85,8 @@ def main() -> int:
     ap.add_argument("--out", default="out")
     ap.add_argument("--stall", type=float, default=30.0, help="seconds before a stack dump")
     ap.add_argument("--limit", type=float, default=60.0, help="seconds before a child is killed")
+    ap.add_argument("--variants", default="default,conn8,leak,fresh8",
+                    help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -84,7 +94,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for variant, env in VARIANTS.items():
+    for variant in args.variants.split(","):
+        env = VARIANTS[variant]
         t0 = time.monotonic()
         log = out / f"{variant}.log"
         with open(log, "w") as f:

@@ -5,7 +5,8 @@
 #   timeline    measured vs predicted timelines (needs plotly: bench/gpu_wheels.sh)
 #   tracecli    `purlin trace ... --measure` on the GPUs
 #   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap (ce1g: 1 GiB;
-#               cehang: where the hang after a mixed collective comes from)
+#               cehang: where the hang after a mixed collective comes from; ce1gprobe: the
+#               1 GiB ce+sm all-reduce that stalled a sweep, with thread stacks)
 #   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   tune sweep  the tuning table, then the six-collective sweep against NCCL (sweepsm: no ce)
@@ -61,6 +62,11 @@ for stage in "${stages[@]}"; do
             timeout 250 python3 bench/ce_hang_probe.py --out "$OUT/cehang" --limit 55 \
                 > "$OUT/cehang.log" 2>&1
             echo "rc=$?"; tail -6 "$OUT/cehang.log"
+            ;;
+        ce1gprobe)
+            timeout 200 python3 bench/ce_hang_probe.py --out "$OUT/cehang" --variants allreduce1g \
+                --stall 60 --limit 150 > "$OUT/ce1gprobe.log" 2>&1
+            echo "rc=$?"; tail -4 "$OUT/ce1gprobe.log"; tail -40 "$OUT/cehang/allreduce1g.log"
             ;;
         ce1g)
             timeout 200 python3 bench/gpu_ce.py --correct-only --sizes 1GiB \

@@ -16,7 +16,9 @@ points after that many seconds of the graph sweep (what is left out is listed).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
+import signal
 import sys
 import time
 
@@ -72,21 +74,28 @@ def main() -> int:
                   providers=["nccl", "symm-one-shot", "symm-two-shot", "purlin:auto"],
                   nranks=args.ranks, ops=ops, repeats=repeats, table=args.tuning,
                   time_limit=limit, cluster=cluster)
-    res = graph.run(progress=True)
+    # a point that never returns: `timeout`'s SIGTERM dumps every thread's stack into the log,
+    # and the partial-*.json files keep the records taken before it
+    faulthandler.register(signal.SIGTERM, all_threads=True, chain=True)
+
+    def partial(name):
+        return os.path.join(args.out, f"partial-{name}.json")
+
+    res = graph.run(progress=True, checkpoint=partial("graph"))
     spent = time.monotonic() - t0
     if strategies:
         more = Sweep(collectives=colls, sizes=every_other, dtypes=dtypes, mode="graph",
                      providers=[f"purlin:{s}" for s in strategies], nranks=args.ranks,
                      ops=ops, repeats=repeats, table=args.tuning,
                      time_limit=max(10.0, limit - spent), cluster=cluster)
-        res = res + more.run(progress=True)
+        res = res + more.run(progress=True, checkpoint=partial("strategies"))
     if args.ce:
         big = [s for s in every_other if s >= (1 << 20)] or [sizes[-1]]
         ce = Sweep(collectives=colls, sizes=big, dtypes=dtypes, mode="graph",
                    providers=["ce:auto"], nranks=args.ranks, ops=ops, repeats=repeats,
                    table=args.tuning, time_limit=max(10.0, limit - (time.monotonic() - t0)),
                    cluster=cluster)
-        res = res + ce.run(progress=True)
+        res = res + ce.run(progress=True, checkpoint=partial("ce"))
     print(f"# graph sweep: {time.monotonic() - t0:.0f} s", flush=True)
     eager = Results([], {})
     if not args.no_eager:

@@ -203,3 +203,33 @@ def test_auto_points_run_with_the_tables_ll_and_pdl():
 
     assert choice("purlin:auto") == ("direct-push", 1, "ll", True)
     assert choice("purlin:auto/b4") == ("direct-push", 4, "simple", False)
+
+
+def test_checkpoint_keeps_the_points_before_one_that_never_returns(tmp_path, monkeypatch):
+    """A point that hangs (here: raises out of the sweep, as a kill would stop it) leaves the
+    earlier records on disk, and the file names the point that was running."""
+    from purlin.bench.sweep import Results, Sweep
+
+    sweep = Sweep(collectives=["all-gather"], sizes=[64, 4096, 65536], dtypes=["float32"],
+                  providers=["purlin:direct-push"], nranks=2, datapath="cpu")
+    real = Sweep._purlin
+    calls = []
+
+    def stuck_on_the_third(self, cluster, p):
+        calls.append(p.nbytes)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what a stuck point looks like from outside
+        return real(self, cluster, p)
+
+    monkeypatch.setattr(Sweep, "_purlin", stuck_on_the_third)
+    path = tmp_path / "partial.json"
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run(progress=False, checkpoint=path)
+    part = Results.load(path)
+    assert [r.nbytes for r in part.records] == calls[:2] and all(r.wrong == 0
+                                                                  for r in part.records)
+    assert part.info["running"].startswith("purlin:direct-push all-gather 65536 B")
+    monkeypatch.setattr(Sweep, "_purlin", real)
+    done = sweep.run(progress=False, checkpoint=path)
+    assert len(Results.load(path).records) == len(done.records) == 3
+    assert "running" not in Results.load(path).info

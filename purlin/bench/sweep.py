@@ -283,8 +283,10 @@ class Sweep:
         return points, skipped
 
     # -- running -----------------------------------------------------------------------------
-    def run(self, progress: bool = True) -> "Results":
-        """Run every point; a point that fails becomes a record with ``extra["error"]``."""
+    def run(self, progress: bool = True, checkpoint=None) -> "Results":
+        """Run every point; a point that fails becomes a record with ``extra["error"]``.
+        ``checkpoint``: a JSON path rewritten after every Purlin point with the records so far,
+        so a point that never returns (a stuck GPU) loses only itself."""
         points, skipped = self.points()
         info = environment(self.datapath, self.ranks())
         info.update(mode=self.mode if self.datapath == "sm" else self.datapath,
@@ -306,6 +308,9 @@ class Sweep:
                     late += 1
                     bar.update(1)
                     continue
+                if checkpoint is not None:
+                    _checkpoint(checkpoint, records, info, skipped, f"{p.provider.name} "
+                                f"{p.collective.name} {p.nbytes} B {p.dtype} {p.mode}")
                 records.append(self._purlin(cluster, p))
                 bar.update(1, f"{p.provider.name} {p.collective.name} {p.nbytes} B")
             if late:
@@ -314,6 +319,8 @@ class Sweep:
         finally:
             bar.close()
         info["seconds"] = round(time.monotonic() - t0, 1)
+        if checkpoint is not None:
+            _checkpoint(checkpoint, records, info, skipped, None)
         return Results(records, info, skipped)
 
     def _cluster(self):
@@ -396,6 +403,17 @@ class Sweep:
                   p.collective.op.reduce_op or "none", p.mode) for p in points]
         return run_baselines(plain, world=self.ranks(), ops=self.ops, repeats=self.repeats,
                              progress=lambda k: bar.update(k, "baselines"))
+
+
+def _checkpoint(path, records, info, skipped, running) -> None:
+    """Write the records so far (atomically: a reader never sees half a file); ``running``
+    names the point under way, None once the sweep has finished."""
+    path = Path(path)
+    part = Results(list(records), {**info, "running": running} if running else dict(info),
+                   list(skipped))
+    tmp = path.with_name(path.name + ".tmp")
+    part.to_json(tmp)
+    tmp.replace(path)
 
 
 # -- results -----------------------------------------------------------------------------------
