@@ -2,7 +2,9 @@
 every standard collective and strategy, with and without LL transfers, over back-to-back calls
 with fresh inputs, equal the reference. This checks what the lowering computes -- addresses,
 counts, flag targets, scratch parities, LL tags -- across ranks that wait on each other, which
-the CUDA simulator (one block at a time) cannot run."""
+the CUDA simulator (one block at a time) cannot run; with several blocks per lane and a slow
+block, also the lane barriers (without the one before a flag's second notify, 7 of the 8
+pipelined cases below fail)."""
 
 from __future__ import annotations
 
@@ -91,3 +93,61 @@ def test_a_missing_notify_times_out_in_the_interpreter():
         table[table[:, isa.OP] == isa.NOTIFY, isa.OP] = isa.NOP
     with pytest.raises(PurlinTimeoutError, match=r"rank 0 step \d+"):
         run_calls(lowered, bufs, _inputs(s.sizing, 1, 0), timeout=0.5)
+
+
+PIPELINED = [("all-reduce", "ring"), ("all-reduce", "two-phase"), ("all-gather", "ring"),
+             ("all-gather", "direct-push"), ("all-to-all", "direct-pull"),
+             ("broadcast", "ring"), ("reduce-scatter", "ring"), ("reduce", "direct-push")]
+
+
+def _run_blocks(schedule, bpl: int, delay: float, calls: int = 2, lowered=None):
+    bufs = HostBuffers(schedule)
+    xs = _inputs(schedule.sizing, calls, seed=bpl)
+    outs = run_calls(lowered(bufs) if lowered else bufs.lower(blocks_per_lane=bpl), bufs, xs,
+                     blocks_per_lane=bpl, slow_block_delay=delay)
+    return xs, outs
+
+
+@pytest.mark.parametrize("name,strategy", PIPELINED)
+def test_several_blocks_per_lane_with_a_slow_block(name, strategy):
+    """Chunks pipelined through one lane of several blocks, the last block slow: the lane
+    barriers (before data a block did not write itself, before a flag's second notify) keep
+    every result whole."""
+    s = plan(standard(name, 3, root=2), strategy, count=3 * 16 * 6, dtype="float32", chunks=6,
+             lanes=1)
+    xs, outs = _run_blocks(s, bpl=3, delay=0.002)
+    for call in range(len(xs)):
+        for r, want in enumerate(reference(s.sizing, xs[call])):
+            np.testing.assert_array_equal(outs[call][r], want, err_msg=f"call {call} rank {r}")
+
+
+def test_without_the_barrier_before_a_second_notify_a_slow_block_is_overtaken():
+    """The interpreter finds the race the 2 x H200 tuning run found: drop the lane barriers
+    the lowering puts before a flag's second notify, and the waiting rank reads a chunk
+    before the slow block has written its part of it."""
+    from purlin.atom.lowering import LoweredRank
+    from purlin.kernels import isa
+
+    s = plan(standard("all-gather", 2), "direct-push", count=2 * 16 * 8, dtype="float32",
+             chunks=8, lanes=1)
+
+    def without_notify_barriers(bufs):
+        out = []
+        for low in bufs.lower(blocks_per_lane=2):
+            tables = []
+            for t in low.tables:
+                keep = np.ones(len(t), bool)
+                for i in range(len(t) - 2):  # barrier NOTIFY + WAIT right before a notify
+                    if (t[i, isa.OP] == isa.NOTIFY and t[i, isa.PEER] < 0
+                            and t[i + 2, isa.OP] == isa.NOTIFY and t[i + 2, isa.PEER] >= 0):
+                        keep[i] = keep[i + 1] = False
+                tables.append(t[keep])
+            assert len(tables[0]) < len(low.tables[0])  # there were such barriers
+            offsets = np.array([0, len(tables[0])], dtype=np.int64)  # one lane
+            out.append(LoweredRank(low.rank, tables, offsets, low.srcs, low.lane_barriers))
+        return out
+
+    xs, outs = _run_blocks(s, bpl=2, delay=0.01, calls=1, lowered=without_notify_barriers)
+    wrong = sum(int((outs[0][r] != want).sum())
+                for r, want in enumerate(reference(s.sizing, xs[0])))
+    assert wrong > 0

@@ -5,7 +5,8 @@ other. This interpreter can: one thread per (rank, lane) runs the rows of ``isa.
 COPY, REDUCE, NOTIFY, WAIT, LL_PUT, LL_GET -- on real host addresses (numpy buffers), each rank
 driven call after call by its own thread, so ranks drift apart across calls as GPUs do. It
 checks what the lowering computed (addresses, counts, flag targets, parities, LL tags), not
-GPU memory ordering. One block per lane.
+GPU memory ordering. One block per lane, or several (each its share of the data rows and its
+own NOTIFY adds and WAITs, one of them made slow), which checks the lane barriers too.
 
 >>> import numpy as np
 >>> from purlin.snac import plan
@@ -94,14 +95,36 @@ class _Memory:
         return data.view(np.uint8).ravel().tobytes()[:nbytes]
 
 
-def _run_lane(rows, pool, epoch, mem: _Memory, rank: int) -> None:
+def _mine(count: int, item: int, block: int, blocks: int) -> np.ndarray:
+    """The element indices block ``block`` of ``blocks`` owns: those of every ``blocks``-th
+    16-byte unit of the row (as the executor's grid-stride loops give a unit to one thread),
+    so two rows over the same aligned region give each block the same elements."""
+    per_unit = max(1, 16 // item)
+    idx = np.arange(count)
+    return idx[(idx // per_unit) % blocks == block]
+
+
+def _run_lane(rows, pool, epoch, mem: _Memory, rank: int, block: int = 0, blocks: int = 1,
+              delay: float = 0.0) -> None:
+    """One block of a lane: its share of every COPY / REDUCE row, its own NOTIFY adds (a
+    NOTIFY adds VALUE per block, as on the GPU) and its own WAITs; ``delay`` seconds of sleep
+    before each data row make it a slow block."""
     tag = epoch % isa.LL_TAG_MOD + 1  # this call's LL tag (atoms.ll_tag on the GPU)
     for row in rows:
         op, code, count = int(row[isa.OP]), int(row[isa.DTYPE]), int(row[isa.COUNT])
-        nbytes = count * isa.ITEMSIZE.get(code, 1)
+        item = isa.ITEMSIZE.get(code, 1)
+        nbytes = count * item
         what = f"rank {rank} step {int(row[isa.STEP])}"
+        if op in (isa.COPY, isa.REDUCE) and delay:
+            time.sleep(delay)
         if op == isa.COPY:
-            ctypes.memmove(int(row[isa.DST]), int(pool[row[isa.SRC]]), nbytes)
+            if blocks == 1:
+                ctypes.memmove(int(row[isa.DST]), int(pool[row[isa.SRC]]), nbytes)
+            else:
+                mine = _mine(count, item, block, blocks)
+                src = _bytes(int(pool[row[isa.SRC]]), nbytes).reshape(count, item)
+                dst = _bytes(int(row[isa.DST]), nbytes).reshape(count, item)
+                dst[mine] = src[mine]
         elif op == isa.REDUCE:
             srcs = [int(a) for a in pool[row[isa.SRC]: row[isa.SRC] + row[isa.NSRC]]]
             values = [_load(a, count, code) for a in srcs]
@@ -112,7 +135,14 @@ def _run_lane(rows, pool, epoch, mem: _Memory, rank: int) -> None:
                 div = int(row[isa.DIVISOR])
                 out = (np.where(out < 0, -(-out // div), out // div) if code == isa.I32
                        else out / div)
-            _store(int(row[isa.DST]), out, code)
+            if blocks == 1:
+                _store(int(row[isa.DST]), out, code)
+            else:  # encode all, write only this block's elements
+                tmp = np.zeros(nbytes, np.uint8)
+                _store(tmp.ctypes.data, out, code)
+                mine = _mine(count, item, block, blocks)
+                dst = _bytes(int(row[isa.DST]), nbytes).reshape(count, item)
+                dst[mine] = tmp.reshape(count, item)[mine]
         elif op == isa.NOTIFY:
             mem.add(int(row[isa.FLAG]), int(row[isa.VALUE]))
         elif op == isa.WAIT:
@@ -152,7 +182,7 @@ class HostBuffers:
                          for r in range(n)]
         self.flags = [np.zeros(flag_slots(n, schedule.lanes), np.int64) for r in range(n)]
 
-    def lower(self):
+    def lower(self, blocks_per_lane: int = 1):
         from purlin.atom.lowering import lower
 
         n = self.schedule.nranks
@@ -162,15 +192,21 @@ class HostBuffers:
             bases[(r, "output")] = self.outputs[r].ctypes.data
             bases[(r, "scratch")] = self.scratch[r].ctypes.data
         return lower(self.schedule, bases, {r: self.flags[r].ctypes.data for r in range(n)},
-                     scratch_bytes=self.scratch_bytes,
+                     blocks_per_lane=blocks_per_lane, scratch_bytes=self.scratch_bytes,
                      ll_bases={r: self.ll_areas[r].ctypes.data for r in range(n)}
                      if self.ll else None)
 
 
-def run_calls(lowered, buffers: HostBuffers, inputs_per_call, timeout: float = 10.0):
+def run_calls(lowered, buffers: HostBuffers, inputs_per_call, timeout: float = 10.0,
+              blocks_per_lane: int = 1, slow_block_delay: float = 0.0):
     """Run ``len(inputs_per_call)`` calls: each rank's own thread writes its input of call k,
-    runs the call (a thread per lane) and keeps a copy of its output, then goes on, so ranks
-    drift apart as GPUs do. Returns outputs[call][rank]; raises the first error."""
+    runs the call (a thread per lane and block) and keeps a copy of its output, then goes on,
+    so ranks drift apart as GPUs do. Returns outputs[call][rank]; raises the first error.
+
+    ``blocks_per_lane`` must be what the tables were lowered for; with ``slow_block_delay``
+    the last block of every lane of rank 0 sleeps that long before each data row, so its
+    other blocks, and the ranks waiting for it, run ahead as far as the flags let them (what
+    exposes a missing lane barrier)."""
     mem = _Memory(timeout)
     n = buffers.schedule.nranks
     calls = len(inputs_per_call)
@@ -185,9 +221,11 @@ def run_calls(lowered, buffers: HostBuffers, inputs_per_call, timeout: float = 1
                 x = np.asarray(inputs_per_call[call][rank], dtype=np.float64)
                 _store(buffers.inputs[rank].ctypes.data, x, buffers.code)
                 table = low.tables[call % len(low.tables)]
+                bpl = blocks_per_lane
                 lanes = [threading.Thread(target=_lane_guard, args=(
                     table[low.lane_offsets[lane]: low.lane_offsets[lane + 1]], low.srcs, call,
-                    mem, rank, errors)) for lane in range(nlanes)]
+                    mem, rank, errors, b, bpl, slow_block_delay if (rank == 0 and b == bpl - 1 and bpl > 1) else 0.0))
+                    for lane in range(nlanes) for b in range(bpl)]
                 for t in lanes:
                     t.start()
                 for t in lanes:
@@ -211,9 +249,9 @@ def run_calls(lowered, buffers: HostBuffers, inputs_per_call, timeout: float = 1
     return outputs
 
 
-def _lane_guard(rows, pool, epoch, mem, rank, errors) -> None:
+def _lane_guard(rows, pool, epoch, mem, rank, errors, block=0, blocks=1, delay=0.0) -> None:
     try:
-        _run_lane(rows, pool, epoch, mem, rank)
+        _run_lane(rows, pool, epoch, mem, rank, block, blocks, delay)
     except Exception as exc:  # noqa: BLE001 - reported to the caller
         errors.append(exc)
         with mem.cond:
