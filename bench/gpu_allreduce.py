@@ -29,18 +29,18 @@ SIZES = [8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
 
 def candidates(nbytes: int):
     """(strategy, chunks, lanes, blocks_per_lane[, options]) worth trying at this size
-    (lanes x blocks within the 132 SMs); options: "ll" (flags inside the data, one block per
-    lane), "pdl" (programmatic dependent launch), "ll+pdl"."""
+    (lanes x blocks within the 132 SMs); options: "ll" (flags inside the data), "pdl"
+    (programmatic dependent launch), "ll+pdl"."""
     if nbytes <= 8 * KiB:
         return [("direct-push", 1, 1, 1, "ll"), ("direct-push", 1, 1, 1, "pdl"),
                 ("direct-push", 1, 1, 1, "ll+pdl"), ("direct-push", 1, 1, 1),
                 ("direct-push", 1, 1, 2), ("direct-pull", 1, 1, 1), ("two-phase", 1, 1, 1),
                 ("two-phase", 1, 2, 1, "ll")]
     if nbytes <= 64 * KiB:
-        return [("direct-push", 1, 1, 1, "ll"), ("direct-push", 4, 4, 1, "ll"),
-                ("direct-push", 4, 4, 1, "ll+pdl"), ("direct-push", 1, 1, 8, "pdl"),
-                ("direct-push", 1, 1, 4), ("direct-push", 1, 1, 8), ("two-phase", 1, 2, 4),
-                ("direct-pull", 1, 1, 4)]
+        return [("direct-push", 1, 1, 4, "ll+pdl"), ("direct-push", 1, 1, 8, "ll+pdl"),
+                ("direct-push", 2, 2, 4, "ll+pdl"), ("direct-push", 4, 4, 1, "ll+pdl"),
+                ("direct-push", 1, 1, 8, "pdl"), ("direct-push", 1, 1, 8),
+                ("two-phase", 1, 2, 4), ("direct-pull", 1, 1, 4)]
     if nbytes <= 1 * MiB:
         return [("two-phase", 1, 2, 32), ("two-phase", 1, 2, 16), ("direct-push", 1, 1, 64),
                 ("direct-pull", 1, 1, 64), ("ring", 1, 2, 32), ("two-phase", 2, 4, 16),

@@ -55,8 +55,9 @@ def test_candidates_are_ordered_and_limited_per_strategy():
 def test_launch_variants_only_where_they_can_pay():
     ar = collectives.all_reduce(2)
     for c in candidates(ar, 8 * KiB) + candidates(ar, 256 * KiB):
-        assert c.protocol == "simple" or (c.strategy == "direct-push"
-                                          and c.blocks_per_lane == 1)
+        assert c.protocol == "simple" or c.strategy == "direct-push"
+    ll64 = {c.blocks_per_lane for c in candidates(ar, 64 * KiB) if c.protocol == "ll"}
+    assert ll64 == {1, 4}  # one block, and the default ~16 KiB per block
     assert not any(c.protocol == "ll" for c in candidates(ar, 1 * MiB))
     assert any(c.pdl for c in candidates(ar, 1 * MiB))
     assert not any(c.pdl or c.protocol == "ll" for c in candidates(ar, 16 * MiB))

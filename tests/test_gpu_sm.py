@@ -235,6 +235,30 @@ def test_ll_protocol_matches_the_reference(torch, kind, n, name, strategy, dtype
         _check(torch, bound, sizing, gen, calls=3)
 
 
+@pytest.mark.parametrize("kind,n", [("local", 2), ("virtual", 3)])
+@pytest.mark.parametrize("name", ["all-reduce", "all-gather", "reduce-scatter", "all-to-all"])
+def test_ll_with_several_blocks_per_lane(torch, kind, n, name):
+    """LL with 2-8 blocks per lane (a lane barrier after the LL_GET rows: they give threads
+    8-byte units, data rows 16-byte ones) at odd and 64-256 KiB sizes."""
+    cluster = _cluster(kind, n)
+    gen = np.random.default_rng(9)
+    coll = standard(name, n)
+    for nbytes, odd, bpl, lanes in ((1000, True, 2, 1), (64 << 10, False, 4, 1),
+                                    (64 << 10, False, 2, 2), (256 << 10, False, 8, 1)):
+        sizing = _sizing(coll, nbytes, "bfloat16", odd)
+        bound = cluster.bind(coll, "direct-push", sizing=sizing, chunks=lanes, lanes=lanes,
+                             protocol="ll", blocks_per_lane=bpl)
+        assert bound.blocks_per_lane == bpl
+        _check(torch, bound, sizing, gen, calls=3)
+
+
+def test_ll_several_blocks_graph_replays_with_fresh_inputs(torch):
+    cluster = _cluster("local", 2)
+    bound = cluster.bind(standard("all-reduce", 2), "direct-push", count=4096,
+                         dtype="float32", protocol="ll", blocks_per_lane=4)
+    assert _wrong_over_replays(torch, bound, 1_000) == 0
+
+
 def test_ll_graph_replays_with_fresh_inputs(torch):
     """2,000 graph replays of an LL all-reduce, inputs changed before each: zero wrong (the
     tags of consecutive calls differ, so no stale unit is ever taken for new data)."""

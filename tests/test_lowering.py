@@ -218,9 +218,13 @@ def test_every_ll_flag_had_one_notify_and_one_wait(name, strategy):
     lower(s, _bases(3), _flags(3), ll_bases=_ll(3))  # lowers without complaint
 
 
-def test_ll_needs_one_block_per_lane():
-    from purlin.errors import CapabilityError
-
+def test_ll_with_several_blocks_puts_a_lane_barrier_between_get_and_data():
+    """LL rows give each thread 8-byte units, data rows 16-byte ones: with several blocks per
+    lane the step's data row must wait for every block's LL_GET."""
     s = plan(collectives.all_reduce(2), "direct-push", count=32)
-    with pytest.raises(CapabilityError, match="one block per lane"):
-        lower(s, _bases(2), _flags(2), blocks_per_lane=2, ll_bases=_ll(2))
+    for bpl, expect in ((1, 0), (2, 1)):
+        for low in lower(s, _bases(2), _flags(2), blocks_per_lane=bpl, ll_bases=_ll(2)):
+            ops = list(low.tables[0][:, isa.OP])
+            g = ops.index(isa.LL_GET)
+            between = ops[g + 1: ops.index(isa.REDUCE)]
+            assert between == [isa.NOTIFY, isa.WAIT] * expect, (bpl, ops)

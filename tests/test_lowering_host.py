@@ -151,3 +151,48 @@ def test_without_the_barrier_before_a_second_notify_a_slow_block_is_overtaken():
     wrong = sum(int((outs[0][r] != want).sum())
                 for r, want in enumerate(reference(s.sizing, xs[0])))
     assert wrong > 0
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", ["all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                                  "broadcast", "reduce"])
+def test_ll_with_several_blocks_per_lane_and_a_slow_block(name, n):
+    coll = standard(name, n, root=n - 1)
+    for chunks, lanes, bpl in ((1, 1, 2), (2, 2, 3)):
+        s = plan(coll, "direct-push", count=16 * 6 * n + 2 * n, dtype="float32",
+                 chunks=chunks, lanes=lanes)
+        bufs = HostBuffers(s, ll=True)
+        xs = _inputs(s.sizing, 2, seed=bpl)
+        outs = run_calls(bufs.lower(blocks_per_lane=bpl), bufs, xs, blocks_per_lane=bpl,
+                         slow_block_delay=0.002)
+        for call in range(2):
+            for r, want in enumerate(reference(s.sizing, xs[call])):
+                np.testing.assert_array_equal(outs[call][r], want,
+                                              err_msg=f"call {call} rank {r} bpl {bpl}")
+
+
+def test_ll_without_the_barrier_after_the_get_reads_another_blocks_units():
+    from purlin.atom.lowering import LoweredRank
+    from purlin.kernels import isa
+
+    s = plan(standard("all-reduce", 2), "direct-push", count=2 * 16 * 8, dtype="float32")
+    bufs = HostBuffers(s, ll=True)
+
+    def without_get_barriers(low):
+        t = low.tables[0]
+        keep = np.ones(len(t), bool)
+        for i in range(1, len(t) - 1):
+            if t[i - 1, isa.OP] == isa.LL_GET and t[i, isa.OP] == isa.NOTIFY \
+                    and t[i, isa.PEER] < 0:
+                keep[i] = keep[i + 1] = False
+        assert not keep.all()
+        return LoweredRank(low.rank, [x[keep] for x in low.tables],
+                           np.array([0, int(keep.sum())], dtype=np.int64), low.srcs,
+                           low.lane_barriers)
+
+    lowered = [without_get_barriers(low) for low in bufs.lower(blocks_per_lane=2)]
+    xs = _inputs(s.sizing, 1, seed=7)
+    outs = run_calls(lowered, bufs, xs, blocks_per_lane=2, slow_block_delay=0.01)
+    wrong = sum(int((outs[0][r] != want).sum())
+                for r, want in enumerate(reference(s.sizing, xs[0])))
+    assert wrong > 0

@@ -16,10 +16,12 @@ and the same tables serve real GPUs and the CUDA simulator.
   exactly the same, 16-byte aligned region, where every thread only meets its own words.
 * With two scratch copies, each rank gets an even and an odd table (scratch addresses shifted);
   both share one source pool, the odd table indexing its second half.
-* With an LL area (``ll_bases``, one block per lane), each Stage + Notify pair that
+* With an LL area (``ll_bases``), each Stage + Notify pair that
   :func:`ll_transfers` finds safe travels as LL units: an LL_PUT row on the sender instead of
   COPY + NOTIFY, and an LL_GET row on the receiver instead of the WAIT on that flag (see
-  ``purlin.kernels.isa``: the tags inside the data are the flag).
+  ``purlin.kernels.isa``: the tags inside the data are the flag). With several blocks per
+  lane a lane barrier follows the LL_GET rows of a step before its data row: LL rows give
+  each thread 8-byte units, data rows 16-byte ones.
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan
@@ -227,7 +229,7 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
     scratch); ``flag_bases[rank]`` the address of the rank's flag array (``flag_slots`` uint64).
     ``scratch_bytes[rank]`` is the byte size of one scratch copy (default: from the schedule).
     ``ll_bases[rank]``: the address of the rank's LL area (``ll_area_bytes`` per scratch copy),
-    to send the pairs :func:`ll_transfers` finds as LL units (one block per lane only).
+    to send the pairs :func:`ll_transfers` finds as LL units.
     """
     dt = as_dtype(schedule.dtype)
     if dt.name not in DTYPE_CODES:
@@ -243,9 +245,6 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
         return base + (parity * copy_bytes[region.rank] if region.buffer == "scratch" else 0)
 
     ll = ll_transfers(schedule) if ll_bases is not None else LLTransfers({}, frozenset(), {})
-    if len(ll) and bpl != 1:
-        raise CapabilityError(f"LL transfers run with one block per lane; got "
-                              f"blocks_per_lane={bpl}")
 
     def ll_address(region: Region, parity: int) -> int:
         per_copy = ll_area_bytes(copy_bytes[region.rank])
@@ -283,16 +282,25 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
                 continue
             reads = step.srcs if step.moves_data else ()
             dst = (step.dst,) if step.moves_data else ()
-            ok = step.moves_data and aligned(step)
+            # LL rows split their bytes over the lane's threads in 8-byte units, COPY and
+            # REDUCE in 16-byte ones: a thread may meet another block's words
+            ok = step.moves_data and aligned(step) and (rank, index) not in ll.puts
             if bpl > 1 and (any(_conflict(r, ok, w) for r in reads for w in written[step.lane])
                             or any(_conflict(d, ok, r) for d in dst for r in read[step.lane])):
                 barriers[step.lane] += 1
                 rows.append(("barrier", index, barriers[step.lane]))
                 written[step.lane], read[step.lane] = [], []
             if isinstance(step, Consume):
+                landed = []  # regions LL_GET rows of this step wrote
                 for w in step.waits:
                     got = ll.gets.get((rank, index, w.flag))
                     rows.append(("ll_get", index, got) if got else ("wait", index, w))
+                    if got:
+                        landed.append(got[0])
+                if bpl > 1 and any(r.overlaps(g) for r in reads for g in landed):
+                    barriers[step.lane] += 1
+                    rows.append(("barrier", index, barriers[step.lane]))
+                    written[step.lane], read[step.lane] = [], []
             if step.moves_data:
                 rows.append(("ll_put" if (rank, index) in ll.puts else "data", index, step))
                 written[step.lane].append((step.dst, ok))

@@ -4,7 +4,7 @@ one per collective and size, as the tuning table that ``strategy="auto"`` reads.
 A candidate is (strategy, chunks, lanes, blocks per lane), and for small messages how it
 launches and signals: each candidate up to ``PDL_MAX_BYTES`` is also tried with programmatic
 dependent launch (``pdl``), and direct-push up to ``LL_MAX_BYTES`` with the LL protocol (flags
-inside the data, one block per lane; ``purlin.atom.sm``). The generator keeps every launch
+inside the data; ``purlin.atom.sm``). The generator keeps every launch
 within the SM budget (all blocks of a launch must be resident at once, or a wait could starve
 its producer: lanes x blocks per lane x ranks per launch <= SMs x blocks per SM), gives no
 lane nothing to do (lanes <= pieces), and orders the candidates from the most to the least
@@ -17,7 +17,8 @@ plausible for the size, so that a time limit cuts the least likely ones.
 >>> [c for c in candidates(collectives.all_reduce(2), 8 << 10, sms=132, limit=1)
 ...  if c.strategy == "direct-push"]  # doctest: +NORMALIZE_WHITESPACE
 [direct-push c1 l1 b1 ll pdl, direct-push c1 l1 b1 ll, direct-push c2 l2 b1 ll pdl,
- direct-push c2 l2 b1 ll, direct-push c1 l1 b1, direct-push c1 l1 b1 pdl]
+ direct-push c2 l2 b1 ll, direct-push c4 l4 b1 ll pdl, direct-push c4 l4 b1 ll,
+ direct-push c1 l1 b1, direct-push c1 l1 b1 pdl]
 >>> sm_budget(132, threads=512), sm_budget(132, threads=128)
 (132, 528)
 """
@@ -132,7 +133,7 @@ def candidates(collective, nbytes: int, dtype: str = "bfloat16", *, sms: int = 1
             found[first] = -1.0
         ranked = _diverse(sorted(found, key=lambda c: (found[c], c.blocks, c.chunks)))
         ranked = ranked[:limit] if limit else ranked
-        per_strategy.append(_ll_configs(sizing, strategy, lane_opts)
+        per_strategy.append(_ll_configs(sizing, strategy, lane_opts, sms)
                             + _with_pdl(ranked, size))
     out = []
     for k in range(max((len(r) for r in per_strategy), default=0)):
@@ -147,9 +148,10 @@ def _with_pdl(configs: list[Config], size: int) -> list[Config]:
     return [v for c in configs for v in (c, replace(c, pdl=True))]
 
 
-def _ll_configs(sizing, strategy: str, lane_opts) -> list[Config]:
-    """LL candidates (one block per lane, PDL first), for direct-push up to LL_MAX_BYTES:
-    the strategy whose Stage+Notify pairs the lowering can turn into LL transfers."""
+def _ll_configs(sizing, strategy: str, lane_opts, sms: int) -> list[Config]:
+    """LL candidates (PDL first), for direct-push up to LL_MAX_BYTES, the strategy whose
+    Stage+Notify pairs the lowering can turn into LL transfers: one block per lane, and the
+    datapath's default blocks (about 16 KiB of message per block) where that is more."""
     size = sizing.message_bytes
     if strategy != "direct-push" or size > LL_MAX_BYTES:
         return []
@@ -159,9 +161,10 @@ def _ll_configs(sizing, strategy: str, lane_opts) -> list[Config]:
         if lanes > max(1, pieces(sizing, strategy, chunks)) or size // lanes < 2 * KiB \
                 and lanes > 1:
             continue
-        out += [Config(strategy, chunks, lanes, 1, "ll", True), Config(strategy, chunks, lanes, 1,
-                                                                       "ll")]
-    return out[:4]
+        for bpl in sorted({1, _default_bpl(size, lanes, sms)}):
+            out += [Config(strategy, chunks, lanes, bpl, "ll", True),
+                    Config(strategy, chunks, lanes, bpl, "ll")]
+    return out[:6]
 
 
 def _diverse(ranked: list[Config], per_blocks: int = 2) -> list[Config]:

@@ -104,6 +104,16 @@ def _mine(count: int, item: int, block: int, blocks: int) -> np.ndarray:
     return idx[(idx // per_unit) % blocks == block]
 
 
+def _ll_units(nbytes: int, block: int, blocks: int):
+    """(first byte, bytes) of the LL units (LL_DATA bytes each) block ``block`` moves: all of
+    them in one piece for one block, else every ``blocks``-th unit, as the lane's threads
+    share them on the GPU."""
+    if blocks == 1:
+        return [(0, nbytes)] if nbytes else []
+    return [(first, min(isa.LL_DATA, nbytes - first))
+            for first in range(block * isa.LL_DATA, nbytes, blocks * isa.LL_DATA)]
+
+
 def _run_lane(rows, pool, epoch, mem: _Memory, rank: int, block: int = 0, blocks: int = 1,
               delay: float = 0.0) -> None:
     """One block of a lane: its share of every COPY / REDUCE row, its own NOTIFY adds (a
@@ -150,11 +160,15 @@ def _run_lane(rows, pool, epoch, mem: _Memory, rank: int, block: int = 0, blocks
                       + int(row[isa.VALUE]))
             if target > 0:
                 mem.wait(int(row[isa.FLAG]), target, what)
-        elif op == isa.LL_PUT:
-            mem.ll_put(int(row[isa.DST]), _bytes(int(pool[row[isa.SRC]]), nbytes).tobytes(), tag)
+        elif op == isa.LL_PUT:  # this block's units: every ``blocks``-th one
+            for first, size in _ll_units(nbytes, block, blocks):
+                mem.ll_put(int(row[isa.DST]) + first // isa.LL_DATA * isa.LL_UNIT,
+                           _bytes(int(pool[row[isa.SRC]]) + first, size).tobytes(), tag)
         elif op == isa.LL_GET:
-            data = mem.ll_get(int(pool[row[isa.SRC]]), nbytes, tag, what)
-            _bytes(int(row[isa.DST]), nbytes)[:] = np.frombuffer(data, np.uint8)
+            for first, size in _ll_units(nbytes, block, blocks):
+                data = mem.ll_get(int(pool[row[isa.SRC]]) + first // isa.LL_DATA * isa.LL_UNIT,
+                                  size, tag, what)
+                _bytes(int(row[isa.DST]) + first, size)[:] = np.frombuffer(data, np.uint8)
 
 
 class HostBuffers:

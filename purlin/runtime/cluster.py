@@ -134,8 +134,8 @@ class Cluster:
 
 def _auto_options(choice, options: dict, sm: bool) -> dict:
     """The bind options of an ``auto`` choice under those the caller gave: blocks per lane,
-    and on the sm datapath its protocol and PDL. LL runs one block per lane, so the caller's
-    blocks per lane or protocol replace the table's pair."""
+    and on the sm datapath its protocol and PDL. The table measured its blocks per lane with
+    its protocol, so the caller's blocks per lane or protocol replace the table's pair."""
     mine = choice.sm_options() if sm else {"blocks_per_lane": choice.blocks_per_lane}
     if options.get("blocks_per_lane") is not None or "protocol" in options:
         mine = {k: v for k, v in mine.items() if k not in ("blocks_per_lane", "protocol")}

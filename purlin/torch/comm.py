@@ -69,7 +69,7 @@ class Communicator:
     :func:`purlin.snac.plan` (``"auto"`` picks per size). ``ranks_per_node``/``node_of_rank``:
     which ranks share a node (default: by hostname). ``protocol="ll"`` (sm datapath): for
     messages up to ``LL_MAX_BYTES`` the Stage+Notify pairs the lowering can prove safe carry
-    their flags inside the data, one block per lane (``purlin.atom.sm.bind``).
+    their flags inside the data (``purlin.atom.sm.bind``).
     """
 
     def __init__(self, group=None, datapath: str = "auto", staging_bytes: int = DEFAULT_STAGING,
@@ -418,7 +418,7 @@ class Communicator:
 
     def _uses_ll(self, schedule) -> bool:
         """LL transfers for this schedule: protocol "ll" on GPUs, a message of at most
-        LL_MAX_BYTES (LL doubles the bytes on the wire and runs one block per lane), and pairs
+        LL_MAX_BYTES (LL doubles the bytes on the wire), and pairs
         the lowering can send so."""
         from purlin.atom.lowering import ll_transfers
 
@@ -439,8 +439,8 @@ class Communicator:
                     "eagerly before capturing)")
         schedule, blocks = self._plan(sizing or self._sizing(key))
         ll = self._uses_ll(schedule)
-        if ll:
-            blocks = 1  # LL runs one block per lane: not the table's count
+        if ll:  # the table's blocks were measured with its own protocol: the default here
+            blocks = None  # (about 16 KiB of message per block, one up to 16 KiB)
         lay = layout(schedule, ll=ll)  # with LL areas where LL transfers go
         offset = self.staging.place(key, lay.size)
         if offset is None:
