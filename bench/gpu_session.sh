@@ -7,7 +7,8 @@
 #   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap (ce1g: 1 GiB;
 #               cehang: where the hang after a mixed collective comes from; ce1gprobe: the
 #               1 GiB ce+sm all-reduce that stalled a sweep, with thread stacks)
-#   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL)
+#   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL;
+#               processzc: zero_copy, the caller's tensors used in place of staging copies)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   tune sweep  the tuning table, then the six-collective sweep against NCCL (sweepsm: no ce)
 # Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
@@ -84,6 +85,12 @@ for stage in "${stages[@]}"; do
                 --sections correctness,graph,latency --out "$OUT/process_mode_ll.json" \
                 > "$OUT/process_ll.log" 2>&1
             echo "rc=$?"; tail -15 "$OUT/process_ll.log"
+            ;;
+        processzc)
+            timeout 150 python3 bench/process_mode_gpu.py --zero-copy \
+                --sections correctness,graph,latency --out "$OUT/process_mode_zc.json" \
+                > "$OUT/process_zc.log" 2>&1
+            echo "rc=$?"; tail -15 "$OUT/process_zc.log"
             ;;
         notebooks)
             timeout 400 python3 - "$OUT" > "$OUT/notebooks.log" 2>&1 <<'PY'

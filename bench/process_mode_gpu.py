@@ -16,7 +16,8 @@ size with new data, and notes any fallback. Then:
 * timeout: rank 1 skips a call; rank 0's check() must raise PurlinTimeoutError naming rank 1.
 
 Prints tables and writes ``<out>/process_mode_gpu.json`` (``--out`` may name a .json file).
-``--protocol ll`` runs it all on a communicator that sends messages up to 256 KiB as LL.
+``--protocol ll`` runs it all on a communicator that sends messages up to 256 KiB as LL;
+``--zero-copy`` on one that skips the copies in and out where the plan allows.
 """
 
 from __future__ import annotations
@@ -242,7 +243,8 @@ def worker(rank, n, opts):
         warnings.simplefilter("always", RuntimeWarning)
         t0 = time.perf_counter()
         comm = Communicator(staging_bytes=opts["staging"], timeout=10.0,
-                            protocol=opts.get("protocol", "simple"))
+                            protocol=opts.get("protocol", "simple"),
+                            zero_copy=opts.get("zero_copy", False))
         report["setup_s"] = time.perf_counter() - t0
         for section, fn in (("correctness", correctness), ("graph", graph_check),
                             ("latency", latency)):
@@ -352,6 +354,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="correctness,graph,latency,timeout")
     ap.add_argument("--protocol", default="simple", choices=("simple", "ll"),
                     help="the communicator's protocol (ll: flags inside the data, <= 256 KiB)")
+    ap.add_argument("--zero-copy", action="store_true",
+                    help="the communicator reads / writes the caller's tensors where no peer "
+                         "needs them (no copy in or out)")
     args = ap.parse_args(argv)
     from purlin.torch.testing import run_processes
 
@@ -359,6 +364,7 @@ def main(argv=None) -> int:
             "latency_sizes": [s for s in (8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB)
                               if s <= args.max_bytes],
             "staging": args.staging, "replays": args.replays, "protocol": args.protocol,
+            "zero_copy": args.zero_copy,
             "sections": set(args.sections.split(","))}
     t0 = time.time()
     outcomes = run_processes(worker, args.world, opts, backend="nccl", timeout=540,

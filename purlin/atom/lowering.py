@@ -84,11 +84,13 @@ def blob_size(low: LoweredRank, nlanes: int) -> int:
 
 
 def build_blob(base: int, low: LoweredRank, nlanes: int, abort: int, trace: int = 0,
-               trace_rows: int = 0) -> np.ndarray:
+               trace_rows: int = 0, control: int | None = None) -> np.ndarray:
     """One rank as a single block of int64 words to be placed at device address ``base``:
     descriptor, control words (epoch, done, error record, all zero), lane offsets, the even
     and odd tables and the source pool, the descriptor's addresses pointing inside. A one-rank
-    launch reads its head in one coalesced pass, so the executor's look-ups hit L1.
+    launch reads its head in one coalesced pass, so the executor's look-ups hit L1. With
+    ``control`` (an address), the descriptor uses those control words instead of its own:
+    blocks of one rank that must count calls together (:func:`relocate`).
 
     >>> import numpy as np
     >>> low = LoweredRank(0, [np.zeros((2, ROW_WIDTH), np.int64)], np.array([0, 2]),
@@ -108,11 +110,59 @@ def build_blob(base: int, low: LoweredRank, nlanes: int, abort: int, trace: int 
     words[D_TABLE] = addr["even"]
     words[D_TABLE_ODD] = addr.get("odd", addr["even"])
     words[D_LANES], words[D_SRCS] = addr["lanes"], addr["pool"]
-    words[D_EPOCH] = base + 8 * CONTROL_AT
-    words[D_DONE] = base + 8 * (CONTROL_AT + 1)
-    words[D_ERROR] = base + 8 * (CONTROL_AT + 2)
+    ctl = base + 8 * CONTROL_AT if control is None else control  # another block's: shared
+    words[D_EPOCH], words[D_DONE], words[D_ERROR] = ctl, ctl + 8, ctl + 16
     words[D_ABORT], words[D_TRACE], words[D_TRACE_ROWS] = abort, trace, trace_rows
     return words
+
+
+def local_buffers(schedule: Schedule, rank: int) -> frozenset:
+    """Which of ``rank``'s input and output no other rank's step reads or writes: those may
+    live anywhere in ``rank``'s memory (a user's tensor), not only in memory the peers map.
+
+    >>> from purlin.snac import plan
+    >>> from purlin.spec import collectives
+    >>> sorted(local_buffers(plan(collectives.all_reduce(2), "direct-push", count=8), 0))
+    ['input', 'output']
+    >>> sorted(local_buffers(plan(collectives.all_reduce(2), "direct-pull", count=8), 0))
+    ['output']
+    """
+    touched = set()
+    for q, steps in enumerate(schedule.steps):
+        if q == rank:
+            continue
+        for step in steps:
+            if getattr(step, "moves_data", False):
+                touched.update(r.buffer for r in (*step.srcs, step.dst) if r.rank == rank)
+    return frozenset(b for b in ("input", "output") if b not in touched)
+
+
+def relocate(low: LoweredRank, moves: dict) -> LoweredRank:
+    """``low`` with every data address inside a moved range shifted: ``moves`` maps
+    ``(old address, bytes)`` to the new address (the same byte count there). Only data rows'
+    DST and the source pool are addresses of buffers; flags and LL areas never move.
+
+    >>> low = LoweredRank(0, [np.zeros((1, ROW_WIDTH), np.int64)], np.array([0, 1]),
+    ...                   np.array([1000, 5000]), 0)
+    >>> low.tables[0][0, OP], low.tables[0][0, DST] = COPY, 1008
+    >>> moved = relocate(low, {(1000, 64): 9000})
+    >>> int(moved.tables[0][0, DST]), moved.srcs.tolist()
+    (9008, [9000, 5000])
+    """
+    def shift(values: np.ndarray) -> np.ndarray:
+        out = values.copy()
+        for (old, nbytes), new in moves.items():
+            inside = (values >= old) & (values < old + nbytes)
+            out[inside] += new - old
+        return out
+
+    tables = []
+    for t in low.tables:
+        t = t.copy()
+        data = np.isin(t[:, OP], (COPY, REDUCE, LL_GET))  # LL_PUT's DST: a peer's LL area
+        t[data, DST] = shift(t[data, DST])
+        tables.append(t)
+    return LoweredRank(low.rank, tables, low.lane_offsets, shift(low.srcs), low.lane_barriers)
 
 
 def flag_slots(nranks: int, lanes: int) -> int:

@@ -381,15 +381,16 @@ def call_with_tensors(bound, inputs=None, out=None):
 
 
 def rank_blob(torch, low, device, abort_ptr: int, nlanes: int, trace=None,
-              trace_rows: int = 0):
+              trace_rows: int = 0, control: int | None = None):
     """One rank's executor block on ``device`` (purlin.atom.lowering.build_blob: descriptor,
     control words, lane offsets, tables, source pool). Returns the block and a view of its
-    control words (epoch, done counter, error record)."""
+    control words (epoch, done counter, error record); with ``control``, the descriptor
+    uses the control words at that address instead (another block of the same rank)."""
     from purlin.atom.lowering import CONTROL_AT, CONTROL_WORDS, blob_size, build_blob
 
     blob = torch.zeros(blob_size(low, nlanes), dtype=torch.int64, device=device)
     words = build_blob(blob.data_ptr(), low, nlanes, abort_ptr,
-                       trace.data_ptr() if trace is not None else 0, trace_rows)
+                       trace.data_ptr() if trace is not None else 0, trace_rows, control)
     blob.copy_(torch.from_numpy(words))
     return blob, blob[CONTROL_AT: CONTROL_AT + CONTROL_WORDS]
 

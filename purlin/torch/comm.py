@@ -69,7 +69,10 @@ class Communicator:
     :func:`purlin.snac.plan` (``"auto"`` picks per size). ``ranks_per_node``/``node_of_rank``:
     which ranks share a node (default: by hostname). ``protocol="ll"`` (sm datapath): for
     messages up to ``LL_MAX_BYTES`` the Stage+Notify pairs the lowering can prove safe carry
-    their flags inside the data (``purlin.atom.sm.bind``).
+    their flags inside the data (``purlin.atom.sm.bind``). ``zero_copy=True`` (sm datapath):
+    where the plan has no peer touch this rank's input (output), the executor reads (writes)
+    the caller's tensor itself instead of a copy in (out) of the staging area; each new pair
+    of tensor addresses costs a relocated table once (``SmPrepared.launch``).
     """
 
     def __init__(self, group=None, datapath: str = "auto", staging_bytes: int = DEFAULT_STAGING,
@@ -77,7 +80,7 @@ class Communicator:
                  chunks: int | None = None, lanes: int | None = None,
                  ranks_per_node: int | None = None, node_of_rank=None,
                  blocks_per_lane: int | None = None, threads: int = 512,
-                 protocol: str = "simple"):
+                 protocol: str = "simple", zero_copy: bool = False):
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError("purlin.torch.Communicator needs torch.distributed: call "
                                  "dist.init_process_group(...) first")
@@ -92,7 +95,7 @@ class Communicator:
         if protocol not in PROTOCOLS:
             raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                                   f"{protocol!r}")
-        self.protocol = protocol
+        self.protocol, self.zero_copy = protocol, bool(zero_copy)
         self.timeout, self.strategy = float(timeout), strategy
         self.chunks, self.lanes = chunks, lanes
         self.staging_bytes = int(staging_bytes)
@@ -468,16 +471,22 @@ class Communicator:
             return prepared
         if capturing:
             self.staging.pin(key)  # a captured graph keeps its addresses for ever
+        # zero_copy: the executor reads / writes the user's tensors where no peer needs them
+        move_in, move_out = (prepared.movable(src, dst, capturing) if self.zero_copy
+                             and hasattr(prepared, "movable") else (False, False))
         # views of the regions in the user's shapes: strided tensors copy without a temporary
-        if src is not None and prepared.input.numel() and not (
+        if src is not None and prepared.input.numel() and not move_in and not (
                 src.data_ptr() == prepared.input.data_ptr() and src.is_contiguous()):
             prepared.input.view(src.shape).copy_(src)
         try:
-            prepared.launch()
+            if move_in or move_out:
+                prepared.launch(src if move_in else None, dst if move_out else None, capturing)
+            else:
+                prepared.launch()
         except PurlinError as exc:
             self.broken, self._broken_as = str(exc), type(exc)
             raise
-        if dst is not None and prepared.output.numel():
+        if dst is not None and prepared.output.numel() and not move_out:
             dst.copy_(prepared.output.view(dst.shape))
         return None
 

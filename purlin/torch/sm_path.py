@@ -13,6 +13,7 @@ output out -- all asynchronous and capturable. Waits that time out leave an erro
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ class SmPrepared:
     """One prepared collective on this rank: its table, descriptor and region views."""
 
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads):
-        from purlin.atom.lowering import lower
+        from purlin.atom.lowering import local_buffers, lower
         from purlin.atom.sm import _check_resident, default_blocks_per_lane, rank_blob
 
         self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
@@ -50,9 +51,12 @@ class SmPrepared:
                     scratch_bytes=dict(enumerate(lay.scratch_bytes)),
                     ll_bases=self.ll_bases)[rank]
         # one abort word for the whole group: rank 0's copy
-        self.desc, self.control = rank_blob(torch, low, dev, ptrs[0] + offset + lay.abort,
-                                            lanes)
+        self.abort_ptr = ptrs[0] + offset + lay.abort
+        self.desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
         self.desc_ptr = self.desc.data_ptr()
+        self.lowered, self.local = low, local_buffers(schedule, rank)
+        self._moved: OrderedDict = OrderedDict()  # (input at, output at) -> relocated block
+        self._pinned: set = set()
         self.launcher = path.launcher(lanes, bpl, threads)
         _check_resident(torch, dev.index, self.launcher, "process")
         tdt = getattr(torch, schedule.dtype)
@@ -62,9 +66,76 @@ class SmPrepared:
         self.timeout_ns = int(path.timeout * 1e9)
         self.flag_count = lay.flag_count
 
-    def launch(self) -> None:
+    def launch(self, src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
+               capturing: bool = False) -> None:
+        """Launch this rank's executor. With ``src`` / ``dst`` (tensors :meth:`movable` said
+        the executor may use in place of the staging regions) it reads its input from ``src``
+        and writes its output into ``dst``: no copy in or out. Each pair of addresses gets a
+        relocated copy of the table (kept; the ones used in a graph capture for ever)."""
+        desc_ptr = self.desc_ptr
+        if src is not None or dst is not None:
+            desc_ptr = self._relocated(src, dst, capturing)
         stream = torch.cuda.current_stream(self.path.device).cuda_stream
-        self.launcher(self.desc_ptr, stream, self.timeout_ns)
+        self.launcher(desc_ptr, stream, self.timeout_ns)
+
+    MAX_MOVED = 8  # relocated tables kept outside graph captures (least recently used go)
+
+    def movable(self, src: torch.Tensor | None, dst: torch.Tensor | None,
+                capturing: bool = False) -> tuple[bool, bool]:
+        """(use ``src`` as the input, use ``dst`` as the output): where no peer touches that
+        buffer of this rank (``lowering.local_buffers``), the tensor is contiguous, as large,
+        and as aligned within 16 bytes as the staging region (the lowering's barrier choices
+        depend on alignment). When ``src`` and ``dst`` overlap (in place) only the output
+        moves: the input is then copied in first and read from staging. Inside a graph
+        capture only a pair an eager call already used can move (a new relocated table
+        cannot be written while capturing)."""
+        def fits(t, region, buffer):
+            return (t is not None and buffer in self.local and region is not None
+                    and t.is_contiguous() and t.numel() == region.numel()
+                    and t.dtype == region.dtype and t.device == region.device
+                    and t.data_ptr() % 16 == region.data_ptr() % 16)
+
+        move_in = fits(src, self.input, "input")
+        move_out = fits(dst, self.output, "output")
+        if move_in and move_out and _overlap(src, dst):
+            move_in = False
+        if capturing and (move_in or move_out) and self._key(
+                src if move_in else None, dst if move_out else None) not in self._moved:
+            return False, False
+        return move_in, move_out
+
+    @staticmethod
+    def _key(src, dst) -> tuple[int, int]:
+        return (src.data_ptr() if src is not None else 0,
+                dst.data_ptr() if dst is not None else 0)
+
+    def _relocated(self, src, dst, capturing: bool) -> int:
+        from purlin.atom.lowering import relocate
+        from purlin.atom.sm import rank_blob
+
+        key = self._key(src, dst)
+        found = self._moved.get(key)
+        if found is None:
+            moves = {}
+            for t, region in ((src, self.input), (dst, self.output)):
+                if t is not None:
+                    nbytes = region.numel() * region.element_size()
+                    moves[(region.data_ptr(), nbytes)] = t.data_ptr()
+            low = relocate(self.lowered, moves)
+            # the relocated block counts calls in this one's control words: one epoch
+            found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
+                                 self.schedule.lanes, control=self.control.data_ptr())
+            self._moved[key] = found
+            if len(self._moved) > self.MAX_MOVED + len(self._pinned):
+                # a launch still queued may read the oldest table: let it finish (rare)
+                torch.cuda.synchronize(self.path.device)
+                while len(self._moved) > self.MAX_MOVED + len(self._pinned):
+                    old = next(k for k in self._moved if k not in self._pinned)
+                    del self._moved[old]
+        self._moved.move_to_end(key)
+        if capturing:
+            self._pinned.add(key)  # the graph keeps this block's address
+        return found.data_ptr()
 
     def error(self) -> str | None:
         """The error this rank's executor recorded, as a sentence (call after a synchronize)."""
@@ -109,6 +180,12 @@ class SmPrepared:
     def release(self) -> None:
         self._keep = ()
         self.input = self.output = None
+        self._moved.clear()
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 class SmPath:

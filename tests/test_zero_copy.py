@@ -1,0 +1,53 @@
+"""Process mode's zero_copy choice, without GPUs: which of the caller's tensors the executor
+may use in place of the staging regions (``SmPrepared.movable``). Whether the relocated tables
+then compute the right thing is ``tests/test_lowering_host.py``'s
+``test_local_buffers_may_move_to_other_memory``."""
+
+import torch
+
+from purlin.atom.lowering import local_buffers
+from purlin.snac import plan
+from purlin.spec import collectives
+from purlin.torch.sm_path import SmPrepared
+
+
+def _prepared(strategy, count=64):
+    p = object.__new__(SmPrepared)
+    p.local = local_buffers(plan(collectives.all_reduce(2), strategy, count=count), 0)
+    staging = torch.zeros(4 * count, dtype=torch.float32)
+    p.input, p.output = staging[:count], staging[2 * count: 3 * count]
+    return p
+
+
+def test_push_moves_both_out_of_place_and_only_the_output_in_place():
+    p = _prepared("direct-push")
+    x, y = torch.ones(64), torch.zeros(64)
+    assert p.movable(x, y) == (True, True)
+    assert p.movable(x, x) == (False, True)  # in place: the input is copied in first
+    assert p.movable(None, y) == (False, True)
+
+
+def test_pull_moves_only_the_output_the_peers_do_not_read():
+    p = _prepared("direct-pull")
+    assert p.movable(torch.ones(64), torch.zeros(64)) == (False, True)
+
+
+def test_strided_small_or_misaligned_tensors_stay_copied():
+    p = _prepared("direct-push")
+    big = torch.zeros(256)
+    assert p.movable(big[::2][:64], big[::2][64:128]) == (False, False)  # not contiguous
+    assert p.movable(torch.ones(32), torch.ones(65)) == (False, False)   # other sizes
+    assert p.movable(big[1:65], big[129:193]) == (False, False)          # 4 bytes off 16
+    assert p.movable(big[4:68], big[132:196]) == (True, True)            # 16 bytes: fine
+    assert p.movable(torch.ones(64, dtype=torch.float64), None) == (False, False)
+
+
+def test_a_capture_moves_only_a_pair_an_eager_call_used():
+    from collections import OrderedDict
+
+    p = _prepared("direct-push")
+    p._moved = OrderedDict()
+    x, y = torch.ones(64), torch.zeros(64)
+    assert p.movable(x, y, capturing=True) == (False, False)
+    p._moved[p._key(x, y)] = "relocated before"
+    assert p.movable(x, y, capturing=True) == (True, True)
