@@ -135,3 +135,17 @@ def test_import_asks_for_32_hardware_queues_unless_told_otherwise():
                          env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}, capture_output=True,
                          text=True, check=True).stdout.strip()
     assert got == "8"
+
+
+def test_a_gpu_left_stuck_refuses_further_binds_instead_of_hanging(monkeypatch):
+    """After a ce collective could not be drained, a bind on that GPU (whose synchronize would
+    wait for ever) fails at once, naming the GPU and why."""
+    from purlin.atom import ce
+    from purlin.errors import ExecutionError
+    from purlin.runtime import Cluster
+
+    monkeypatch.setattr(ce, "STUCK", {1: "rank 0 lane 0 waits for flag(r0<-r1.l0) >= 4, saw 2"})
+    cluster = Cluster("local", 2, (0, 1))  # no GPU is touched before the refusal
+    with pytest.raises(ExecutionError, match="GPU 1 still runs a stuck copy-engine"):
+        cluster.bind(collectives.all_gather(2), "direct-push", count=8)
+    ce.refuse_stuck([0])  # other GPUs stay usable

@@ -54,8 +54,25 @@ def auto_datapath(collective, *, count=None, nbytes=None, dtype="float32", chunk
     return "ce" if sizing.message_bytes >= AUTO_MIN_BYTES else "sm"
 
 
+# GPU -> why: a ce collective could not be drained there. Anything that waits for that GPU
+# (a bind's synchronize) would wait for ever, so binds on it fail at once instead.
+STUCK: dict = {}
+
+
+def refuse_stuck(devices) -> None:
+    """Raise ExecutionError if a ce collective left one of ``devices`` stuck in this process.
+
+    >>> refuse_stuck([0, 1])  # nothing stuck
+    """
+    for d in dict.fromkeys(devices):
+        if d in STUCK:
+            raise ExecutionError(f"GPU {d} still runs a stuck copy-engine collective ({STUCK[d]})"
+                                 "; nothing more can be bound on it in this process")
+
+
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
          threads: int = DEFAULT_THREADS, trace_rows: int = 0):
+    refuse_stuck(cluster.devices)
     if trace_rows:
         raise CapabilityError("the ce datapath records no measured trace yet; use "
                               "purlin.trace.engines.predict_on_ce for its predicted timeline")
@@ -453,10 +470,12 @@ class CeBound:
                                            self._release_values.data_ptr(), 8,
                                            self._rescue[d0]), "cuMemcpyHtoDAsync")
         if not self._wait_idle(drv, time.monotonic() + max(10.0, self.timeout)):
-            raise PurlinTimeoutError(f"{stuck or 'the ce datapath timed out'}; it stayed "
-                                     "stuck after its counters were released (a stream "
-                                     "that writes them may share a hardware queue with a "
-                                     "stuck one); the GPUs need a new process")
+            why = (f"{stuck or 'the ce datapath timed out'}; it stayed stuck after its "
+                   "counters were released (a stream that writes them may share a hardware "
+                   "queue with a stuck one); the GPUs need a new process")
+            for d in self.contexts:
+                STUCK.setdefault(d, why)
+            raise PurlinTimeoutError(why)
 
     def _raise_kernel_error(self) -> None:
         records = [c[2:].cpu().numpy() for c in self.control]

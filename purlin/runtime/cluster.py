@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +83,9 @@ class Cluster:
         if collective.nranks != self.nranks:
             raise PlanError(f"{collective.name} is declared for {collective.nranks} ranks but "
                             f"the cluster has {self.nranks}")
+        ce = sys.modules.get("purlin.atom.ce")  # loaded once a ce collective was bound
+        if ce is not None and self.devices:
+            ce.refuse_stuck(self.devices)
         choice = None
         if strategy == "auto":
             from purlin.runtime.auto import select
