@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import sys
-
 from dataclasses import dataclass
 
 import numpy as np
