@@ -105,6 +105,28 @@ def test_a_rank_that_never_comes_is_named_through_the_chain():
         arena.close()
 
 
+def test_the_chain_passes_a_rank_that_timed_out_itself_to_the_rank_it_named():
+    """Rank 2 waits on rank 1, which waits on rank 0; rank 0 has just timed out waiting on
+    rank 3 (failure record written, no longer waiting) and the abort word is not up yet: rank
+    2 must name rank 3, not rank 0 (seen once under load in the 4-process test)."""
+    from purlin.runtime import shm
+
+    sched = plan(standard("all-gather", 4), "ring", count=8, dtype="float32")
+    arena, runs = _arena_runs(sched, timeout=1.0)
+    try:
+        h = runs[2].headers
+        h[1][shm.H_STATE], h[1][shm.H_PEER] = shm.WAITING, 0
+        h[0][shm.H_F_SRC], h[0][shm.H_F_BLAME] = 3, 3
+        h[0][shm.H_FAILED], h[0][shm.H_STATE] = 1, shm.IDLE
+        missing, chain = runs[2]._blame(1)
+        assert missing == 3, chain
+        assert chain.startswith("rank 1 is itself waiting on rank 0; rank 0 timed out itself "
+                                "waiting on rank 3; is rank 3 alive?"), chain
+    finally:
+        del runs
+        arena.close()
+
+
 def test_timeout_message_names_rank_step_flag_and_peer():
     sched = plan(standard("all-reduce", 2), "direct-push", count=4, dtype="float32")
     arena, runs = _arena_runs(sched, timeout=0.3)

@@ -421,6 +421,12 @@ class ShmRun:
                           "same calls in the same order?")
         via = "".join(f"rank {h} is itself waiting on rank "
                       f"{int(self.headers[h][H_PEER])}; " for h in hops)
+        head = self.headers[rank]
+        if head[H_FAILED] and rank != self.rank:
+            # it stopped waiting because it timed out itself (its record is written before
+            # its state changes): the rank it blamed is the one missing, not it
+            via += f"rank {rank} timed out itself waiting on rank {int(head[H_F_SRC])}; "
+            rank = int(head[H_F_BLAME])
         gone = _process_gone(int(self.headers[rank][H_PID]))
         return rank, f"{via}is rank {rank} alive?" + (
             f" (its process {int(self.headers[rank][H_PID])} has exited)" if gone else "")
