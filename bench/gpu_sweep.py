@@ -27,6 +27,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 
 from purlin.bench.sweep import SIX, Results, Sweep  # noqa: E402
+from purlin.bench.tune import launch_suffix  # noqa: E402
 from purlin.cli import size_list  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -154,7 +155,7 @@ def best_configs(res: Results) -> None:
         e = b.extra
         cfg = (f"{b.provider.removeprefix('purlin:')}={e.get('strategy')} c{e.get('chunks')} "
                f"l{e.get('lanes')} b{e.get('blocks_per_lane')}"
-               f"{' ll' if e.get('protocol') == 'll' else ''}{' pdl' if e.get('pdl') else ''}")
+               f"{launch_suffix(e.get('protocol', 'simple'), e.get('pdl'))}")
         nus = n.time_us if n else float("nan")
         print(f"{coll:<15} {nbytes:>11} {cfg:<34} {b.time_us:9.2f} {nus:9.2f} "
               f"{nus / b.time_us:6.2f}")

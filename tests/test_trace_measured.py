@@ -124,7 +124,8 @@ def _gpu_trace(schedule, timeline, lowered, bpl, clock_ns, jitter=7, spare_rows=
     """What the executor would write if it ran like ``timeline``: per block, one record per
     table row of its lane, stamped with the device's clock ``clock_ns[r]`` (ns added to the
     true time). Several WAIT rows of a step share its wait span; a lane barrier takes no time
-    just before the step it guards (a data step, or a flag's second notify). Block ``sub`` runs ``jitter * sub`` ns late."""
+    just before the step it guards (a data step, or a flag's second notify). Block ``sub``
+    runs ``jitter * sub`` ns late."""
     spans = {(e.rank, e.step, e.kind): e for e in timeline}
     traces = []
     for r, low in enumerate(lowered):

@@ -317,8 +317,9 @@ class CeBound:
         from purlin.atom import ce_driver as drv
 
         torch = self.torch
-        if drv.max_connections() < SAFE_CONNECTIONS:
-            warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={drv.max_connections()}: CUDA graphs of "
+        queues = drv.max_connections()
+        if queues < SAFE_CONNECTIONS:
+            warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={queues}: CUDA graphs of "
                           "the ce datapath hung with 8 hardware queues per device on 2 x H200 "
                           f"and ran with {SAFE_CONNECTIONS} (`import purlin` asks for "
                           f"{SAFE_CONNECTIONS} unless CUDA started first or the variable was "

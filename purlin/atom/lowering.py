@@ -316,6 +316,14 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
         read: list[list[tuple]] = [[] for _ in range(nlanes)]
         # the lane's barrier count at each flag's last notify in this call
         notified: list[dict] = [{} for _ in range(nlanes)]
+
+        def barrier(lane: int, index: int) -> None:
+            """A lane barrier before step ``index``: every block of the lane has finished all
+            rows so far, so nothing written or read before it can meet another block again."""
+            barriers[lane] += 1
+            lanes_rows[lane].append(("barrier", index, barriers[lane]))
+            written[lane], read[lane] = [], []
+
         for index, step in enumerate(schedule.steps[rank]):
             rows = lanes_rows[step.lane]
             if isinstance(step, Notify):
@@ -324,9 +332,7 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
                         # a second notify of one flag in a call: every block of the lane must
                         # have added the first before any adds again, or a fast block's second
                         # add could make up the target while a slow block's data is missing
-                        barriers[step.lane] += 1
-                        rows.append(("barrier", index, barriers[step.lane]))
-                        written[step.lane], read[step.lane] = [], []
+                        barrier(step.lane, index)
                     notified[step.lane][step.flag] = barriers[step.lane]
                     rows.append(("notify", index, step))
                 continue
@@ -337,9 +343,7 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
             ok = step.moves_data and aligned(step) and (rank, index) not in ll.puts
             if bpl > 1 and (any(_conflict(r, ok, w) for r in reads for w in written[step.lane])
                             or any(_conflict(d, ok, r) for d in dst for r in read[step.lane])):
-                barriers[step.lane] += 1
-                rows.append(("barrier", index, barriers[step.lane]))
-                written[step.lane], read[step.lane] = [], []
+                barrier(step.lane, index)
             if isinstance(step, Consume):
                 landed = []  # regions LL_GET rows of this step wrote
                 for w in step.waits:
@@ -348,9 +352,7 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
                     if got:
                         landed.append(got[0])
                 if bpl > 1 and any(r.overlaps(g) for r in reads for g in landed):
-                    barriers[step.lane] += 1
-                    rows.append(("barrier", index, barriers[step.lane]))
-                    written[step.lane], read[step.lane] = [], []
+                    barrier(step.lane, index)
             if step.moves_data:
                 rows.append(("ll_put" if (rank, index) in ll.puts else "data", index, step))
                 written[step.lane].append((step.dst, ok))

@@ -97,8 +97,8 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), by default with one
-    block per lane. ``pdl=True`` (sm_90+) launches with programmatic dependent launch, overlapping each
-    call's launch with the end of the kernel before it."""
+    block per lane. ``pdl=True`` (sm_90+) launches with programmatic dependent launch,
+    overlapping each call's launch with the end of the kernel before it."""
     if protocol not in PROTOCOLS:
         raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                               f"{protocol!r}")

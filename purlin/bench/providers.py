@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from purlin.bench.metrics import Record, Timing, op_counts
+from purlin.runtime.auto import launch_options
 from purlin.spec.sizing import fit_nbytes
 
 TOL = {"bfloat16": 2e-2, "float16": 4e-3, "float32": 1e-5, "int32": 0.0}
@@ -120,11 +121,8 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
 
     coll = collective
     sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
-    more = {"protocol": protocol} if protocol != "simple" else {}
-    if pdl:
-        more["pdl"] = True
     bound = cluster.bind(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
-                         blocks_per_lane=blocks_per_lane, threads=threads, **more)
+                         threads=threads, **launch_options(blocks_per_lane, protocol, pdl))
     wrong = count_wrong(torch, bound)
     sched = bound.schedule
     extra = {"strategy": sched.strategy, "chunks": sched.chunks, "lanes": sched.lanes,

@@ -33,6 +33,7 @@ from purlin.atom.sm import LL_MAX_BYTES
 from purlin.bench.metrics import Record, Timing
 from purlin.bench.sweep import Progress, Results, environment
 from purlin.errors import CapabilityError
+from purlin.runtime.auto import launch_options
 
 REGISTERS_PER_SM = 65536
 REGISTERS_PER_THREAD = 128  # the executor's launch bound (kernels/executor.py)
@@ -57,13 +58,16 @@ class Config:
 
     def __repr__(self) -> str:
         return (f"{self.strategy} c{self.chunks} l{self.lanes} b{self.blocks_per_lane}"
-                f"{' ll' if self.protocol == 'll' else ''}{' pdl' if self.pdl else ''}")
+                f"{launch_suffix(self.protocol, self.pdl)}")
 
     def bind_options(self) -> dict:
         """The keyword arguments of ``cluster.bind`` beyond strategy, chunks and lanes."""
-        more = {"protocol": self.protocol} if self.protocol != "simple" else {}
-        return {"blocks_per_lane": self.blocks_per_lane, **more,
-                **({"pdl": True} if self.pdl else {})}
+        return launch_options(self.blocks_per_lane, self.protocol, self.pdl)
+
+
+def launch_suffix(protocol: str = "simple", pdl: bool = False) -> str:
+    """" ll", " pdl", " ll pdl" or "": how configurations print their launch options."""
+    return f"{' ll' if protocol == 'll' else ''}{' pdl' if pdl else ''}"
 
 
 def sm_budget(sms: int = 132, threads: int = 512, ranks_per_launch: int = 1) -> int:
@@ -253,8 +257,7 @@ def tune(cluster, collectives, sizes, dtype: str = "bfloat16", *, limit: int | N
                 if log is not None:
                     print(f"{coll.name:>15} {entry['nbytes']:>11} B  {entry['strategy']:>11} "
                           f"c{entry['chunks']} l{entry['lanes']} b{entry['blocks_per_lane']}"
-                          f"{' ll' if entry.get('protocol') == 'll' else ''}"
-                          f"{' pdl' if entry.get('pdl') else ''}  "
+                          f"{launch_suffix(entry.get('protocol', 'simple'), entry.get('pdl'))}  "
                           f"{entry['time_us']:9.2f} us  ({len(timed)} timed)", file=log,
                           flush=True)
     finally:
@@ -302,9 +305,4 @@ def best_entry(collective: str, timed, dtype: str, threads: int = 512) -> dict |
 
 def _launch(cfg: Config) -> dict:
     """A table entry's configuration fields (protocol and pdl only where not the default)."""
-    out = {"chunks": cfg.chunks, "lanes": cfg.lanes, "blocks_per_lane": cfg.blocks_per_lane}
-    if cfg.protocol != "simple":
-        out["protocol"] = cfg.protocol
-    if cfg.pdl:
-        out["pdl"] = True
-    return out
+    return {"chunks": cfg.chunks, "lanes": cfg.lanes, **cfg.bind_options()}

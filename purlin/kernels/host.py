@@ -227,6 +227,10 @@ def run_calls(lowered, buffers: HostBuffers, inputs_per_call, timeout: float = 1
     outputs = [[None] * n for _ in range(calls)]
     errors: list = []
 
+    def delay(rank: int, block: int) -> float:  # rank 0's last block is the slow one
+        slow = rank == 0 and block == blocks_per_lane - 1 and blocks_per_lane > 1
+        return slow_block_delay if slow else 0.0
+
     def rank_thread(rank: int) -> None:
         low = lowered[rank]
         nlanes = len(low.lane_offsets) - 1
@@ -235,11 +239,10 @@ def run_calls(lowered, buffers: HostBuffers, inputs_per_call, timeout: float = 1
                 x = np.asarray(inputs_per_call[call][rank], dtype=np.float64)
                 _store(buffers.inputs[rank].ctypes.data, x, buffers.code)
                 table = low.tables[call % len(low.tables)]
-                bpl = blocks_per_lane
                 lanes = [threading.Thread(target=_lane_guard, args=(
                     table[low.lane_offsets[lane]: low.lane_offsets[lane + 1]], low.srcs, call,
-                    mem, rank, errors, b, bpl, slow_block_delay if (rank == 0 and b == bpl - 1 and bpl > 1) else 0.0))
-                    for lane in range(nlanes) for b in range(bpl)]
+                    mem, rank, errors, b, blocks_per_lane, delay(rank, b)))
+                    for lane in range(nlanes) for b in range(blocks_per_lane)]
                 for t in lanes:
                     t.start()
                 for t in lanes:

@@ -68,12 +68,22 @@ class Choice:
 
     def sm_options(self) -> dict:
         """What the sm datapath's bind takes from this choice beyond strategy, chunks, lanes."""
-        out = {"blocks_per_lane": self.blocks_per_lane}
-        if self.protocol != "simple":
-            out["protocol"] = self.protocol
-        if self.pdl:
-            out["pdl"] = True
-        return out
+        return launch_options(self.blocks_per_lane, self.protocol, self.pdl)
+
+
+def launch_options(blocks_per_lane, protocol: str = "simple", pdl: bool = False) -> dict:
+    """The sm bind's keyword arguments for blocks per lane, protocol and PDL, the last two only
+    where they differ from the defaults (as tuning tables store them).
+
+    >>> launch_options(1, "ll", True), launch_options(8)
+    ({'blocks_per_lane': 1, 'protocol': 'll', 'pdl': True}, {'blocks_per_lane': 8})
+    """
+    out = {"blocks_per_lane": blocks_per_lane}
+    if protocol != "simple":
+        out["protocol"] = protocol
+    if pdl:
+        out["pdl"] = True
+    return out
 
 
 # -- tuning tables ---------------------------------------------------------------------------
@@ -81,8 +91,9 @@ class Choice:
 class TuningTable:
     """Measured best configurations of one GPU model: ``entries[nranks]`` is a list of dicts
     with ``collective``, ``nbytes``, ``strategy``, ``chunks``, ``lanes``, ``blocks_per_lane``
-    and optionally ``protocol`` ("ll"), ``pdl`` (true), ``dtype``, ``time_us``, ``threads`` and ``per_strategy`` (the best
-    configuration of every strategy tried, ``{strategy: {chunks, lanes, ...}}``)."""
+    and optionally ``protocol`` ("ll"), ``pdl`` (true), ``dtype``, ``time_us``, ``threads``
+    and ``per_strategy`` (the best configuration of every strategy tried,
+    ``{strategy: {chunks, lanes, ...}}``)."""
 
     gpu: str
     entries: dict = field(default_factory=dict)
