@@ -11,7 +11,8 @@
 #   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL;
 #               processzc: zero_copy, the caller's tensors used in place of staging copies)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
-#   tune sweep  the tuning table, then the six-collective sweep against NCCL (sweepsm: no ce)
+#   tune sweep  the tuning table, then the six-collective sweep against NCCL (sweepsm: no ce;
+#               sweepce: the ce datapath's collectives, 1 MiB .. 1 GiB, against sm and NCCL)
 # Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -125,6 +126,12 @@ PY
             timeout 330 python3 bench/gpu_sweep.py --ce --time-limit 170 \
                 --sizes 8,64,512,4KiB,8KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB,1GiB --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
             echo "rc=$?"; tail -40 "$OUT/sweep.log"
+            ;;
+        sweepce)
+            timeout 300 python3 bench/gpu_sweep.py --ce --time-limit 200 --strategies '' \
+                --collectives all-reduce,all-gather,all-to-all,broadcast --no-eager \
+                --sizes 1MiB,16MiB,64MiB,256MiB,1GiB --out "$OUT/sweepce" > "$OUT/sweepce.log" 2>&1
+            echo "rc=$?"; tail -40 "$OUT/sweepce.log"
             ;;
         sweepsm)
             timeout 300 python3 bench/gpu_sweep.py --time-limit 170 \
