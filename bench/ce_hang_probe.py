@@ -36,7 +36,11 @@ import time
 from pathlib import Path
 
 VARIANTS = {"default": {}, "conn8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "leak": {},
-            "fresh8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "allreduce1g": {}}
+            "fresh8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "allreduce1g": {},
+            "ag50": {}, "ar1m-ag": {}, "ar1g-ag": {}, "sm-ag": {}}
+# the ce sweep (run at 39bc337) timed out on its first all-gather, right after its all-reduce
+# points: which part of what ran before does it take?
+AFTER = {"ag50": [], "ar1m-ag": [1 << 20], "ar1g-ag": [(1 << 20) << k for k in (0, 4, 6, 8, 10)]}
 SIZE = 1 << 20
 
 
@@ -63,6 +67,18 @@ def child(variant: str, stall: float) -> int:
     if variant == "allreduce1g":
         steps = [("all-reduce", "two-phase", SIZE << k, 1, 1) for k in (0, 4, 8, 10)]
         ops, repeats = 50, 15
+    if variant in AFTER or variant == "sm-ag":
+        steps = [("all-reduce", "two-phase", n, 1, 1) for n in AFTER.get(variant, [])]
+        ops, repeats = 50, 15
+        if variant == "sm-ag":  # the sweep's sm points first (auto, the tuning table's LL/PDL)
+            from purlin.bench.sweep import Sweep
+
+            res = Sweep(collectives=["all-reduce"], sizes=[8192, 65536, SIZE, 16 * SIZE,
+                                                           1024 * SIZE],
+                        providers=["purlin:auto"], ops=ops, repeats=repeats,
+                        cluster=cluster).run()
+            print(f"{variant}: sm points {[round(r.time_us, 1) for r in res.records]}",
+                  flush=True)
     for name, strategy, nbytes, chunks, lanes in steps:
         t0 = time.monotonic()
         print(f"{variant}: {name} {strategy} {nbytes} B c{chunks} l{lanes} ...", flush=True)
@@ -74,10 +90,54 @@ def child(variant: str, stall: float) -> int:
             kept += [cluster.bind(standard(name, 2), strategy, nbytes=nbytes,
                                   dtype="bfloat16", chunks=chunks, lanes=lanes, datapath="ce")
                      for _ in range(3)]
+    if variant in AFTER or variant == "sm-ag":
+        watch_all_gather(torch, cluster, ops)
     torch.cuda.synchronize()
     faulthandler.cancel_dump_traceback_later()
     print(f"{variant}: done ({len(kept)} bindings kept alive)", flush=True)
     return 0
+
+
+def watch_all_gather(torch, cluster, ops: int) -> None:
+    """The sweep's first ce all-gather (1 MiB, direct-pull, one lane) under a CUDA graph of
+    ``ops`` calls, watched: counters every 0.5 s while it runs, and where it does not finish,
+    whether a trivial kernel still runs on each GPU (are its SMs taken?)."""
+    from purlin.atom import ce_driver as drv
+    from purlin.bench.providers import count_wrong
+    from purlin.spec import standard
+
+    bound = cluster.bind(standard("all-gather", 2), "direct-pull", nbytes=SIZE,
+                         dtype="bfloat16", datapath="ce")
+    print(f"all-gather eager: wrong {count_wrong(torch, bound)}", flush=True)
+    graphs = bound.capture(ops)
+    print(f"captured {ops} calls; replaying once", flush=True)
+    graphs.replay()
+    deadline = time.monotonic() + 5.0
+    while not bound._wait_idle(drv, time.monotonic() + 0.5):
+        values = bound._read_counters()
+        print("  counters:", [list(v) for _, v in values] if values else "unreadable",
+              flush=True)
+        if time.monotonic() > deadline:
+            for d, res in bound.resources.items():
+                nothing = res.pair_array([(bound.flags[bound.devices.index(d)].data_ptr(), 0)])
+                with bound.contexts[d]:
+                    res.add_kernel(nothing, 0, bound._rescue[d])
+                ran = bound._poll(drv, {d: _record(drv, bound, d)}, time.monotonic() + 2.0)
+                print(f"  GPU {d}: a trivial kernel on a fresh stream "
+                      f"{'ran' if ran else 'did not run within 2 s'}", flush=True)
+            break
+    try:
+        bound.check()
+        print("all-gather graph: finished", flush=True)
+    except Exception as exc:  # noqa: BLE001 - the probe reports what happened
+        print(f"all-gather graph: {type(exc).__name__}: {exc}", flush=True)
+
+
+def _record(drv, bound, d):
+    d_ = drv.driver()
+    with bound.contexts[d]:
+        drv.check(d_.cuEventRecord(bound._rescue_events[d], bound._rescue[d]), "cuEventRecord")
+    return bound._rescue_events[d]
 
 
 def main() -> int:

@@ -77,6 +77,11 @@ for stage in "${stages[@]}"; do
                 --stall 60 --limit 150 > "$OUT/ce1gprobe.log" 2>&1
             echo "rc=$?"; tail -4 "$OUT/ce1gprobe.log"; tail -40 "$OUT/cehang/allreduce1g.log"
             ;;
+        ceprobe)
+            timeout 400 python3 bench/ce_hang_probe.py --out "$OUT/ceprobe" --stall 60 \
+                --limit 90 --variants ag50,ar1m-ag,ar1g-ag,sm-ag > "$OUT/ceprobe.log" 2>&1
+            echo "rc=$?"; cat "$OUT/ceprobe.log"; tail -n 14 "$OUT"/ceprobe/*.log
+            ;;
         ce1g)
             timeout 200 python3 bench/gpu_ce.py --correct-only --sizes 1GiB \
                 --out "$OUT/ce_1GiB.json" > "$OUT/ce_1GiB.log" 2>&1
