@@ -64,6 +64,8 @@ def child(variant: str, stall: float) -> int:
     ops, repeats = 20, 5
     if variant == "fresh8":
         steps = steps[2:]
+    if variant.startswith("ag-"):
+        steps = []
     if variant == "allreduce1g":
         steps = [("all-reduce", "two-phase", SIZE << k, 1, 1) for k in (0, 4, 8, 10)]
         ops, repeats = 50, 15
@@ -92,16 +94,21 @@ def child(variant: str, stall: float) -> int:
                      for _ in range(3)]
     if variant in AFTER or variant == "sm-ag":
         watch_all_gather(torch, cluster, ops)
+    if variant.startswith("ag-"):  # ag-<ops>[-exec|-dry][-rev]: the all-gather graph alone
+        parts = variant.split("-")
+        upload = next((p for p in parts if p in ("exec", "dry")), "none")
+        watch_all_gather(torch, cluster, int(parts[1]), upload, "rev" in parts)
     torch.cuda.synchronize()
     faulthandler.cancel_dump_traceback_later()
     print(f"{variant}: done ({len(kept)} bindings kept alive)", flush=True)
     return 0
 
 
-def watch_all_gather(torch, cluster, ops: int) -> None:
+def watch_all_gather(torch, cluster, ops: int, upload: str = "none",
+                     reverse: bool = False) -> None:
     """The sweep's first ce all-gather (1 MiB, direct-pull, one lane) under a CUDA graph of
-    ``ops`` calls, watched: counters every 0.5 s while it runs, and where it does not finish,
-    whether a trivial kernel still runs on each GPU (are its SMs taken?)."""
+    ``ops`` calls, watched: its counters every 0.5 s; still running after 4 s, the child says
+    so and exits (a host call now could wait for ever)."""
     from purlin.atom import ce_driver as drv
     from purlin.bench.providers import count_wrong
     from purlin.spec import standard
@@ -109,35 +116,28 @@ def watch_all_gather(torch, cluster, ops: int) -> None:
     bound = cluster.bind(standard("all-gather", 2), "direct-pull", nbytes=SIZE,
                          dtype="bfloat16", datapath="ce")
     print(f"all-gather eager: wrong {count_wrong(torch, bound)}", flush=True)
-    graphs = bound.capture(ops)
-    print(f"captured {ops} calls; replaying once", flush=True)
-    graphs.replay()
-    deadline = time.monotonic() + 5.0
+    graphs = bound.capture(ops, upload=upload)
+    print(f"captured {ops} calls (upload {upload}); replaying once"
+          f"{', second GPU first' if reverse else ''}", flush=True)
+    for d, graph in (reversed(graphs.graphs) if reverse else graphs.graphs):
+        with torch.cuda.device(d):
+            graph.replay()
+    bound.calls += ops
+    deadline = time.monotonic() + 4.0
     while not bound._wait_idle(drv, time.monotonic() + 0.5):
         values = bound._read_counters()
-        print("  counters:", [list(v) for _, v in values] if values else "unreadable",
-              flush=True)
+        print("  counters:", [[int(x) for x in v] for _, v in values] if values
+              else "unreadable", flush=True)
         if time.monotonic() > deadline:
-            for d, res in bound.resources.items():
-                nothing = res.pair_array([(bound.flags[bound.devices.index(d)].data_ptr(), 0)])
-                with bound.contexts[d]:
-                    res.add_kernel(nothing, 0, bound._rescue[d])
-                ran = bound._poll(drv, {d: _record(drv, bound, d)}, time.monotonic() + 2.0)
-                print(f"  GPU {d}: a trivial kernel on a fresh stream "
-                      f"{'ran' if ran else 'did not run within 2 s'}", flush=True)
-            break
-    try:
-        bound.check()
-        print("all-gather graph: finished", flush=True)
-    except Exception as exc:  # noqa: BLE001 - the probe reports what happened
-        print(f"all-gather graph: {type(exc).__name__}: {exc}", flush=True)
-
-
-def _record(drv, bound, d):
-    d_ = drv.driver()
-    with bound.contexts[d]:
-        drv.check(d_.cuEventRecord(bound._rescue_events[d], bound._rescue[d]), "cuEventRecord")
-    return bound._rescue_events[d]
+            print("all-gather graph: STUCK", flush=True)
+            os._exit(3)
+    bound.check()
+    rec_wrong = count_wrong(torch, bound)
+    for _ in range(20):
+        graphs.replay()
+    bound.check()
+    print(f"all-gather graph: finished; 20 more replays finished; eager after: wrong "
+          f"{rec_wrong}", flush=True)
 
 
 def main() -> int:
@@ -146,7 +146,8 @@ def main() -> int:
     ap.add_argument("--stall", type=float, default=30.0, help="seconds before a stack dump")
     ap.add_argument("--limit", type=float, default=60.0, help="seconds before a child is killed")
     ap.add_argument("--variants", default="default,conn8,leak,fresh8",
-                    help=f"comma-separated, of {', '.join(VARIANTS)}")
+                    help=f"comma-separated, of {', '.join(VARIANTS)}, or "
+                    "ag-<ops>[-exec|-dry][-rev] (the all-gather graph alone)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -155,7 +156,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for variant in args.variants.split(","):
-        env = VARIANTS[variant]
+        env = VARIANTS.get(variant, {})
         t0 = time.monotonic()
         log = out / f"{variant}.log"
         with open(log, "w") as f:

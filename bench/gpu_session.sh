@@ -82,6 +82,12 @@ for stage in "${stages[@]}"; do
                 --limit 90 --variants ag50,ar1m-ag,ar1g-ag,sm-ag > "$OUT/ceprobe.log" 2>&1
             echo "rc=$?"; cat "$OUT/ceprobe.log"; tail -n 14 "$OUT"/ceprobe/*.log
             ;;
+        ceupload)
+            timeout 300 python3 bench/ce_hang_probe.py --out "$OUT/ceupload" --stall 30 \
+                --limit 45 --variants ag-50-exec,ag-50-dry,ag-50-rev,ag-20,ag-4 \
+                > "$OUT/ceupload.log" 2>&1
+            echo "rc=$?"; cat "$OUT/ceupload.log"; tail -n 6 "$OUT"/ceupload/*.log
+            ;;
         ce1g)
             timeout 200 python3 bench/gpu_ce.py --correct-only --sizes 1GiB \
                 --out "$OUT/ce_1GiB.json" > "$OUT/ce_1GiB.log" 2>&1
