@@ -20,6 +20,16 @@ Found so far: with 8 queues the 1 MiB all-gather's 20-call graph hung whether or
 collective ran first; with 32 every step ran. ``CUDA_MODULE_LOADING=EAGER`` hung as the
 default lazy loading did.
 
+* ``ag-<ops>[-dry][-rev]``: the sweep's first ce all-gather (1 MiB, direct-pull) alone, in a
+  graph of ``ops`` calls, first replay watched; ``dry``: captured with ``upload="dry"``;
+  ``rev``: the second GPU's graph launched first.
+
+Found on 2 x H200 (driver 13.0) at 812266a: ``ag-50`` hung in a fresh process, and so did
+every ce point after it in the sweep; the GPU whose graph was launched first did its first
+notify, the other GPU's graph never started (``rev`` mirrored it); ``ag-20`` and ``ag-4``
+ran; ``cuGraphUpload`` before the first replay did not help; ``ag-50-dry`` -- each graph's
+first launch made while every wait is released -- ran, and 20 replays after it.
+
 A child that hangs dumps every thread's Python stack after ``--stall`` seconds (faulthandler)
 and is killed at ``--limit``; the table says which variants finished, and DIR/<variant>.log
 holds each child's output.
@@ -94,9 +104,9 @@ def child(variant: str, stall: float) -> int:
                      for _ in range(3)]
     if variant in AFTER or variant == "sm-ag":
         watch_all_gather(torch, cluster, ops)
-    if variant.startswith("ag-"):  # ag-<ops>[-exec|-dry][-rev]: the all-gather graph alone
+    if variant.startswith("ag-"):  # ag-<ops>[-dry][-rev]: the all-gather graph alone
         parts = variant.split("-")
-        upload = next((p for p in parts if p in ("exec", "dry")), "none")
+        upload = "dry" if "dry" in parts else "none"
         watch_all_gather(torch, cluster, int(parts[1]), upload, "rev" in parts)
     torch.cuda.synchronize()
     faulthandler.cancel_dump_traceback_later()
@@ -147,7 +157,7 @@ def main() -> int:
     ap.add_argument("--limit", type=float, default=60.0, help="seconds before a child is killed")
     ap.add_argument("--variants", default="default,conn8,leak,fresh8",
                     help=f"comma-separated, of {', '.join(VARIANTS)}, or "
-                    "ag-<ops>[-exec|-dry][-rev] (the all-gather graph alone)")
+                    "ag-<ops>[-dry][-rev] (the all-gather graph alone)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

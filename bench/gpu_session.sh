@@ -84,7 +84,7 @@ for stage in "${stages[@]}"; do
             ;;
         ceupload)
             timeout 300 python3 bench/ce_hang_probe.py --out "$OUT/ceupload" --stall 30 \
-                --limit 45 --variants ag-50-exec,ag-50-dry,ag-50-rev,ag-20,ag-4 \
+                --limit 45 --variants ag-50,ag-50-dry,ag-50-rev,ag-20,ag-4 \
                 > "$OUT/ceupload.log" 2>&1
             echo "rc=$?"; cat "$OUT/ceupload.log"; tail -n 6 "$OUT"/ceupload/*.log
             ;;

@@ -153,3 +153,18 @@ def test_a_copy_collective_after_a_mixed_one_under_graphs(torch):
         graphs = bound.capture(4)
         for _ in range(3):
             _run_and_compare(torch, bound, gen, graphs.replay)
+
+
+def test_a_long_graph_starts_on_both_gpus(torch):
+    """A 50-call all-gather graph hung at its first replay on 2 x H200: the second GPU's graph
+    did not start while the first one's waited for it. capture() now launches every graph
+    once with its waits released before handing it out."""
+    cluster = _cluster("local")
+    gen = np.random.default_rng(4)
+    bound = cluster.bind(standard("all-gather", 2), "direct-pull", nbytes=1 << 20,
+                         dtype="bfloat16", datapath="ce")
+    _run_and_compare(torch, bound, gen, bound.launch)
+    graphs = bound.capture(50)
+    for _ in range(3):
+        _run_and_compare(torch, bound, gen, graphs.replay)
+    _run_and_compare(torch, bound, gen, bound.launch)

@@ -308,7 +308,7 @@ class CeBound:
         drv.issue(calls, self.resources[device])
 
     def capture(self, ops: int = 1, chain_lanes: bool = True,
-                upload: str = "exec") -> "CeGraphSet":
+                upload: str = "dry") -> "CeGraphSet":
         """Capture ``ops`` back-to-back calls into one CUDA graph per device (and, where the
         schedule alternates two scratch areas and ``ops`` is odd, a second set that starts on
         the other parity); replaying the set runs them again with nothing to reset.
@@ -316,9 +316,9 @@ class CeBound:
         ``chain_lanes``: a rank's copy-engine lanes run one after another inside the graph
         (see ``ce_lowering.chain_lanes``); the executor still runs beside them.
 
-        ``upload``: how every graph reaches its GPU before the first replay: ``"exec"``
-        (``cuGraphUpload``), ``"dry"`` (one replay with every counter released, then the
-        counters reset) or ``"none"`` (the first replay uploads)."""
+        ``upload``: ``"dry"`` runs every graph once with its waits released before handing
+        it out (see ``_upload``; the captured calls are then the graphs' second launches),
+        ``"none"`` leaves the first launch to the first replay."""
         from purlin.atom import ce_driver as drv
 
         torch = self.torch
@@ -348,36 +348,29 @@ class CeBound:
                                             capture_stream.cuda_stream, chain_lanes)
                 graphs.append((d, graph))
             sets[start] = graphs
-        self._upload(drv, sets, upload)
+        self._upload(sets, upload)
         return CeGraphSet(self, sets, ops)
 
-    def _upload(self, drv, sets: dict, how: str) -> None:
-        """Put every captured graph on its GPU now, while no stream waits. A first replay
-        uploads it itself, and that upload can wait for the other GPU, whose graph already
-        waits for this one: on 2 x H200 a 50-call all-gather graph hung so, its second
-        GPU's first node never starting."""
-        if how not in ("exec", "dry", "none"):
-            raise ValueError(f"upload must be 'exec', 'dry' or 'none', got {how!r}")
+    def _upload(self, sets: dict, how: str) -> None:
+        """Run every captured graph once while nothing can wait: each set replayed with every
+        counter released (each wait passes at once; outputs and scratch get garbage, the
+        bound inputs are separate buffers and only read), then the counters and the call
+        count put back.
+
+        Why: on 2 x H200 (driver 13.0) a graph's first launch did not start while a graph
+        launched before it on the other GPU was running; a 50-call all-gather graph whose
+        first GPU waited for the second so hung at its first replay (20 calls ran).
+        ``cuGraphUpload`` beforehand did not help; a first launch in which nothing waits
+        did (bench/ce_hang_probe.py, variants ``ag-*``)."""
+        if how not in ("dry", "none"):
+            raise ValueError(f"upload must be 'dry' or 'none', got {how!r}")
         if how == "none":
             return
-        d_ = drv.driver()
-        graphs = [(d, g) for graph_set in sets.values() for d, g in graph_set]
-        if how == "exec" and all(hasattr(g, "raw_cuda_graph_exec") for _, g in graphs):
-            for d, g in graphs:
-                with self.contexts[d]:
-                    drv.check(d_.cuGraphUpload(d_.CUgraphExec(int(g.raw_cuda_graph_exec())),
-                                               self._rescue[d]), "cuGraphUpload")
-            self.synchronize()
-            for d in self.contexts:
-                with self.contexts[d]:
-                    drv.check(d_.cuStreamSynchronize(self._rescue[d]), "cuStreamSynchronize")
-            return
-        # a torch without raw_cuda_graph_exec, or asked for: replay every set once with the
-        # counters released (every wait passes; the data moved is garbage), then start over
         calls = self.calls
         for graph_set in sets.values():
             for f in self.flags:
                 f.fill_(RELEASE_VALUE)
+            self.synchronize()
             for d, g in graph_set:
                 with self.torch.cuda.device(d):
                     g.replay()
