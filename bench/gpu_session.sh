@@ -141,7 +141,7 @@ PY
         sweepce)
             timeout 300 python3 bench/gpu_sweep.py --ce --time-limit 200 --strategies '' \
                 --collectives all-reduce,all-gather,all-to-all,broadcast --no-eager \
-                --sizes 1MiB,16MiB,64MiB,256MiB,1GiB --out "$OUT/sweepce" > "$OUT/sweepce.log" 2>&1
+                --sizes 1MiB,16MiB,64MiB,128MiB,256MiB,1GiB --out "$OUT/sweepce" > "$OUT/sweepce.log" 2>&1
             echo "rc=$?"; tail -40 "$OUT/sweepce.log"
             ;;
         sweepsm)

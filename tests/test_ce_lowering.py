@@ -9,7 +9,7 @@ import pytest
 from purlin.atom.ce import CAPABILITIES
 from purlin.atom.ce_lowering import (Add, Launch, Memcpy, Record, WaitEvent, WaitGeq, Write,
                                      assign_engines, ce_flag_slots, chain_lanes, lookback,
-                                     lower_ce)
+                                     lower_ce, side_copies_of)
 from purlin.atom.ce_sim import CeSim
 from purlin.errors import CapabilityError, ExecutionError
 from purlin.kernels.isa import (COPY, COUNT, DST, EPOCH_OFFSET, FLAG, NOTIFY, NSRC, OP,
@@ -309,10 +309,12 @@ def test_the_simulation_catches_a_broken_lowering(kind, case):
         check_calls(s, 1, seeds=range(8), hook=_drop(kind))
 
 
-def _chained(low):
-    for r in low.ranks:
-        r.lanes = [chain_lanes(lanes, r.rank) for lanes in r.lanes]
-    return low
+def _chained(primary):
+    def hook(low):
+        for r in low.ranks:
+            r.lanes = [chain_lanes(lanes, r.rank, primary) for lanes in r.lanes]
+        return low
+    return hook
 
 
 def test_chained_lanes_wait_for_the_previous_lane():
@@ -328,7 +330,8 @@ def test_chained_lanes_wait_for_the_previous_lane():
                                   ("all-to-all", "ring", 3, 2, 2)])
 def test_lanes_chained_one_after_another_still_compute_the_collective(case):
     """What a captured graph runs: a rank's lanes in lane order, the executor beside them."""
-    check_calls(planned(*case), 2, seeds=range(4), hook=_chained)
+    s = planned(*case)
+    check_calls(s, 2, seeds=range(4), hook=_chained(s.lanes))
 
 
 @pytest.mark.parametrize("name,strategy", [("all-reduce", "two-phase"), ("all-reduce", "ring"),
@@ -352,3 +355,43 @@ def test_an_sm_flag_notified_twice_waits_for_every_block_first(name, strategy):
             if row[OP] == NOTIFY:
                 since[row[FLAG]] = False
     assert repeated
+
+
+def test_a_ranks_own_copy_runs_on_a_side_stream():
+    """All-gather, direct-pull: each rank's copy of its own piece leaves lane 0 for side lane 1,
+    forked where it stood and joined by the main stream; the pulls across NVLink stay."""
+    s = plan(collectives.all_gather(2), "direct-pull", count=8, capabilities=CAPABILITIES)
+    assert side_copies_of(s) == {(0, 1), (1, 1)}
+    low = lowered(s)
+    r0 = low.ranks[0]
+    main, side = r0.lanes[0]
+    fork = Record("side:r0.l0.s1")
+    assert fork in main
+    assert side[:2] == (WaitEvent("fork:d0"), WaitEvent("side:r0.l0.s1"))
+    assert isinstance(side[2], Memcpy) and side[3] == Record("done:r0.l1")
+    bases, _, _ = addresses(2)
+    own = bases[(0, "input")], bases[(0, "output")]
+    assert (side[2].src, side[2].dst) == own  # its own input into its own output
+    copies = [op for op in main if isinstance(op, Memcpy)]
+    assert len(copies) == 1 and copies[0].src == bases[(1, "input")]  # the pull stays
+    assert WaitEvent("done:r0.l1") in low.programs[0][0].tail
+    # chained for a graph, the side lane keeps its fork; without side copies nothing moves
+    assert chain_lanes(r0.lanes[0], 0, s.lanes)[1] == side
+    plain = lower_ce(s, bases, *addresses(2)[1:], devices=(0, 1), side_copies=False)
+    assert len(plain.ranks[0].lanes[0]) == 1
+
+
+@pytest.mark.parametrize("name,strategy,n,chunks,lanes", list(sim_cases()))
+def test_only_a_ranks_copies_of_its_own_input_into_unread_memory_go_aside(name, strategy, n,
+                                                                          chunks, lanes):
+    s = planned(name, strategy, n, chunks, lanes)
+    reads = [(r, i, x) for r, steps in enumerate(s.steps) for i, st in enumerate(steps)
+             if st.moves_data for x in st.srcs]
+    for r, i in side_copies_of(s):
+        st = s.steps[r][i]
+        (src,) = st.srcs
+        assert st.op == "copy" and not st.waits
+        assert src.rank == st.dst.rank == r and src.buffer == "input"
+        assert not any(st.dst.overlaps(x) for _, _, x in reads)
+    if name in ("all-gather", "all-to-all") and s.nranks == 2:
+        assert len(side_copies_of(s)) == 2  # each rank's own piece

@@ -26,7 +26,8 @@ from __future__ import annotations
 import time
 import warnings
 
-from purlin.atom.ce_lowering import assign_engines, ce_flag_slots, chain_lanes, lower_ce
+from purlin.atom.ce_lowering import (Record, assign_engines, ce_flag_slots, chain_lanes,
+                                    lower_ce)
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
 from purlin.kernels import isa
 from purlin.snac.planner import Capabilities
@@ -147,9 +148,15 @@ class CeBound:
         self.control = [torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64,
                                     device=torch.device("cuda", devs[r])) for r in range(n)]
         self.abort = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", devs[0]))
-        self.lowered = lower_ce(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
-                                {r: self.control[r].data_ptr() for r in range(n)}, devs,
-                                blocks_per_lane=bpl, scratch_bytes=scratch_bytes)
+        def lowered(side_copies):
+            return lower_ce(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
+                            {r: self.control[r].data_ptr() for r in range(n)}, devs,
+                            blocks_per_lane=bpl, scratch_bytes=scratch_bytes,
+                            side_copies=side_copies)
+
+        self.lowered = lowered(True)
+        if max(self._streams().values()) > drv.max_connections():
+            self.lowered = lowered(False)  # side streams only where the queues allow them
         self._initial_flags = []
         for r, low in enumerate(self.lowered.ranks):
             for addr, value in low.init.items():
@@ -173,16 +180,21 @@ class CeBound:
         """Streams beyond the device's hardware queues share one, and a stream waiting on a
         counter would then hold up the stream behind it: refuse rather than risk a hang."""
         limit = drv.max_connections()
-        for d in dict.fromkeys(self.devices):
-            active = sum(1 for low in self.lowered.ranks if low.device == d
-                         for ops in low.lanes[0] if ops)
-            if active + 1 > limit:
+        for d, needed in self._streams().items():
+            if needed > limit:
                 raise CapabilityError(
-                    f"the ce datapath needs {active + 1} streams on GPU {d} (one per active "
+                    f"the ce datapath needs {needed} streams on GPU {d} (one per active "
                     f"(rank, lane) plus the caller's) but the driver maps streams onto "
                     f"CUDA_DEVICE_MAX_CONNECTIONS={limit} hardware queues; a waiting stream "
                     "could block another one. Use fewer lanes, or set "
                     "CUDA_DEVICE_MAX_CONNECTIONS (up to 32) before CUDA starts")
+
+    def _streams(self) -> dict:
+        """Streams a call uses per device: one per active (rank, lane), side lanes included,
+        and the caller's."""
+        return {d: 1 + sum(1 for low in self.lowered.ranks if low.device == d
+                           for ops in low.lanes[0] if ops)
+                for d in dict.fromkeys(self.devices)}
 
     def _build(self, drv, torch, threads) -> None:
         from purlin.kernels.launch import Launcher
@@ -197,7 +209,10 @@ class CeBound:
                 for lane, ops in enumerate(r.lanes[0]):
                     if ops:
                         streams[(r.rank, lane)] = drv.create_stream(ctx)
-                        events[f"done:r{r.rank}.l{lane}"] = drv.create_event(ctx)
+                for lane_ops in (ops for per_parity in r.lanes for ops in per_parity):
+                    for op in lane_ops:  # lane ends, side-copy forks
+                        if isinstance(op, Record) and op.event not in events:
+                            events[op.event] = drv.create_event(ctx)
             events[f"fork:d{d}"] = drv.create_event(ctx)
             events[f"end:d{d}"] = drv.create_event(ctx)
             launch = self._launcher(torch, Launcher, d, [r for r in ranks if r.sm is not None],
@@ -211,7 +226,8 @@ class CeBound:
                     lane_ops = {}
                     for r in ranks:
                         lanes = r.lanes[parity]
-                        lanes = chain_lanes(lanes, r.rank) if chained else lanes
+                        lanes = chain_lanes(lanes, r.rank, self.schedule.lanes) \
+                            if chained else lanes
                         lane_ops.update({(r.rank, lane): ops for lane, ops in enumerate(lanes)})
                     self.programs[(d, parity, chained)] = drv.compile_program(
                         low.programs[d][parity], lane_ops, res)

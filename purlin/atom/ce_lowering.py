@@ -16,6 +16,12 @@ its own (ce: ``Add``; sm: a NOTIFY row; the other side waits for it), so each la
 program order. The main stream forks the lane streams (``Record`` / ``WaitEvent``), launches the
 executor, joins them, and then *rebases* the rank's counters.
 
+**Side copies.** A rank's copy of its own input into its own memory that no other step reads
+or writes (its own piece of an all-gather, all-to-all or broadcast output) leaves the lane for
+a side stream (lane ``schedule.lanes + lane``), forked where it stood and joined with the
+lane's end; the copies that cross NVLink then run beside it instead of after it. A copy that
+crosses NVLink never moves there: the Notify after it must mean the bytes have landed.
+
 **Counters that graphs can replay.** SNAC's flags only grow: call ``e`` waits for
 ``(e + call) * per_call + value``. Stream operations bake their values in at capture, so a CUDA
 graph could not replay waits whose targets grow with ``e``. Instead every call ends, on the
@@ -128,6 +134,10 @@ def fork_event(device: int) -> str:
     return f"fork:d{device}"
 
 
+def side_event(rank: int, lane: int, index: int) -> str:
+    return f"side:r{rank}.l{lane}.s{index}"
+
+
 def done_event(rank: int, lane: int) -> str:
     return f"done:r{rank}.l{lane}"
 
@@ -203,14 +213,19 @@ class CeLowered:
         return out
 
 
-def chain_lanes(lanes, rank: int) -> list:
+def chain_lanes(lanes, rank: int, primary: int | None = None) -> list:
     """One rank's lane programs made to run one after another (lane order): each active lane
     waits for the previous one's end instead of the fork. Stream waits are invisible to CUDA,
     so a graph's scheduler may serialize independent branches in any order; chaining every
     rank's lanes in the same order makes the order explicit and cannot deadlock (lane l only
-    waits on lane l of other ranks, and on earlier calls)."""
+    waits on lane l of other ranks, and on earlier calls). Side lanes (index ``primary`` and
+    up) stay forked from their lane: they hold only copies, no stream wait, so running them
+    in any order cannot block anything."""
     out, prev = [], None
     for lane, ops in enumerate(lanes):
+        if primary is not None and lane >= primary:
+            out.append(ops)
+            continue
         if ops and prev is not None:
             ops = (WaitEvent(done_event(rank, prev)),) + tuple(ops[1:])
         if ops:
@@ -289,13 +304,15 @@ def lookback(schedule: Schedule) -> dict:
 
 # -- lowering -----------------------------------------------------------------------------------
 def lower_ce(schedule: Schedule, bases: dict, flag_bases: dict, epoch_addresses: dict,
-             devices, blocks_per_lane: int = 1, scratch_bytes: dict | None = None) -> CeLowered:
+             devices, blocks_per_lane: int = 1, scratch_bytes: dict | None = None,
+             side_copies: bool = True) -> CeLowered:
     """Lower ``schedule`` for the ce datapath.
 
     ``bases[(rank, buffer)]``: device address of input / output / scratch; ``flag_bases[rank]``:
     address of the rank's ``ce_flag_slots`` uint64 counters; ``epoch_addresses[rank]``: the
     rank's executor call counter (D_EPOCH); ``devices[rank]``: its GPU. ``scratch_bytes[rank]``
-    is the byte size of one scratch copy (default: from the schedule).
+    is the byte size of one scratch copy (default: from the schedule). ``side_copies``: move
+    the copies :func:`side_copies` finds onto side streams (module docstring).
     """
     dt = as_dtype(schedule.dtype)
     item = dt.itemsize
@@ -319,7 +336,8 @@ def lower_ce(schedule: Schedule, bases: dict, flag_bases: dict, epoch_addresses:
         p = per_call.get(w.flag, 0)
         return ((back.get(w.flag, 0) + w.call) * p + w.value) * unit
 
-    ctx = _Ctx(schedule, engines, address, target, flag_bases, unit, item, n, nlanes)
+    side = side_copies_of(schedule, engines) if side_copies else frozenset()
+    ctx = _Ctx(schedule, engines, address, target, flag_bases, unit, item, n, nlanes, side)
     ranks = [_lower_rank(ctx, rank, devices[rank], parities) for rank in range(n)]
     # starting values (bias) and end-of-call rebase of every flag, on its owner
     for flag, p in per_call.items():
@@ -336,6 +354,36 @@ def lower_ce(schedule: Schedule, bases: dict, flag_bases: dict, epoch_addresses:
     return CeLowered(ranks, programs, unit, int(blocks_per_lane), parities)
 
 
+def side_copies_of(schedule: Schedule, engines=None) -> frozenset:
+    """``(rank, step index)`` of every copy-engine copy that can run on a side stream: a rank
+    copying its own input into its own memory, with no wait of its own, where no other step of
+    any rank reads or writes what it writes. Nothing is ordered after it but the lane's end.
+
+    >>> from purlin.spec import collectives
+    >>> from purlin.snac import Capabilities, plan
+    >>> s = plan(collectives.all_gather(2), "direct-pull", count=8,
+    ...          capabilities=Capabilities("ce", can_reduce=False, reduce_engine="sm"))
+    >>> sorted(side_copies_of(s))
+    [(0, 1), (1, 1)]
+    """
+    engines = engines or assign_engines(schedule)
+    data = [(r, i, st) for r, steps in enumerate(schedule.steps) for i, st in enumerate(steps)
+            if st.moves_data]
+    out = set()
+    for r, i, st in data:
+        if engines[r][i] != "ce" or st.op != "copy" or st.waits or len(st.srcs) != 1:
+            continue
+        (src,) = st.srcs
+        if src.rank != r or src.buffer != "input" or st.dst.rank != r:
+            continue
+        if any((q, j) != (r, i) and (st.dst.overlaps(other.dst)
+                                     or any(st.dst.overlaps(x) for x in other.srcs))
+               for q, j, other in data):
+            continue
+        out.add((r, i))
+    return frozenset(out)
+
+
 @dataclass
 class _Ctx:
     schedule: Schedule
@@ -347,12 +395,14 @@ class _Ctx:
     item: int
     nranks: int
     nlanes: int
+    side: frozenset         # (rank, step index) of the copies that go to side streams
 
 
 def _lower_rank(ctx: _Ctx, rank: int, device: int, parities: int) -> CeRank:
     steps = ctx.schedule.steps[rank]
     engines = ctx.engines[rank]
     lanes_ops = [[[] for _ in range(ctx.nlanes)] for _ in range(parities)]
+    side_ops = [[[] for _ in range(ctx.nlanes)] for _ in range(parities)]
     rows = [[[] for _ in range(ctx.nlanes)] for _ in range(parities)]
     pools = [[] for _ in range(parities)]
     rebase, handoffs = [], []
@@ -376,6 +426,12 @@ def _lower_rank(ctx: _Ctx, rank: int, device: int, parities: int) -> CeRank:
                              n_hand * ctx.unit)
                     written, read = [], []
                 current = engine
+                if engine == "ce" and (rank, i) in ctx.side:
+                    event = side_event(rank, lane, i)
+                    ops.append(Record(event))
+                    side_ops[parity][lane].append(WaitEvent(event))
+                    _ce_step(ctx, side_ops[parity][lane], i, step, parity)
+                    continue
                 if engine == "ce":
                     _ce_step(ctx, ops, i, step, parity)
                     continue
@@ -406,7 +462,8 @@ def _lower_rank(ctx: _Ctx, rank: int, device: int, parities: int) -> CeRank:
     lanes = []
     for parity in range(parities):
         per_lane = []
-        for lane, ops in enumerate(lanes_ops[parity]):
+        side = side_ops[parity] if any(any(p) for p in side_ops) else []
+        for lane, ops in enumerate(lanes_ops[parity] + side):
             per_lane.append(tuple([WaitEvent(fork_event(device)), *ops,
                                    Record(done_event(rank, lane))]) if ops else ())
         lanes.append(per_lane)

@@ -121,7 +121,7 @@ class CeSim:
                         *[(op, c) for op in prog.tail], ("snap", c, ranks)]
             actors.append(_Actor(f"main:d{d}", ops))
         for r in low.ranks:
-            for lane in range(self.schedule.lanes):
+            for lane in range(len(r.lanes[0])):  # side lanes after the schedule's lanes
                 ops = [(op, c) for c in range(calls)
                        for op in r.lanes[c % len(r.lanes)][lane]]
                 if ops:
