@@ -129,9 +129,9 @@ def test_bind_datapath_switch_on_a_cpu_cluster():
 
 def test_auto_prefers_copy_engines_for_large_copies_only():
     ag, ar = collectives.all_gather(2), collectives.all_reduce(2)
-    assert auto_datapath(ag, nbytes=8 << 20, dtype="bfloat16") == "ce"
-    assert auto_datapath(ag, nbytes=1 << 20, dtype="bfloat16") == "sm"
+    assert auto_datapath(ag, nbytes=128 << 20, dtype="bfloat16") == "ce"
+    assert auto_datapath(ag, nbytes=64 << 20, dtype="bfloat16") == "sm"
     assert auto_datapath(ag) == "sm"
     assert auto_datapath(ar, nbytes=1 << 30, dtype="bfloat16") == "sm"
-    sizing = ag.sized(nbytes=64 << 20, dtype="bfloat16")
+    sizing = ag.sized(nbytes=256 << 20, dtype="bfloat16")
     assert auto_datapath(ag, sizing=sizing) == "ce"

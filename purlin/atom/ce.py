@@ -15,9 +15,9 @@ as on the sm datapath.
 >>> CAPABILITIES
 Capabilities(name='ce', can_reduce=False, reduce_engine='sm')
 >>> from purlin.spec import collectives
->>> auto_datapath(collectives.all_gather(2), nbytes=64 << 20, dtype="bfloat16")
+>>> auto_datapath(collectives.all_gather(2), nbytes=256 << 20, dtype="bfloat16")
 'ce'
->>> auto_datapath(collectives.all_reduce(2), nbytes=64 << 20, dtype="bfloat16")
+>>> auto_datapath(collectives.all_reduce(2), nbytes=256 << 20, dtype="bfloat16")
 'sm'
 """
 
@@ -35,9 +35,10 @@ from purlin.snac.planner import Capabilities
 CAPABILITIES = Capabilities(name="ce", can_reduce=False, reduce_engine="sm")
 TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float64")
 DEFAULT_THREADS = 512
-# copy engines pay a few µs per operation; below this the sm datapath is faster (NCCL's
-# NCCL_SYM_CE_THRESHOLD default is the same 8 MiB)
-AUTO_MIN_BYTES = 8 << 20
+# where copy engines beat the sm datapath on 2 x H200 (run U, with side copies): all-gather and
+# all-to-all from 128 MiB (235 µs against 256-258), broadcast even at 128 MiB and ahead from
+# 256 MiB; at 64 MiB sm was faster (138 against 145-160 µs), at 16 MiB twice as fast
+AUTO_MIN_BYTES = 128 << 20
 SAFE_CONNECTIONS = 32       # hardware queues per device under which ce graphs ran (purlin/__init__)
 RELEASE_VALUE = 1 << 62     # written into every counter to free stuck waits after a timeout
 
