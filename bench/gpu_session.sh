@@ -144,6 +144,17 @@ PY
                 --sizes 1MiB,16MiB,64MiB,128MiB,256MiB,1GiB --out "$OUT/sweepce" > "$OUT/sweepce.log" 2>&1
             echo "rc=$?"; tail -40 "$OUT/sweepce.log"
             ;;
+        ceconfigs)
+            # reductions with copy-engine transfers pipelined over chunks (sm reduces), 64 MiB up
+            timeout 200 python3 -m purlin bench all-reduce -b 64MiB,256MiB,1GiB --no-progress \
+                -p nccl,purlin:auto,ce:two-phase,ce:two-phase/c2,ce:two-phase/c4,ce:two-phase/c8,ce:two-phase/c4/l2,ce:direct-pull/c4 \
+                --time-limit 120 --json "$OUT/ceconfigs-allreduce.json" > "$OUT/ceconfigs.log" 2>&1
+            echo "rc=$?"
+            timeout 150 python3 -m purlin bench reduce -b 64MiB,256MiB,1GiB --no-progress \
+                -p nccl,purlin:auto,ce:direct-push,ce:direct-push/c4,ce:direct-push/c8,ce:two-phase/c4 \
+                --time-limit 90 --json "$OUT/ceconfigs-reduce.json" >> "$OUT/ceconfigs.log" 2>&1
+            echo "rc=$?"; grep -v "^#  " "$OUT/ceconfigs.log" | tail -60
+            ;;
         sweepsm)
             timeout 300 python3 bench/gpu_sweep.py --time-limit 170 \
                 --sizes 8,64,512,4KiB,8KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB,1GiB --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1

@@ -180,6 +180,9 @@ def test_the_ce_provider_defaults_to_one_lane_whole_pieces():
     assert choice("all-reduce", "ce:auto") == ("two-phase", 1, 1)
     assert choice("all-gather", "ce:auto") == ("direct-pull", 1, 1)
     assert choice("broadcast", "ce:direct-push") == ("direct-push", 1, 1)
+    # given chunks or lanes win; the rest stays the ce default, not the sm table's
+    assert choice("all-reduce", "ce:two-phase/c4") == ("two-phase", 4, 1)
+    assert choice("reduce", "ce:direct-push/c8/l2") == ("direct-push", 8, 2)
 
 
 def test_auto_points_run_with_the_tables_ll_and_pdl():

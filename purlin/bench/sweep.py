@@ -337,12 +337,14 @@ class Sweep:
 
         pr = point.provider
         strategy = None if pr.strategy == "auto" else pr.strategy
-        if pr.kind == "ce" and not (pr.chunks or pr.lanes):
-            # the copy engines' measured best (2 x H200): one lane, whole pieces, pulls for
-            # copies and two-phase (reductions on sm) for reductions
+        if pr.kind == "ce":
+            # the sm tuning table says nothing about copy engines; their measured best
+            # (2 x H200): one lane, whole pieces, pulls for copies and two-phase (reductions
+            # on sm) for reductions; given chunks or lanes win
+            given = bool(pr.chunks or pr.lanes)
             return Choice(strategy or ("two-phase" if point.collective.op.is_reduce
-                                       else "direct-pull"), 1, 1, pr.blocks_per_lane,
-                          "ce default")
+                                       else "direct-pull"), pr.chunks or 1, pr.lanes or 1,
+                          pr.blocks_per_lane, "given" if given else "ce default")
         choice = select(point.collective, cluster, nbytes=point.nbytes, dtype=point.dtype,
                         strategy=strategy, table=self.table,
                         model=True if self.datapath == "model" else None)
