@@ -36,11 +36,12 @@ def candidates(nbytes: int):
                 ("direct-push", 1, 1, 1, "ll+pdl"), ("direct-push", 1, 1, 1),
                 ("direct-push", 1, 1, 2), ("direct-pull", 1, 1, 1), ("two-phase", 1, 1, 1),
                 ("two-phase", 1, 2, 1, "ll")]
-    if nbytes <= 64 * KiB:
-        return [("direct-push", 1, 1, 4, "ll+pdl"), ("direct-push", 1, 1, 8, "ll+pdl"),
-                ("direct-push", 2, 2, 4, "ll+pdl"), ("direct-push", 4, 4, 1, "ll+pdl"),
-                ("direct-push", 1, 1, 8, "pdl"), ("direct-push", 1, 1, 8),
-                ("two-phase", 1, 2, 4), ("direct-pull", 1, 1, 4)]
+    if nbytes <= 64 * KiB:  # LL with several blocks lost here (run P): more blocks instead
+        return [("direct-push", 1, 1, 8, "ll+pdl"), ("direct-push", 1, 1, 8, "pdl"),
+                ("direct-push", 1, 1, 8), ("direct-push", 1, 1, 16, "pdl"),
+                ("direct-push", 1, 1, 32, "pdl"), ("direct-push", 2, 2, 8, "pdl"),
+                ("direct-push", 2, 2, 16, "pdl"), ("direct-push", 4, 4, 4, "pdl"),
+                ("direct-push", 4, 4, 8, "pdl"), ("two-phase", 1, 2, 8, "pdl")]
     if nbytes <= 1 * MiB:
         return [("two-phase", 1, 2, 32), ("two-phase", 1, 2, 16), ("direct-push", 1, 1, 64),
                 ("direct-pull", 1, 1, 64), ("ring", 1, 2, 32), ("two-phase", 2, 4, 16),
