@@ -149,6 +149,7 @@ class CeBound:
         self.control = [torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64,
                                     device=torch.device("cuda", devs[r])) for r in range(n)]
         self.abort = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", devs[0]))
+
         def lowered(side_copies):
             return lower_ce(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
                             {r: self.control[r].data_ptr() for r in range(n)}, devs,

@@ -312,7 +312,7 @@ def lower_ce(schedule: Schedule, bases: dict, flag_bases: dict, epoch_addresses:
     address of the rank's ``ce_flag_slots`` uint64 counters; ``epoch_addresses[rank]``: the
     rank's executor call counter (D_EPOCH); ``devices[rank]``: its GPU. ``scratch_bytes[rank]``
     is the byte size of one scratch copy (default: from the schedule). ``side_copies``: move
-    the copies :func:`side_copies` finds onto side streams (module docstring).
+    the copies :func:`side_copies_of` finds onto side streams (module docstring).
     """
     dt = as_dtype(schedule.dtype)
     item = dt.itemsize
@@ -462,8 +462,8 @@ def _lower_rank(ctx: _Ctx, rank: int, device: int, parities: int) -> CeRank:
     lanes = []
     for parity in range(parities):
         per_lane = []
-        side = side_ops[parity] if any(any(p) for p in side_ops) else []
-        for lane, ops in enumerate(lanes_ops[parity] + side):
+        aside = side_ops[parity] if any(any(p) for p in side_ops) else []
+        for lane, ops in enumerate(lanes_ops[parity] + aside):
             per_lane.append(tuple([WaitEvent(fork_event(device)), *ops,
                                    Record(done_event(rank, lane))]) if ops else ())
         lanes.append(per_lane)
