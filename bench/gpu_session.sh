@@ -9,7 +9,8 @@
 #               cehang: where the hang after a mixed collective comes from; ce1gprobe: the
 #               1 GiB ce+sm all-reduce that stalled a sweep, with thread stacks)
 #   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL;
-#               processzc: zero_copy, the caller's tensors used in place of staging copies)
+#               processzc: zero_copy, the caller's tensors used in place of staging copies;
+#               processzcll: zero_copy with LL up to 4 MiB)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   tune sweep  the tuning table, then the six-collective sweep against NCCL (sweepsm: no ce;
 #               sweepce: the ce datapath's collectives, 1 MiB .. 1 GiB, against sm and NCCL)
@@ -110,6 +111,12 @@ for stage in "${stages[@]}"; do
                 --sections correctness,graph,latency --out "$OUT/process_mode_zc.json" \
                 > "$OUT/process_zc.log" 2>&1
             echo "rc=$?"; tail -15 "$OUT/process_zc.log"
+            ;;
+        processzcll)
+            timeout 150 python3 bench/process_mode_gpu.py --zero-copy --protocol ll \
+                --max-bytes 4194304 --sections correctness,graph,latency \
+                --out "$OUT/process_mode_zc_ll.json" > "$OUT/process_zc_ll.log" 2>&1
+            echo "rc=$?"; tail -15 "$OUT/process_zc_ll.log"
             ;;
         notebooks)
             timeout 400 python3 - "$OUT" > "$OUT/notebooks.log" 2>&1 <<'PY'
