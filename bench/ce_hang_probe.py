@@ -49,8 +49,9 @@ VARIANTS = {"default": {}, "conn8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "leak"
             "fresh8": {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, "allreduce1g": {},
             "ag50": {}, "ar1m-ag": {}, "ar1g-ag": {}, "sm-ag": {}}
 # the ce sweep (run at 39bc337) timed out on its first all-gather, right after its all-reduce
-# points: which part of what ran before does it take?
-AFTER = {"ag50": [], "ar1m-ag": [1 << 20], "ar1g-ag": [(1 << 20) << k for k in (0, 4, 6, 8, 10)]}
+# points: which part of what ran before does it take? (sm-ag: the sweep's sm points instead)
+AFTER = {"ag50": [], "ar1m-ag": [1 << 20], "ar1g-ag": [(1 << 20) << k for k in (0, 4, 6, 8, 10)],
+         "sm-ag": []}
 SIZE = 1 << 20
 
 
@@ -79,8 +80,8 @@ def child(variant: str, stall: float) -> int:
     if variant == "allreduce1g":
         steps = [("all-reduce", "two-phase", SIZE << k, 1, 1) for k in (0, 4, 8, 10)]
         ops, repeats = 50, 15
-    if variant in AFTER or variant == "sm-ag":
-        steps = [("all-reduce", "two-phase", n, 1, 1) for n in AFTER.get(variant, [])]
+    if variant in AFTER:
+        steps = [("all-reduce", "two-phase", n, 1, 1) for n in AFTER[variant]]
         ops, repeats = 50, 15
         if variant == "sm-ag":  # the sweep's sm points first (auto, the tuning table's LL/PDL)
             from purlin.bench.sweep import Sweep
@@ -102,7 +103,7 @@ def child(variant: str, stall: float) -> int:
             kept += [cluster.bind(standard(name, 2), strategy, nbytes=nbytes,
                                   dtype="bfloat16", chunks=chunks, lanes=lanes, datapath="ce")
                      for _ in range(3)]
-    if variant in AFTER or variant == "sm-ag":
+    if variant in AFTER:
         watch_all_gather(torch, cluster, ops)
     if variant.startswith("ag-"):  # ag-<ops>[-dry][-rev]: the all-gather graph alone
         parts = variant.split("-")

@@ -24,6 +24,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the image lacks (plotly, ...), 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD:/tmp/site"
 fi
+process_sections() {  # NAME ARGS...: process mode's correctness, graph and latency sections
+    local name=$1; shift
+    timeout 150 python3 bench/process_mode_gpu.py "$@" --sections correctness,graph,latency \
+        --out "$OUT/process_mode_$name.json" > "$OUT/process_$name.log" 2>&1
+    echo "rc=$?"; tail -15 "$OUT/process_$name.log"
+}
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env kernels tests allreduce)
 for stage in "${stages[@]}"; do
@@ -100,24 +106,9 @@ for stage in "${stages[@]}"; do
             timeout 240 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1
             echo "rc=$?"; tail -20 "$OUT/tp.log"
             ;;
-        processll)
-            timeout 150 python3 bench/process_mode_gpu.py --protocol ll --max-bytes 4194304 \
-                --sections correctness,graph,latency --out "$OUT/process_mode_ll.json" \
-                > "$OUT/process_ll.log" 2>&1
-            echo "rc=$?"; tail -15 "$OUT/process_ll.log"
-            ;;
-        processzc)
-            timeout 150 python3 bench/process_mode_gpu.py --zero-copy \
-                --sections correctness,graph,latency --out "$OUT/process_mode_zc.json" \
-                > "$OUT/process_zc.log" 2>&1
-            echo "rc=$?"; tail -15 "$OUT/process_zc.log"
-            ;;
-        processzcll)
-            timeout 150 python3 bench/process_mode_gpu.py --zero-copy --protocol ll \
-                --max-bytes 4194304 --sections correctness,graph,latency \
-                --out "$OUT/process_mode_zc_ll.json" > "$OUT/process_zc_ll.log" 2>&1
-            echo "rc=$?"; tail -15 "$OUT/process_zc_ll.log"
-            ;;
+        processll) process_sections ll --protocol ll --max-bytes 4194304 ;;
+        processzc) process_sections zc --zero-copy ;;
+        processzcll) process_sections zc_ll --zero-copy --protocol ll --max-bytes 4194304 ;;
         notebooks)
             timeout 400 python3 - "$OUT" > "$OUT/notebooks.log" 2>&1 <<'PY'
 import sys

@@ -523,8 +523,10 @@ class CeBound:
                                            self._rescue[d0]), "cuMemcpyHtoDAsync")
         if not self._wait_idle(drv, time.monotonic() + max(10.0, self.timeout)):
             why = (f"{stuck or 'the ce datapath timed out'}; it stayed stuck after its "
-                   "counters were released (a stream that writes them may share a hardware "
-                   "queue with a stuck one); the GPUs need a new process")
+                   "counters were released (seen when a CUDA graph's first launch waited for "
+                   "the other GPU's running graph: capture with CeBound.capture, which "
+                   "launches each graph once first; or streams sharing a hardware queue); "
+                   "the GPUs need a new process")
             for d in self.contexts:
                 STUCK.setdefault(d, why)
             raise PurlinTimeoutError(why)
