@@ -131,6 +131,9 @@ PLAN_ARGS = COLLECTIVE_ARGS + (
     arg("--dtype", default="float32", help="element type (default float32)"),
     arg("--chunks", type=int, default=1, help="pieces per transfer (default 1)"),
     arg("--lanes", type=int, default=1, help="parallel lanes per rank (default 1)"),
+    arg("--lanes-by", default="piece", choices=("piece", "stage"),
+        help="piece: a piece keeps one lane; stage: a hop at depth d runs in lane d %% lanes "
+             "(default piece)"),
 )
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -175,7 +178,7 @@ def plan_from(args: argparse.Namespace):
         strategy, chunks, lanes = choose(coll, Cluster.cpu(coll.nranks), nbytes=nbytes,
                                          dtype=args.dtype)
     return plan(coll, strategy, nbytes=nbytes, dtype=args.dtype, chunks=chunks, lanes=lanes,
-                check=False)
+                lanes_by=getattr(args, "lanes_by", "piece"), check=False)
 
 
 @command("plan", *PLAN_ARGS,
@@ -220,7 +223,8 @@ def run_command(args: argparse.Namespace) -> int:
     n = schedule.nranks
     cluster = Cluster.cpu(n) if args.datapath == "cpu" else Cluster.best(n)
     bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
-                         chunks=schedule.chunks, lanes=schedule.lanes)
+                         chunks=schedule.chunks, lanes=schedule.lanes,
+                         lanes_by=schedule.lanes_by)
     sizing = schedule.sizing
     rng = np.random.default_rng(args.seed)
     print(f"{schedule.title()} on {cluster}")
@@ -265,7 +269,8 @@ def trace_command(args: argparse.Namespace) -> int:
         cluster = Cluster.best(schedule.nranks)
         options = {} if cluster.kind == "cpu" else {"trace_rows": 256}
         bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
-                             chunks=schedule.chunks, lanes=schedule.lanes, **options)
+                             chunks=schedule.chunks, lanes=schedule.lanes,
+                             lanes_by=schedule.lanes_by, **options)
         rng = np.random.default_rng(0)
         inputs = [_random_input(rng, schedule.sizing.input_count(r), schedule.dtype)
                   for r in range(schedule.nranks)]

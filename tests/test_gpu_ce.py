@@ -54,18 +54,36 @@ def _run_and_compare(torch, bound, gen, launch):
         np.testing.assert_array_equal(got, want)
 
 
+def _eager_then_graphs(torch, bound, seed, ops):
+    """Three eager calls, then two replays of a graph of ``ops`` calls, fresh inputs each."""
+    gen = np.random.default_rng(seed)
+    for _ in range(3):
+        _run_and_compare(torch, bound, gen, bound.launch)
+    graphs = bound.capture(ops)
+    for _ in range(2):
+        _run_and_compare(torch, bound, gen, graphs.replay)
+
+
 @pytest.mark.parametrize("kind", ["local", "virtual"])
 @pytest.mark.parametrize("name,strategy,chunks,lanes", CASES)
 def test_ce_datapath_matches_the_reference(torch, kind, name, strategy, chunks, lanes):
     cluster = _cluster(kind)
     bound = cluster.bind(standard(name, 2), strategy, count=4096, dtype="float32",
                          chunks=chunks, lanes=lanes, datapath="ce")
-    gen = np.random.default_rng(0)
-    for _ in range(3):
-        _run_and_compare(torch, bound, gen, bound.launch)
-    graphs = bound.capture(3)
-    for _ in range(2):
-        _run_and_compare(torch, bound, gen, graphs.replay)
+    _eager_then_graphs(torch, bound, seed=0, ops=3)
+
+
+@pytest.mark.parametrize("kind", ["local", "virtual"])
+@pytest.mark.parametrize("name,count", [("all-reduce", 4096), ("all-reduce", (24 << 20) + 5),
+                                        ("reduce-scatter", 4096)])
+def test_stage_lanes_on_copy_engines_match_the_reference(torch, kind, name, count):
+    """Lanes by stage: the reduce-scatter pushes in one lane, the reductions and all-gather
+    pushes in the next, the final waits in a third (tests/test_lanes_by_stage.py)."""
+    cluster = _cluster(kind)
+    bound = cluster.bind(standard(name, 2), "two-phase", count=count, dtype="float32",
+                         chunks=4, lanes=3, lanes_by="stage", datapath="ce")
+    assert bound.schedule.lanes_by == "stage"
+    _eager_then_graphs(torch, bound, seed=1, ops=4)
 
 
 def test_a_stream_wait_that_is_never_satisfied_times_out(torch):

@@ -147,6 +147,20 @@ def test_two_gpus_chunks_pipelined_through_one_many_block_lane(torch, name, stra
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("kind,n", [("local", 2), ("virtual", 3)])
+@pytest.mark.parametrize("name,strategy", [("all-reduce", "two-phase"), ("all-reduce", "ring"),
+                                           ("all-gather", "direct-push"), ("reduce", "ring")])
+def test_stage_lanes_match_the_reference(torch, kind, n, name, strategy):
+    """Lanes by stage on the sm datapath: a hop at depth d runs in lane d % lanes."""
+    cluster = _cluster(kind, n)
+    gen = np.random.default_rng(6)
+    coll = standard(name, n)
+    for nbytes, odd in ((1000, True), ((4 << 20) + 12, True)):
+        sizing = _sizing(coll, nbytes, "bfloat16", odd)
+        bound = cluster.bind(coll, strategy, sizing=sizing, chunks=4, lanes=3, lanes_by="stage")
+        _check(torch, bound, sizing, gen)
+
+
 @pytest.mark.parametrize("n", range(2, 9))
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_virtual_ranks(torch, n, strategy):

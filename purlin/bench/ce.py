@@ -15,7 +15,8 @@ from purlin.spec.sizing import fit_nbytes
 def time_ce(cluster, collective, nbytes: int, dtype: str = "bfloat16",
             strategy: str = "direct-push", chunks: int = 1, lanes: int = 1,
             blocks_per_lane: int | None = None, threads: int = 512, mode: str = "graph",
-            ops: int = 50, repeats: int = 20, provider: str | None = None) -> Record:
+            ops: int = 50, repeats: int = 20, provider: str | None = None,
+            lanes_by: str = "piece") -> Record:
     """Bind ``collective`` on the ce datapath, check it on random data, time it: ``graph``
     (device time per op over CUDA-graph replays) or ``eager`` (host-inclusive per call)."""
     import torch
@@ -25,11 +26,14 @@ def time_ce(cluster, collective, nbytes: int, dtype: str = "bfloat16",
     coll = collective
     sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
     bound = cluster.bind(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
-                         blocks_per_lane=blocks_per_lane, threads=threads, datapath="ce")
+                         lanes_by=lanes_by, blocks_per_lane=blocks_per_lane, threads=threads,
+                         datapath="ce")
     wrong = count_wrong(torch, bound)
     sched = bound.schedule
     extra = {"strategy": sched.strategy, "chunks": sched.chunks, "lanes": sched.lanes,
              "datapath": "ce", "atomic_add": bound.atomic_add}
+    if sched.lanes_by != "piece":
+        extra["lanes_by"] = sched.lanes_by
     if bound.lowered.uses_sm:
         extra["sm_blocks_per_lane"] = bound.blocks_per_lane
     big = sizing.message_bytes > (1 << 22)

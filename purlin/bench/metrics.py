@@ -128,13 +128,14 @@ MODE_NOTES = {
 
 
 def config_of(r: Record) -> str:
-    """Purlin's configuration of a record as ``strategy cC lL bB`` ("" for baselines)."""
+    """Purlin's configuration of a record as ``strategy cC lL[ stage] bB`` ("" for
+    baselines)."""
     e = r.extra
     if "strategy" not in e:
         return ""
     bpl = e.get("blocks_per_lane")
     return (f"{e['strategy']} c{e.get('chunks', 1)} l{e.get('lanes', 1)}"
-            + (f" b{bpl}" if bpl else ""))
+            + (" stage" if e.get("lanes_by") == "stage" else "") + (f" b{bpl}" if bpl else ""))
 
 
 def _num(value: float, width: int) -> str:

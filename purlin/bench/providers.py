@@ -113,7 +113,7 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
                 strategy: str = "direct-push", chunks: int = 1, lanes: int = 1,
                 blocks_per_lane: int | None = None, threads: int = 512, mode: str = "graph",
                 ops: int = 50, repeats: int = 20, provider: str | None = None,
-                protocol: str = "simple", pdl: bool = False) -> Record:
+                protocol: str = "simple", pdl: bool = False, lanes_by: str = "piece") -> Record:
     """Bind, check and time one point; returns a Record (graph: device time per op).
     ``protocol="ll"``: the sm datapath's LL transfers; ``pdl``: programmatic dependent launch
     (both ``purlin.atom.sm.bind``)."""
@@ -122,11 +122,14 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
     coll = collective
     sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
     bound = cluster.bind(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
-                         threads=threads, **launch_options(blocks_per_lane, protocol, pdl))
+                         lanes_by=lanes_by, threads=threads,
+                         **launch_options(blocks_per_lane, protocol, pdl))
     wrong = count_wrong(torch, bound)
     sched = bound.schedule
     extra = {"strategy": sched.strategy, "chunks": sched.chunks, "lanes": sched.lanes,
              "blocks_per_lane": bound.blocks_per_lane, "threads": threads}
+    if sched.lanes_by != "piece":
+        extra["lanes_by"] = sched.lanes_by
     if getattr(bound, "protocol", "simple") != "simple":  # as bound: auto may choose them
         extra["protocol"] = bound.protocol
     if getattr(bound, "pdl", False):
@@ -147,7 +150,7 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
 def time_purlin_cpu(collective, nbytes: int, dtype: str = "float32",
                     strategy: str = "direct-push", chunks: int = 1, lanes: int = 1,
                     calls: int = 10, repeats: int = 5, provider: str | None = None,
-                    seed: int = 0) -> Record:
+                    seed: int = 0, lanes_by: str = "piece") -> Record:
     """Bind on the cpu datapath, check against the float64 reference, time wall clock per
     call (mode "cpu": numpy and host threads, not GPU numbers)."""
     import numpy as np
@@ -158,7 +161,7 @@ def time_purlin_cpu(collective, nbytes: int, dtype: str = "float32",
     coll = collective
     sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
     bound = Cluster.cpu(coll.nranks).bind(coll, strategy, sizing=sizing, chunks=chunks,
-                                          lanes=lanes, timeout=30.0)
+                                          lanes=lanes, lanes_by=lanes_by, timeout=30.0)
     rng = np.random.default_rng(seed)
     host = bound.run.np_dtype
     inputs = []
@@ -183,13 +186,13 @@ def time_purlin_cpu(collective, nbytes: int, dtype: str = "float32",
                        sizing.message_bytes, sizing.message_count, dtype,
                        coll.op.reduce_op or "none", "cpu", Timing.of(per_call), wrong,
                        strategy=sched.strategy, chunks=sched.chunks, lanes=sched.lanes,
-                       datapath="cpu")
+                       lanes_by=sched.lanes_by, datapath="cpu")
 
 
 def predict_purlin(collective, nbytes: int, dtype: str = "bfloat16",
                    strategy: str = "direct-push", chunks: int = 1, lanes: int = 1,
                    blocks_per_lane: int | None = None, profile="H200-measured",
-                   provider: str | None = None) -> Record:
+                   provider: str | None = None, lanes_by: str = "piece") -> Record:
     """The cost model's latency for one point (mode "model", #wrong N/A: nothing runs)."""
     from purlin.snac import plan
     from purlin.trace.model import predict_latency
@@ -197,11 +200,14 @@ def predict_purlin(collective, nbytes: int, dtype: str = "bfloat16",
 
     coll = collective
     sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
-    schedule = plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes)
+    schedule = plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
+                    lanes_by=lanes_by)
     ns = predict_latency(schedule, profile)
     timing = Timing(ns / 1e3, ns / 1e3, ns / 1e3, 1)
     extra = {"strategy": strategy, "chunks": chunks, "lanes": lanes,
              "profile": get_profile(profile).name}
+    if lanes_by != "piece":
+        extra["lanes_by"] = lanes_by
     if blocks_per_lane:
         extra["blocks_per_lane"] = blocks_per_lane
     return Record.make(provider or f"purlin:{strategy}", coll.name, coll.nranks,

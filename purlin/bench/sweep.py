@@ -80,6 +80,7 @@ class Provider:
     chunks: int | None = None
     lanes: int | None = None
     blocks_per_lane: int | None = None
+    lanes_by: str | None = None
 
     @classmethod
     def parse(cls, text) -> "Provider":
@@ -97,10 +98,14 @@ class Provider:
         strategy, *opts = rest.split("/")
         fixed = {}
         for opt in opts:
+            if opt == "stage":
+                fixed["lanes_by"] = "stage"
+                continue
             key = {"c": "chunks", "l": "lanes", "b": "blocks_per_lane"}.get(opt[:1])
             if key is None or not opt[1:].isdigit() or int(opt[1:]) < 1:
-                raise SpecError(f"provider {text!r}: options are /cN (chunks), /lN (lanes) "
-                                f"and /bN (blocks per lane) with N >= 1, got {opt!r}")
+                raise SpecError(f"provider {text!r}: options are /cN (chunks), /lN (lanes), "
+                                f"/bN (blocks per lane) with N >= 1 and /stage (lanes by "
+                                f"stage), got {opt!r}")
             fixed[key] = int(opt[1:])
         if strategy != "auto":
             from purlin.snac.strategies import STRATEGIES
@@ -120,6 +125,7 @@ class Provider:
             return self.kind
         opts = "".join(f"/{k}{v}" for k, v in (("c", self.chunks), ("l", self.lanes),
                                                 ("b", self.blocks_per_lane)) if v)
+        opts += "/stage" if self.lanes_by == "stage" else ""
         return f"{self.kind}:{self.strategy}{opts}"
 
     def __repr__(self) -> str:
@@ -341,19 +347,21 @@ class Sweep:
             # the sm tuning table says nothing about copy engines; their measured best
             # (2 x H200): one lane, whole pieces, pulls for copies and two-phase (reductions
             # on sm) for reductions; given chunks or lanes win
-            given = bool(pr.chunks or pr.lanes)
+            given = bool(pr.chunks or pr.lanes or pr.lanes_by)
             return Choice(strategy or ("two-phase" if point.collective.op.is_reduce
                                        else "direct-pull"), pr.chunks or 1, pr.lanes or 1,
-                          pr.blocks_per_lane, "given" if given else "ce default")
+                          pr.blocks_per_lane, "given" if given else "ce default",
+                          lanes_by=pr.lanes_by or "piece")
         choice = select(point.collective, cluster, nbytes=point.nbytes, dtype=point.dtype,
                         strategy=strategy, table=self.table,
                         model=True if self.datapath == "model" else None)
-        given = bool(pr.chunks or pr.lanes or pr.blocks_per_lane)
+        given = bool(pr.chunks or pr.lanes or pr.blocks_per_lane or pr.lanes_by)
         # the table's LL and PDL belong to its configuration: a given one runs without them
         return Choice(choice.strategy, pr.chunks or choice.chunks, pr.lanes or choice.lanes,
                       pr.blocks_per_lane or choice.blocks_per_lane,
                       choice.source if not given else "given",
-                      "simple" if given else choice.protocol, choice.pdl and not given)
+                      "simple" if given else choice.protocol, choice.pdl and not given,
+                      pr.lanes_by or choice.lanes_by)
 
     def _purlin(self, cluster, p: Point) -> Record:
         from purlin.bench import providers
@@ -365,23 +373,26 @@ class Sweep:
 
                 rec = time_ce(cluster, p.collective, p.nbytes, p.dtype, c.strategy, c.chunks,
                               c.lanes, c.blocks_per_lane, mode=p.mode, ops=self.ops,
-                              repeats=self.repeats, provider=p.provider.name)
+                              repeats=self.repeats, provider=p.provider.name,
+                              lanes_by=c.lanes_by)
             elif self.datapath == "sm":
                 rec = providers.time_purlin(cluster, p.collective, p.nbytes, p.dtype,
                                             c.strategy, c.chunks, c.lanes, c.blocks_per_lane,
                                             mode=p.mode, ops=self.ops, repeats=self.repeats,
                                             provider=p.provider.name, protocol=c.protocol,
-                                            pdl=c.pdl)
+                                            pdl=c.pdl, lanes_by=c.lanes_by)
             elif self.datapath == "cpu":
                 rec = providers.time_purlin_cpu(p.collective, p.nbytes, p.dtype, c.strategy,
                                                 c.chunks, c.lanes,
                                                 calls=min(self.ops, 10),
                                                 repeats=min(self.repeats, 5),
-                                                provider=p.provider.name)
+                                                provider=p.provider.name,
+                                                lanes_by=c.lanes_by)
             else:
                 rec = providers.predict_purlin(p.collective, p.nbytes, p.dtype, c.strategy,
                                                c.chunks, c.lanes, c.blocks_per_lane,
-                                               profile=self.profile, provider=p.provider.name)
+                                               profile=self.profile, provider=p.provider.name,
+                                               lanes_by=c.lanes_by)
             rec.extra["source"] = c.source
             return rec
         except Exception as exc:  # one failed point must not lose the sweep

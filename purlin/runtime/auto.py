@@ -58,11 +58,13 @@ class Choice:
     source: str = "rules"
     protocol: str = "simple"
     pdl: bool = False
+    lanes_by: str = "piece"
 
     def __repr__(self) -> str:
         bpl = "" if self.blocks_per_lane is None else f", blocks_per_lane={self.blocks_per_lane}"
         more = (f", protocol={self.protocol!r}" if self.protocol != "simple" else "") + \
-            (", pdl=True" if self.pdl else "")
+            (", pdl=True" if self.pdl else "") + \
+            (f", lanes_by={self.lanes_by!r}" if self.lanes_by != "piece" else "")
         return (f"Choice({self.strategy}, chunks={self.chunks}, lanes={self.lanes}{bpl}{more}, "
                 f"from {self.source})")
 

@@ -71,13 +71,14 @@ class Cluster:
 
     def bind(self, collective: Collective, strategy: str = "direct-push", *, count=None,
              nbytes=None, dtype="float32", chunk_sizes=None, sizing=None, chunks: int = 1,
-             lanes: int = 1, timeout: float = 5.0, datapath: str | None = None,
-             **options) -> "Bound":
+             lanes: int = 1, lanes_by: str = "piece", timeout: float = 5.0,
+             datapath: str | None = None, **options) -> "Bound":
         """Plan, verify and prepare ``collective`` for this cluster; call the result to run it.
 
         Everything is allocated here (buffers, flags, instruction tables); a call only runs.
         ``datapath`` says how bytes move: "sm" (the GPU default), "ce" (copy engines, reductions
         on sm; on a cpu cluster the mixed schedule runs on the cpu datapath) or "auto".
+        ``chunks``, ``lanes`` and ``lanes_by`` shape the plan (``purlin.snac.plan``).
         """
         if collective.nranks != self.nranks:
             raise PlanError(f"{collective.name} is declared for {collective.nranks} ranks but "
@@ -94,13 +95,14 @@ class Cluster:
                                                 "dtype": dtype, "chunk_sizes": chunk_sizes})
             choice = select(collective, self, **size)
             strategy, chunks, lanes = choice.strategy, choice.chunks, choice.lanes
+            lanes_by = choice.lanes_by
         datapath, caps = self._datapath(collective, datapath, count=count, nbytes=nbytes,
                                         dtype=dtype, chunk_sizes=chunk_sizes, sizing=sizing)
         if choice is not None and self.kind != "cpu":
             options = _auto_options(choice, options, sm=datapath == "sm")
         schedule = plan(collective, strategy, count=count, nbytes=nbytes, dtype=dtype,
                         chunk_sizes=chunk_sizes, sizing=sizing, chunks=chunks, lanes=lanes,
-                        capabilities=caps)
+                        lanes_by=lanes_by, capabilities=caps)
         if self.kind == "cpu":
             return CpuBound(self, schedule, timeout)
         if datapath == "ce":

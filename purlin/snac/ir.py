@@ -220,6 +220,7 @@ class Schedule:
     scratch: tuple[int, ...]
     scratch_copies: int = 1
     meta: tuple = field(default=(), compare=False)
+    lanes_by: str = "piece"     # how pieces map to lanes (planner.plan)
 
     @property
     def nranks(self) -> int:
@@ -258,8 +259,9 @@ class Schedule:
 
     def title(self) -> str:
         c = self.collective
+        by = " by stage" if self.lanes_by == "stage" else ""
         return (f"{c.name} ({c.op}) on {c.nranks} ranks, {self.strategy}, {self.chunks} "
-                f"chunk(s) x {self.lanes} lane(s), {self.dtype}")
+                f"chunk(s) x {self.lanes} lane(s){by}, {self.dtype}")
 
     def summary(self) -> dict:
         """Counts: steps by kind, remote hops, bytes on each directed link (src, dst)."""
@@ -304,6 +306,7 @@ class Schedule:
             "strategy": self.strategy,
             "chunks": self.chunks,
             "lanes": self.lanes,
+            "lanes_by": self.lanes_by,
             "scratch": list(self.scratch),
             "scratch_copies": self.scratch_copies,
             "steps": [[step_to_json(s) for s in rank_steps] for rank_steps in self.steps],
@@ -326,4 +329,5 @@ class Schedule:
             steps=tuple(tuple(step_from_json(s) for s in r) for r in obj["steps"]),
             scratch=tuple(obj["scratch"]),
             scratch_copies=obj["scratch_copies"],
+            lanes_by=obj.get("lanes_by", "piece"),
         )

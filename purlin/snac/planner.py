@@ -34,18 +34,31 @@ class Capabilities:
 
 
 DEFAULT_COUNT_PER_CHUNK = 256
+LANES_BY = ("piece", "stage")
 
 
 def plan(collective: Collective, strategy: str = "direct-push", *, count: int | None = None,
          nbytes: int | None = None, dtype="float32", chunk_sizes=None,
          sizing: Sizing | None = None, chunks: int = 1, lanes: int = 1,
-         capabilities: Capabilities | None = None, check: bool = True) -> Schedule:
+         lanes_by: str = "piece", capabilities: Capabilities | None = None,
+         check: bool = True) -> Schedule:
     """Plan ``collective`` with ``strategy`` and verify the result (unless ``check=False``).
 
     The size is given as ``count`` elements or ``nbytes`` of the largest per-rank buffer, or
     per chunk with ``chunk_sizes``, or as a ready ``sizing``; with none of them every chunk gets
     256 elements. ``chunks`` splits every transfer into that many pieces so hops pipeline;
-    ``lanes`` spreads the pieces over that many parallel workers per rank.
+    ``lanes`` spreads the pieces over that many parallel workers per rank: with
+    ``lanes_by="piece"`` every piece keeps one lane from its first hop to its last (pieces go
+    round-robin); with ``lanes_by="stage"`` a piece's hop at depth d runs in lane d % lanes, so
+    each lane does one kind of work for every piece in turn (on a datapath whose lane is a
+    single in-order queue, such as copy engines, piece k+1's transfer then runs beside piece
+    k's reduction instead of after it).
+
+    >>> from purlin.spec import collectives
+    >>> s = plan(collectives.all_reduce(2), "two-phase", count=64, chunks=2, lanes=3,
+    ...          lanes_by="stage")
+    >>> sorted({(st.lane, st.kind) for st in s.steps[0]})  # doctest: +NORMALIZE_WHITESPACE
+    [(0, 'notify'), (0, 'stage'), (1, 'consume'), (1, 'notify'), (1, 'stage'), (2, 'consume')]
     """
     if sizing is None:
         if count is None and nbytes is None and chunk_sizes is None:
@@ -56,12 +69,15 @@ def plan(collective: Collective, strategy: str = "direct-push", *, count: int | 
     for label, value in (("chunks", chunks), ("lanes", lanes)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"{label} must be a whole number >= 1, got {value!r}")
-    return _plan(sizing, strategy, chunks, lanes, capabilities or Capabilities(), check)
+    if lanes_by not in LANES_BY:
+        raise PlanError(f"lanes_by must be one of {', '.join(LANES_BY)}, got {lanes_by!r}")
+    return _plan(sizing, strategy, chunks, lanes, lanes_by, capabilities or Capabilities(),
+                 check)
 
 
 @lru_cache(maxsize=256)
-def _plan(sizing: Sizing, strategy: str, chunks: int, lanes: int, caps: Capabilities,
-          check: bool) -> Schedule:
+def _plan(sizing: Sizing, strategy: str, chunks: int, lanes: int, lanes_by: str,
+          caps: Capabilities, check: bool) -> Schedule:
     coll = sizing.collective
     check_strategy(strategy, coll)
     routes = build_routes(sizing, strategy, chunks, lanes)
@@ -73,7 +89,8 @@ def _plan(sizing: Sizing, strategy: str, chunks: int, lanes: int, caps: Capabili
                                 f"place the reductions of {coll.name} on")
         else:
             engine_for = lambda op: caps.name if op == "copy" else caps.reduce_engine  # noqa
-    schedule, report = _safe_schedule(sizing, strategy, chunks, lanes, routes, engine_for)
+    shape = (strategy, chunks, lanes, lanes_by)
+    schedule, report = _safe_schedule(sizing, shape, routes, engine_for)
     if check:
         (report or verify(schedule)).raise_if_failed()
     return schedule
@@ -113,29 +130,31 @@ def build_routes(sizing: Sizing, strategy: str, chunks: int, lanes: int) -> list
     return routes
 
 
-def _schedule(sizing, strategy, chunks, lanes, emitted, copies) -> Schedule:
+def _schedule(sizing, shape, emitted, copies) -> Schedule:
+    strategy, chunks, lanes, lanes_by = shape
     return Schedule(
         collective=sizing.collective, dtype=sizing.dtype.name, chunk_counts=sizing.chunks,
-        strategy=strategy, chunks=chunks, lanes=lanes,
+        strategy=strategy, chunks=chunks, lanes=lanes, lanes_by=lanes_by,
         steps=tuple(tuple(r) for r in emitted.steps), scratch=tuple(emitted.scratch),
         scratch_copies=copies)
 
 
-def _safe_schedule(sizing, strategy, chunks, lanes, routes, engine_for):
+def _safe_schedule(sizing, shape, routes, engine_for):
     """Make scratch reuse across back-to-back calls safe at the least cost: a single scratch
     area if the schedule's own waits already order the reuse, else two alternating areas,
     else two areas plus acknowledgements for exactly the edges that still race. Returns the
     schedule and its verification report (None where the final schedule is not verified yet)."""
     n = sizing.collective.nranks
+    by_stage = shape[2] if shape[3] == "stage" else 0
     for copies in (1, 2):
-        emitted = emit(routes, n, copies=copies, engine_for=engine_for)
-        schedule = _schedule(sizing, strategy, chunks, lanes, emitted, copies)
+        emitted = emit(routes, n, copies=copies, engine_for=engine_for, stage_lanes=by_stage)
+        schedule = _schedule(sizing, shape, emitted, copies)
         report = verify(schedule, max_races=None)
         if report.ok or not _scratch_races(report):
             return schedule, report
     acks = frozenset(_racing_edges(report, emitted, schedule))
-    emitted = emit(routes, n, acks=acks, copies=2, engine_for=engine_for)
-    return _schedule(sizing, strategy, chunks, lanes, emitted, 2), None
+    emitted = emit(routes, n, acks=acks, copies=2, engine_for=engine_for, stage_lanes=by_stage)
+    return _schedule(sizing, shape, emitted, 2), None
 
 
 def _scratch_races(report) -> bool:

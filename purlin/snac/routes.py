@@ -73,10 +73,12 @@ def _depths(route: Route) -> list[int]:
 
 
 def emit(routes: list[Route], nranks: int, acks: frozenset = frozenset(),
-         copies: int = 1, engine_for=None) -> Emitted:
+         copies: int = 1, engine_for=None, stage_lanes: int = 0) -> Emitted:
     """Lower routes to steps. ``acks`` holds scratch edge ids whose consumer must acknowledge
     the read before the producer writes the same scratch again ``copies`` calls later.
-    ``engine_for(op)`` names the engine of a data step (for datapaths that cannot reduce)."""
+    ``engine_for(op)`` names the engine of a data step (for datapaths that cannot reduce).
+    ``stage_lanes`` > 0: a node at depth d runs in lane d % stage_lanes instead of its
+    route's lane (``plan(..., lanes_by="stage")``)."""
     scratch = [0] * nranks
     items = []          # (rank, lane, key, order, step-or-callable)
     notifies = []       # pending Notify records: [rank, lane, owner]
@@ -127,9 +129,11 @@ def emit(routes: list[Route], nranks: int, acks: frozenset = frozenset(),
         value_at: dict[int, Region] = {}        # node -> region holding its value
         contributions = [0] * len(route.nodes)
 
+        lane_of = [depth[i] % stage_lanes if stage_lanes else route.lane
+                   for i in range(len(route.nodes))]
         for i, node in enumerate(route.nodes):
             key = route.seq + depth[i]
-            lane, rank = route.lane, node.rank
+            lane, rank = lane_of[i], node.rank
             # what the node combines
             inputs: list[Region] = []
             waits: list[_PendingWait] = []
@@ -186,9 +190,8 @@ def emit(routes: list[Route], nranks: int, acks: frozenset = frozenset(),
         # producers of pull edges wait until every reader is done before their call ends
         for (p, i), nid in done.items():
             if route.nodes[i].incoming == PULL:
-                prank = route.nodes[p].rank
-                place(prank, route.lane, 1 << 30, Consume(prank, route.lane,
-                                                          (_PendingWait(nid),)))
+                prank, plane = route.nodes[p].rank, lane_of[p]
+                place(prank, plane, 1 << 30, Consume(prank, plane, (_PendingWait(nid),)))
         # acked edges: the producer's write waits for the ack of an earlier call; patch it in
         for (p, i), nid in done.items():
             if route.nodes[i].incoming != PULL:
