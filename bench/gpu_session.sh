@@ -12,8 +12,7 @@
 #               processzc: zero_copy, the caller's tensors used in place of staging copies;
 #               processzcll: zero_copy with LL up to 4 MiB)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
-#   cestage     lanes by stage: ce+sm all-reduce and reduce-scatter against NCCL (stagetests:
-#               their GPU tests alone)
+#   stagetests  the GPU tests of lanes by stage alone
 #   tune sweep  the tuning table, then the six-collective sweep against NCCL (sweepsm: no ce;
 #               sweepce: the ce datapath's collectives, 1 MiB .. 1 GiB, against sm and NCCL)
 # Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
@@ -160,17 +159,6 @@ PY
                 -p no:cacheprovider --maxfail 8 -o addopts="" --timeout 120 \
                 > "$OUT/gpu_stage_tests.log" 2>&1
             echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_stage_tests.log" | tail -20
-            ;;
-        cestage)
-            # lanes by stage: transfers in one lane, reductions in the next (ce and sm)
-            timeout 220 python3 -m purlin bench all-reduce -b 64MiB,256MiB,1GiB --no-progress \
-                -p nccl,purlin:auto,ce:two-phase,ce:two-phase/c4/l3/stage,ce:two-phase/c8/l3/stage,ce:two-phase/c16/l3/stage,ce:two-phase/c8/l2/stage,purlin:two-phase/c8/l3/stage \
-                --time-limit 150 --json "$OUT/cestage-allreduce.json" > "$OUT/cestage.log" 2>&1
-            echo "rc=$?"
-            timeout 120 python3 -m purlin bench reduce-scatter -b 64MiB,256MiB,1GiB --no-progress \
-                -p nccl,purlin:auto,ce:two-phase,ce:two-phase/c8/l2/stage \
-                --time-limit 80 --json "$OUT/cestage-reducescatter.json" >> "$OUT/cestage.log" 2>&1
-            echo "rc=$?"; grep -v "^#  " "$OUT/cestage.log" | tail -60
             ;;
         sweepsm)
             timeout 300 python3 bench/gpu_sweep.py --time-limit 170 \

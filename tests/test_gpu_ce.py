@@ -73,19 +73,6 @@ def test_ce_datapath_matches_the_reference(torch, kind, name, strategy, chunks, 
     _eager_then_graphs(torch, bound, seed=0, ops=3)
 
 
-@pytest.mark.parametrize("kind", ["local", "virtual"])
-@pytest.mark.parametrize("name,count", [("all-reduce", 4096), ("all-reduce", (24 << 20) + 5),
-                                        ("reduce-scatter", 4096)])
-def test_stage_lanes_on_copy_engines_match_the_reference(torch, kind, name, count):
-    """Lanes by stage: the reduce-scatter pushes in one lane, the reductions and all-gather
-    pushes in the next, the final waits in a third (tests/test_lanes_by_stage.py)."""
-    cluster = _cluster(kind)
-    bound = cluster.bind(standard(name, 2), "two-phase", count=count, dtype="float32",
-                         chunks=4, lanes=3, lanes_by="stage", datapath="ce")
-    assert bound.schedule.lanes_by == "stage"
-    _eager_then_graphs(torch, bound, seed=1, ops=4)
-
-
 def test_a_stream_wait_that_is_never_satisfied_times_out(torch):
     cluster = _cluster("local")
     from purlin.atom.ce import CAPABILITIES

@@ -157,7 +157,8 @@ def test_stage_lanes_match_the_reference(torch, kind, n, name, strategy):
     coll = standard(name, n)
     for nbytes, odd in ((1000, True), ((4 << 20) + 12, True)):
         sizing = _sizing(coll, nbytes, "bfloat16", odd)
-        bound = cluster.bind(coll, strategy, sizing=sizing, chunks=4, lanes=3, lanes_by="stage")
+        bound = cluster.bind(coll, strategy, sizing=sizing, chunks=4, lanes=3, lanes_by="stage",
+                             blocks_per_lane=8)  # 3 virtual ranks x 3 lanes must fit the SMs
         _check(torch, bound, sizing, gen)
 
 

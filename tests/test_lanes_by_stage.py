@@ -1,7 +1,8 @@
 """Lanes by stage (``plan(..., lanes_by="stage")``): a piece's hop at depth d runs in lane
 d % lanes. Checked without a GPU: the lane of every step, verification, the cpu datapath and the
 copy-engine lowering run on fake memory (``purlin.atom.ce_sim``) against the reference, the
-property that lets transfers overlap reductions on copy engines, JSON and the bench provider."""
+property meant to let transfers overlap reductions on copy engines (measured slower on GPUs, so
+the ce datapath refuses it), JSON and the bench provider."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from purlin.atom.ce import CAPABILITIES as CE
 from purlin.atom.ce_lowering import Memcpy, WaitGeq, lower_ce
 from purlin.atom.ce_sim import CeSim
 from purlin.bench.sweep import Provider
-from purlin.errors import PlanError, SpecError
+from purlin.errors import CapabilityError, PlanError, SpecError
 from purlin.runtime import Cluster
 from purlin.snac import Consume, Schedule, plan, verify
 from purlin.spec import STANDARD, reference, standard
@@ -114,6 +115,19 @@ def test_lanes_by_survives_json_and_older_files_read_as_piece():
 def test_an_unknown_lanes_by_is_refused():
     with pytest.raises(PlanError, match="lanes_by must be one of piece, stage, got 'hop'"):
         plan(standard("all-reduce", 2), "two-phase", count=16, lanes_by="hop")
+
+
+def test_the_ce_datapath_refuses_lanes_by_stage():
+    """Correct on fake memory (above) but refused on GPUs: a stream waiting for a peer can hold
+    up another lane's transfers where the two share a hardware queue (a graph replay hung)."""
+    from types import SimpleNamespace
+
+    from purlin.atom import ce
+
+    s = plan(standard("all-reduce", 2), "two-phase", count=64, chunks=4, lanes=2,
+             lanes_by="stage", capabilities=CE)
+    with pytest.raises(CapabilityError, match="lanes by piece only, not lanes_by='stage'"):
+        ce.bind(SimpleNamespace(devices=(0, 1)), s)
 
 
 def test_the_bench_provider_takes_stage():

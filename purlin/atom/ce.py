@@ -74,6 +74,15 @@ def refuse_stuck(devices) -> None:
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
          threads: int = DEFAULT_THREADS, trace_rows: int = 0):
+    if schedule.lanes_by != "piece":
+        # measured on 2 x H200: with 3 lanes every chunk added ~40 µs of engine hand-offs
+        # (64 MiB all-reduce 265 -> 421-882 µs), and with 2 lanes a CUDA-graph replay hung:
+        # a lane waiting for the peer's all-gather shares a hardware queue with the lane
+        # that must send ours, which the simulator (independent streams) cannot show
+        raise CapabilityError(
+            f"the ce datapath runs lanes by piece only, not lanes_by={schedule.lanes_by!r}: a "
+            "stream waiting for a peer can hold up another lane's transfers in a shared "
+            "hardware queue; use lanes_by='piece' or the sm datapath")
     refuse_stuck(cluster.devices)
     if trace_rows:
         raise CapabilityError("the ce datapath records no measured trace yet; use "
