@@ -4,7 +4,7 @@ handful of sizes and write the tuning table where auto.py reads it
 timed candidate into DIR.
 
     PYTHONPATH=. python3 bench/gpu_tune.py --out DIR [--quick] [--time-limit 240] [--limit 8]
-        [--sizes 8KiB,64KiB,1MiB,16MiB,256MiB] [--collectives all]
+        [--sizes 8KiB,64KiB,1MiB,16MiB,64MiB,256MiB] [--collectives all]
 
 Budget: under 5 minutes on 2xH200 (the time limit is shared equally among the points still to
 tune; every point times the first candidate of each strategy whatever the limit).
@@ -26,7 +26,7 @@ os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 from purlin.bench.sweep import SIX  # noqa: E402
 from purlin.cli import size_list  # noqa: E402
 
-SIZES = "8KiB,64KiB,1MiB,16MiB,256MiB"
+SIZES = "8KiB,64KiB,1MiB,16MiB,64MiB,256MiB"
 
 
 def main() -> int:
