@@ -73,6 +73,19 @@ def test_ce_datapath_matches_the_reference(torch, kind, name, strategy, chunks, 
     _eager_then_graphs(torch, bound, seed=0, ops=3)
 
 
+@pytest.mark.parametrize("kind", ["local", "virtual"])
+@pytest.mark.parametrize("name,count", [("all-reduce", 4096), ("all-reduce", (24 << 20) + 6),
+                                        ("reduce-scatter", 4096), ("reduce", 4096)])
+def test_direct_push_by_stage_on_copy_engines(torch, kind, name, count):
+    """Lanes by stage: the copy engines push every chunk in lane 0, the SMs reduce in lane 1
+    (``ce.stage_lanes_problem`` lets this layout through)."""
+    cluster = _cluster(kind)
+    bound = cluster.bind(standard(name, 2), "direct-push", count=count, dtype="float32",
+                         chunks=4, lanes=2, lanes_by="stage", datapath="ce")
+    assert bound.schedule.lanes_by == "stage"
+    _eager_then_graphs(torch, bound, seed=1, ops=4)
+
+
 def test_a_stream_wait_that_is_never_satisfied_times_out(torch):
     cluster = _cluster("local")
     from purlin.atom.ce import CAPABILITIES

@@ -1,8 +1,8 @@
 """Lanes by stage (``plan(..., lanes_by="stage")``): a piece's hop at depth d runs in lane
 d % lanes. Checked without a GPU: the lane of every step, verification, the cpu datapath and the
 copy-engine lowering run on fake memory (``purlin.atom.ce_sim``) against the reference, the
-property meant to let transfers overlap reductions on copy engines (measured slower on GPUs, so
-the ce datapath refuses it), JSON and the bench provider."""
+property meant to let transfers overlap reductions on copy engines, which layouts the ce
+datapath refuses (a copy-engine wait on the same call), JSON and the bench provider."""
 
 from __future__ import annotations
 
@@ -117,17 +117,35 @@ def test_an_unknown_lanes_by_is_refused():
         plan(standard("all-reduce", 2), "two-phase", count=16, lanes_by="hop")
 
 
-def test_the_ce_datapath_refuses_lanes_by_stage():
-    """Correct on fake memory (above) but refused on GPUs: a stream waiting for a peer can hold
-    up another lane's transfers where the two share a hardware queue (a graph replay hung)."""
+def test_the_ce_datapath_refuses_lanes_by_stage_that_wait_on_a_copy_engine():
+    """Correct on fake memory (above) but refused on GPUs where a copy-engine stream waits for a
+    same-call notify: it can hold up another lane's transfers in a shared hardware queue (a
+    two-phase graph replay with 2 lanes by stage hung)."""
     from types import SimpleNamespace
 
     from purlin.atom import ce
 
     s = plan(standard("all-reduce", 2), "two-phase", count=64, chunks=4, lanes=2,
              lanes_by="stage", capabilities=CE)
-    with pytest.raises(CapabilityError, match="lanes by piece only, not lanes_by='stage'"):
+    with pytest.raises(CapabilityError, match=r"rank 0 step \d+ \(lane 0\) waits on a copy "
+                                              r"engine for flag\(r0<-r1.l1\) of the same call"):
         ce.bind(SimpleNamespace(devices=(0, 1)), s)
+
+
+@pytest.mark.parametrize("name", ["all-reduce", "reduce-scatter", "reduce"])
+def test_direct_push_by_stage_keeps_same_call_waits_on_the_sms(name):
+    """Pushes on the copy engines in one lane, reductions on the SMs in the next: the ce lanes
+    only copy and notify, so the ce datapath runs it (GPU test in tests/test_gpu_ce.py)."""
+    from purlin.atom.ce import stage_lanes_problem
+    from purlin.atom.ce_lowering import assign_engines
+
+    s = plan(_coll(name, 2), "direct-push", count=64, chunks=4, lanes=2, lanes_by="stage",
+             capabilities=CE)
+    assert stage_lanes_problem(s) is None
+    engines = assign_engines(s)
+    for r in range(2):
+        assert {engines[r][i] for i, st in enumerate(s.steps[r]) if st.lane == 0} <= {"ce"}
+        assert {engines[r][i] for i, st in enumerate(s.steps[r]) if st.lane == 1} <= {"sm"}
 
 
 def test_the_bench_provider_takes_stage():

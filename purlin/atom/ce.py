@@ -74,21 +74,52 @@ def refuse_stuck(devices) -> None:
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
          threads: int = DEFAULT_THREADS, trace_rows: int = 0):
-    if schedule.lanes_by != "piece":
-        # measured on 2 x H200: with 3 lanes every chunk added ~40 µs of engine hand-offs
-        # (64 MiB all-reduce 265 -> 421-882 µs), and with 2 lanes a CUDA-graph replay hung:
-        # a lane waiting for the peer's all-gather shares a hardware queue with the lane
-        # that must send ours, which the simulator (independent streams) cannot show
-        raise CapabilityError(
-            f"the ce datapath runs lanes by piece only, not lanes_by={schedule.lanes_by!r}: a "
-            "stream waiting for a peer can hold up another lane's transfers in a shared "
-            "hardware queue; use lanes_by='piece' or the sm datapath")
+    problem = stage_lanes_problem(schedule)
+    if problem:
+        raise CapabilityError(problem)
     refuse_stuck(cluster.devices)
     if trace_rows:
         raise CapabilityError("the ce datapath records no measured trace yet; use "
                               "purlin.trace.engines.predict_on_ce for its predicted timeline")
     return CeBound(cluster, schedule, timeout=timeout, blocks_per_lane=blocks_per_lane,
                    threads=threads)
+
+
+def stage_lanes_problem(schedule) -> str | None:
+    """Why the ce datapath will not run ``schedule``'s lanes by stage (None: it will).
+
+    A copy-engine stream that waits for a peer's notify of the same call can hold up every
+    stream that shares its hardware queue; lanes by stage then put such a wait ahead of
+    transfers the peer is waiting for (2 x H200: a two-phase all-reduce with 2 lanes by stage
+    hung in a graph replay). Lanes by stage whose copy-engine lanes only copy and notify (waits
+    only on earlier calls' acknowledgements), with every same-call wait on the SMs, such as a
+    direct-push all-reduce, are run.
+
+    >>> from purlin.spec import collectives
+    >>> from purlin.snac import plan
+    >>> ar = collectives.all_reduce(2)
+    >>> stage_lanes_problem(plan(ar, "direct-push", count=64, chunks=4, lanes=2,
+    ...                          lanes_by="stage", capabilities=CAPABILITIES)) is None
+    True
+    >>> print(stage_lanes_problem(plan(ar, "two-phase", count=64, chunks=4, lanes=3,
+    ...                                lanes_by="stage", capabilities=CAPABILITIES)))
+    ... # doctest: +ELLIPSIS
+    lanes by stage on the ce datapath: rank 0 step 10 (lane 2) waits on a copy engine for ...
+    """
+    if schedule.lanes_by == "piece":
+        return None
+    engines = assign_engines(schedule)
+    for rank, steps in enumerate(schedule.steps):
+        for i, step in enumerate(steps):
+            same_call = [w for w in getattr(step, "waits", ()) if w.call == 0]
+            if engines[rank][i] == "ce" and same_call:
+                return (f"lanes by stage on the ce datapath: rank {rank} step {i} (lane "
+                        f"{step.lane}) waits on a copy engine for {same_call[0].flag} of the "
+                        "same call, and a stream that waits can hold up another lane's "
+                        "transfers in a shared hardware queue (a graph replay hung so); use "
+                        "lanes_by='piece', a strategy whose same-call waits are on the SMs "
+                        "(direct-push), or the sm datapath")
+    return None
 
 
 FREE_SMS = 4   # SMs the sm part leaves free for the counter-add kernel (ce_driver.AddKernel)
