@@ -12,8 +12,8 @@
 #               processzc: zero_copy, the caller's tensors used in place of staging copies;
 #               processzcll: zero_copy with LL up to 4 MiB)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
-#   stagetests  the GPU tests of lanes by stage alone (cestage: direct-push by stage on copy
-#               engines against NCCL, all-reduce, reduce-scatter and reduce from 64 MiB)
+#   stagetests  the GPU tests of lanes by stage and push-pull alone (cestage: both against
+#               NCCL from 64 MiB)
 #   tune sweep  the tuning table, then the six-collective sweep against NCCL (sweepsm: no ce;
 #               sweepce: the ce datapath's collectives, 1 MiB .. 1 GiB, against sm and NCCL)
 # Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
@@ -156,23 +156,21 @@ PY
             echo "rc=$?"; grep -v "^#  " "$OUT/ceconfigs.log" | tail -60
             ;;
         stagetests)
-            timeout 200 python3 -m pytest -q tests/test_gpu_sm.py tests/test_gpu_ce.py -k stage \
+            timeout 200 python3 -m pytest -q tests/test_gpu_sm.py tests/test_gpu_ce.py -k "stage or push_pull" \
                 -p no:cacheprovider --maxfail 8 -o addopts="" --timeout 120 \
                 > "$OUT/gpu_stage_tests.log" 2>&1
             echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_stage_tests.log" | tail -20
             ;;
         cestage)
-            # lanes by stage on copy engines: ce pushes in lane 0, sm reductions in lane 1
-            timeout 200 python3 -m purlin bench all-reduce -b 64MiB,256MiB,1GiB --no-progress \
-                -p nccl,purlin:auto,ce:direct-push,ce:direct-push/c4/l2/stage,ce:direct-push/c8/l2/stage,ce:direct-push/c16/l2/stage,ce:direct-push/c32/l2/stage \
-                --time-limit 140 --json "$OUT/cestage-allreduce.json" > "$OUT/cestage.log" 2>&1
+            # the copy engines and the SMs on NVLink together (push-pull), and lanes by stage
+            timeout 220 python3 -m purlin bench all-reduce -b 64MiB,256MiB,1GiB --no-progress \
+                -p nccl,purlin:auto,ce:push-pull/c2/l2,ce:push-pull/c4/l4,ce:push-pull/c8/l8,purlin:push-pull/c8/l8,ce:direct-push/c8/l2/stage \
+                --time-limit 150 --json "$OUT/cestage-allreduce.json" > "$OUT/cestage.log" 2>&1
             echo "rc=$?"
-            for coll in reduce-scatter reduce; do
-                timeout 90 python3 -m purlin bench $coll -b 64MiB,256MiB,1GiB --no-progress \
-                    -p nccl,purlin:auto,ce:direct-push/c8/l2/stage,ce:direct-push/c16/l2/stage \
-                    --time-limit 60 --json "$OUT/cestage-$coll.json" >> "$OUT/cestage.log" 2>&1
-                echo "rc=$?"
-            done
+            timeout 100 python3 -m purlin bench all-gather -b 64MiB,256MiB,1GiB --no-progress \
+                -p nccl,ce:auto,ce:push-pull/c2/l2,ce:push-pull/c4/l4 \
+                --time-limit 60 --json "$OUT/cestage-all-gather.json" >> "$OUT/cestage.log" 2>&1
+            echo "rc=$?"
             grep -E "^ +[0-9]|^# [a-z-]+ \||x +[0-9.]+x" "$OUT/cestage.log" | tail -70
             ;;
         sweepsm)

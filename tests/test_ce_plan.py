@@ -135,3 +135,37 @@ def test_auto_prefers_copy_engines_for_large_copies_only():
     assert auto_datapath(ar, nbytes=1 << 30, dtype="bfloat16") == "sm"
     sizing = ag.sized(nbytes=256 << 20, dtype="bfloat16")
     assert auto_datapath(ag, sizing=sizing) == "ce"
+
+
+@pytest.mark.parametrize("name", REDUCING + COPYING)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_push_pull_splits_each_segment_between_the_engines(name, n):
+    """push-pull: the first half of a segment is pushed (a copy, on the copy engines), the
+    second pulled (read by the step that consumes it, on the SMs for reductions)."""
+    coll = standard(name, n)
+    bound = Cluster.cpu(n).bind(coll, "push-pull", chunk_sizes={c: 8 for c in
+                                                                coll.input.names()},
+                                dtype="float64", chunks=2, lanes=2, datapath="ce")
+    s = bound.schedule
+    assert verify(s).ok
+    remote = [st for st in data_steps(s) if st.dst.rank != st.rank
+              or any(src.rank != st.rank for src in st.srcs)]
+    pushes = [st for st in remote if st.dst.rank != st.rank]
+    pulls = [st for st in remote if any(src.rank != st.rank for src in st.srcs)]
+    assert pushes and pulls and not set(map(id, pushes)) & set(map(id, pulls))
+    assert {st.engine for st in pushes} == {"ce"}
+    assert {st.lane for st in pushes} == {0} and {st.lane for st in pulls} == {1}
+    if coll.op.is_reduce:
+        assert {st.engine for st in pulls} == {"sm"}
+    rng = np.random.default_rng(n)
+    sizing = s.sizing
+    for _ in range(3):
+        inputs = [rng.uniform(0.5, 2, sizing.input_count(r)) for r in range(n)]
+        for got, want in zip(bound(inputs), reference(sizing, inputs)):
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_auto_leaves_push_pull_to_an_explicit_choice():
+    from purlin.runtime.auto import strategies_for
+
+    assert "push-pull" not in strategies_for(collectives.all_reduce(2))

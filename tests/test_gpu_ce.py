@@ -86,6 +86,17 @@ def test_direct_push_by_stage_on_copy_engines(torch, kind, name, count):
     _eager_then_graphs(torch, bound, seed=1, ops=4)
 
 
+@pytest.mark.parametrize("kind", ["local", "virtual"])
+@pytest.mark.parametrize("name,count", [("all-reduce", 4096), ("all-reduce", (24 << 20) + 6),
+                                        ("all-gather", 4096)])
+def test_push_pull_on_both_engines(torch, kind, name, count):
+    """push-pull: half of each segment on the copy engines (pushes), half read by the SMs."""
+    cluster = _cluster(kind)
+    bound = cluster.bind(standard(name, 2), "push-pull", count=count, dtype="float32",
+                         chunks=2, lanes=2, datapath="ce")
+    _eager_then_graphs(torch, bound, seed=2, ops=4)
+
+
 def test_a_stream_wait_that_is_never_satisfied_times_out(torch):
     cluster = _cluster("local")
     from purlin.atom.ce import CAPABILITIES

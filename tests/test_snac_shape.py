@@ -372,7 +372,7 @@ def test_chunks_and_lanes_must_be_whole_numbers(bad):
 
 def test_unknown_strategy_is_refused_with_the_registered_names():
     with pytest.raises(PlanError, match="unknown strategy 'tree'; registered: direct-push, "
-                                        "direct-pull, two-phase, ring"):
+                                        "direct-pull, two-phase, push-pull, ring"):
         plan(standard("all-reduce", 2), "tree", count=4)
 
 

@@ -275,12 +275,16 @@ def rules(collective, size: int, strategy: str | None = None) -> Choice:
     return Choice(strategy, chunks, lanes)
 
 
+# strategies meant for one datapath that `auto` and `purlin tune` leave to explicit choice
+NOT_TUNED = ("push-pull",)   # engine split for the ce datapath (push on copy engines)
+
+
 def strategies_for(collective) -> list[str]:
     """The registered strategies that can plan ``collective`` (two-phase only reduces)."""
     from purlin.snac.strategies import STRATEGIES
 
     names = [s for s in STRATEGY_ORDER if s in STRATEGIES]
-    names += [s for s in STRATEGIES if s not in names]
+    names += [s for s in STRATEGIES if s not in names and s not in NOT_TUNED]
     return [s for s in names if s != "two-phase" or collective.op.is_reduce]
 
 

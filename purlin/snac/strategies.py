@@ -9,6 +9,9 @@ the planner wraps them into Routes.
 * ``direct-pull``: the same graph, but the holder reads the sources' inputs in place.
 * ``two-phase``: reduce-scatter to one owner per part, then all-gather from the owners.
 * ``ring``: the value walks the ranks in ring order, accumulating, then circulates to holders.
+* ``push-pull``: the first half of every segment travels as direct-push, the second as
+  direct-pull. On the ce datapath the pushes are copy-engine copies and the pulls SM reads, so
+  both engines carry bytes over NVLink at once (use chunks = lanes: one half per lane).
 """
 
 from __future__ import annotations
@@ -90,6 +93,12 @@ def two_phase(seg: Segment, start: int, count: int, part: int, nranks: int = 0) 
             nodes.append(Node(h, preds=[top], outputs=_outs(seg, h, start, count),
                               incoming=INTO_OUTPUT if h in sources else SCRATCH))
     return nodes
+
+
+@strategy("push-pull")
+def push_pull(seg: Segment, start: int, count: int, part: int, nranks: int = 0) -> list[Node]:
+    first_half = 2 * start < seg.count
+    return _direct(seg, start, count, part, SCRATCH if first_half else PULL)
 
 
 def _ring_after(first: int, ranks, n: int) -> list[int]:
