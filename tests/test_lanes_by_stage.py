@@ -40,7 +40,7 @@ def _inputs(sizing, rng):
     return [rng.uniform(0.5, 2, sizing.input_count(r)) for r in range(sizing.collective.nranks)]
 
 
-@pytest.mark.parametrize("name,strategy,n,chunks,lanes", cases())
+@pytest.mark.parametrize("name,strategy,n,chunks,lanes", list(cases()))
 def test_stage_lanes_verify_and_compute_the_collective(name, strategy, n, chunks, lanes):
     coll = _coll(name, n)
     bound = Cluster.cpu(n).bind(coll, strategy, chunk_sizes={c: 6 for c in coll.input.names()},
