@@ -27,7 +27,7 @@ def test_explorer_is_a_vbox_with_controls_figure_and_summary(ex):
     assert isinstance(ex, widgets.VBox) and isinstance(ex.figure, go.FigureWidget)
     assert ex.figure in ex.children and ex.summary in ex.children
     assert set(ex.controls) == {"collective", "strategy", "ranks", "size", "chunks", "lanes",
-                                "profile", "dtype"}
+                                "lanes_by", "profile", "dtype"}
     assert "predicted latency" in ex.summary.value and "bytes on links" in ex.summary.value
     assert len(ex.figure.data) == len(KINDS) + 1
 
@@ -42,7 +42,8 @@ def test_strategy_change_changes_the_figure_data(ex):
 
 
 def test_every_control_updates_and_widget_events_redraw(ex):
-    for change in (dict(ranks=8), dict(chunks=3), dict(lanes=2), dict(profile="A100"),
+    for change in (dict(ranks=8), dict(chunks=3), dict(lanes=2), dict(lanes_by="stage"),
+                   dict(profile="A100"),
                    dict(size=1 << 20), dict(collective="all-to-all"), dict(dtype="float32")):
         before = (ex.figure.layout.title.text, _data(ex))
         ex.update(**change)

@@ -1,5 +1,5 @@
-"""An interactive explorer: pick a collective, strategy, ranks, size, chunks, lanes and a
-hardware profile; the predicted timeline and a summary update live.
+"""An interactive explorer: pick a collective, strategy, ranks, size, chunks, lanes (by piece
+or by stage) and a hardware profile; the predicted timeline and a summary update live.
 
 ``explorer()`` returns an ipywidgets ``VBox`` (controls, a plotly ``FigureWidget``, a summary)
 with an ``update(**changes)`` method for code and tests. Updates replace the data of the
@@ -19,7 +19,7 @@ import html
 from functools import lru_cache
 
 from purlin.errors import PurlinError, SpecError
-from purlin.snac.planner import plan
+from purlin.snac.planner import LANES_BY, plan
 from purlin.snac.strategies import STRATEGIES
 from purlin.spec.collectives import STANDARD, standard
 from purlin.trace.model import predict
@@ -29,12 +29,12 @@ SIZES = [(f"{b >> 10} KiB" if b < 1 << 20 else f"{b >> 20} MiB", b)
          for b in (1 << k for k in range(10, 29, 2))]
 DTYPES = ("bfloat16", "float16", "float32")
 DEFAULTS = dict(collective="all-reduce", strategy="ring", ranks=4, size=1 << 20, chunks=1,
-                lanes=1, profile="H200", dtype="bfloat16")
+                lanes=1, lanes_by="piece", profile="H200", dtype="bfloat16")
 
 
 def explorer(**settings):
     """The explorer widget, started with ``settings`` (any of collective, strategy, ranks,
-    size in bytes, chunks, lanes, profile, dtype)."""
+    size in bytes, chunks, lanes, lanes_by, profile, dtype)."""
     return _explorer_class()(**settings)
 
 
@@ -68,6 +68,8 @@ def _explorer_class():
                                             description="chunks", style=style),
                 "lanes": widgets.IntSlider(value=s["lanes"], min=1, max=8,
                                            description="lanes", style=style),
+                "lanes_by": widgets.Dropdown(options=list(LANES_BY), value=s["lanes_by"],
+                                             description="lanes by", style=style),
                 "profile": widgets.Dropdown(options=list(PROFILES), value=s["profile"],
                                             description="hardware", style=style),
                 "dtype": widgets.Dropdown(options=list(DTYPES), value=s["dtype"],
@@ -157,7 +159,8 @@ def _empty():
 
 def _plan_near(coll, s):
     """Plan at the chosen size, or the nearest smaller one the ranks divide evenly."""
-    options = dict(dtype=s["dtype"], chunks=s["chunks"], lanes=s["lanes"])
+    options = dict(dtype=s["dtype"], chunks=s["chunks"], lanes=s["lanes"],
+                   lanes_by=s["lanes_by"])
     try:
         return plan(coll, s["strategy"], nbytes=s["size"], **options)
     except SpecError:
