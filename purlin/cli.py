@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from purlin.errors import PurlinError, SpecError
+from purlin.snac.planner import LANES_BY
 from purlin.spec.collective import Collective
 from purlin.spec.collectives import REDUCING, ROOTED, STANDARD, standard
 from purlin.spec.ops import REDUCE_OPS
@@ -131,7 +132,7 @@ PLAN_ARGS = COLLECTIVE_ARGS + (
     arg("--dtype", default="float32", help="element type (default float32)"),
     arg("--chunks", type=int, default=1, help="pieces per transfer (default 1)"),
     arg("--lanes", type=int, default=1, help="parallel lanes per rank (default 1)"),
-    arg("--lanes-by", default="piece", choices=("piece", "stage"),
+    arg("--lanes-by", default="piece", choices=LANES_BY,
         help="piece: a piece keeps one lane; stage: a hop at depth d runs in lane d %% lanes "
              "(default piece)"),
 )
@@ -178,7 +179,7 @@ def plan_from(args: argparse.Namespace):
         strategy, chunks, lanes = choose(coll, Cluster.cpu(coll.nranks), nbytes=nbytes,
                                          dtype=args.dtype)
     return plan(coll, strategy, nbytes=nbytes, dtype=args.dtype, chunks=chunks, lanes=lanes,
-                lanes_by=getattr(args, "lanes_by", "piece"), check=False)
+                lanes_by=args.lanes_by, check=False)
 
 
 @command("plan", *PLAN_ARGS,

@@ -8,7 +8,7 @@ collective reduces, the reductions ran on the sm executor (``extra["sm_blocks_pe
 
 from __future__ import annotations
 
-from purlin.bench.metrics import Record, Timing
+from purlin.bench.metrics import Record, Timing, plan_extra
 from purlin.spec.sizing import fit_nbytes
 
 
@@ -30,10 +30,7 @@ def time_ce(cluster, collective, nbytes: int, dtype: str = "bfloat16",
                          datapath="ce")
     wrong = count_wrong(torch, bound)
     sched = bound.schedule
-    extra = {"strategy": sched.strategy, "chunks": sched.chunks, "lanes": sched.lanes,
-             "datapath": "ce", "atomic_add": bound.atomic_add}
-    if sched.lanes_by != "piece":
-        extra["lanes_by"] = sched.lanes_by
+    extra = {**plan_extra(sched), "datapath": "ce", "atomic_add": bound.atomic_add}
     if bound.lowered.uses_sm:
         extra["sm_blocks_per_lane"] = bound.blocks_per_lane
     big = sizing.message_bytes > (1 << 22)

@@ -127,6 +127,22 @@ MODE_NOTES = {
 }
 
 
+def plan_extra(schedule) -> dict:
+    """A record's plan fields (what :func:`config_of` reads): strategy, chunks, lanes, and
+    ``lanes_by`` where it is not the default.
+
+    >>> from purlin.snac import plan
+    >>> from purlin.spec import collectives
+    >>> plan_extra(plan(collectives.all_reduce(2), "ring", count=8, chunks=2, lanes=2,
+    ...                 lanes_by="stage"))
+    {'strategy': 'ring', 'chunks': 2, 'lanes': 2, 'lanes_by': 'stage'}
+    """
+    out = {"strategy": schedule.strategy, "chunks": schedule.chunks, "lanes": schedule.lanes}
+    if schedule.lanes_by != "piece":
+        out["lanes_by"] = schedule.lanes_by
+    return out
+
+
 def config_of(r: Record) -> str:
     """Purlin's configuration of a record as ``strategy cC lL[ stage] bB`` ("" for
     baselines)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from purlin.bench.metrics import Record, Timing, op_counts
+from purlin.bench.metrics import Record, Timing, op_counts, plan_extra
 from purlin.runtime.auto import launch_options
 from purlin.spec.sizing import fit_nbytes
 
@@ -126,10 +126,8 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
                          **launch_options(blocks_per_lane, protocol, pdl))
     wrong = count_wrong(torch, bound)
     sched = bound.schedule
-    extra = {"strategy": sched.strategy, "chunks": sched.chunks, "lanes": sched.lanes,
-             "blocks_per_lane": bound.blocks_per_lane, "threads": threads}
-    if sched.lanes_by != "piece":
-        extra["lanes_by"] = sched.lanes_by
+    extra = {**plan_extra(sched), "blocks_per_lane": bound.blocks_per_lane,
+             "threads": threads}
     if getattr(bound, "protocol", "simple") != "simple":  # as bound: auto may choose them
         extra["protocol"] = bound.protocol
     if getattr(bound, "pdl", False):
@@ -185,8 +183,7 @@ def time_purlin_cpu(collective, nbytes: int, dtype: str = "float32",
     return Record.make(provider or f"purlin:{strategy}", coll.name, coll.nranks,
                        sizing.message_bytes, sizing.message_count, dtype,
                        coll.op.reduce_op or "none", "cpu", Timing.of(per_call), wrong,
-                       strategy=sched.strategy, chunks=sched.chunks, lanes=sched.lanes,
-                       lanes_by=sched.lanes_by, datapath="cpu")
+                       **plan_extra(sched), datapath="cpu")
 
 
 def predict_purlin(collective, nbytes: int, dtype: str = "bfloat16",
@@ -204,10 +201,7 @@ def predict_purlin(collective, nbytes: int, dtype: str = "bfloat16",
                     lanes_by=lanes_by)
     ns = predict_latency(schedule, profile)
     timing = Timing(ns / 1e3, ns / 1e3, ns / 1e3, 1)
-    extra = {"strategy": strategy, "chunks": chunks, "lanes": lanes,
-             "profile": get_profile(profile).name}
-    if lanes_by != "piece":
-        extra["lanes_by"] = lanes_by
+    extra = {**plan_extra(schedule), "profile": get_profile(profile).name}
     if blocks_per_lane:
         extra["blocks_per_lane"] = blocks_per_lane
     return Record.make(provider or f"purlin:{strategy}", coll.name, coll.nranks,
