@@ -103,20 +103,6 @@ def test_atom_compiles(name, sig):
         assert "ld.global.v4.f32" in ptx and "cvt.rn.bf16x2.f32" in ptx
 
 
-def test_a_two_source_half_reduce_issues_both_loads_before_using_either():
-    """bf16/f16 with two sources (the all-reduce consume): the second 16-byte load is issued
-    before the first word is unpacked, so the two memory latencies overlap."""
-    ptx = compile_ptx(atoms._reduce2_v16_half.py_func,
-                      "void(int64, int64, int64, int64, int64, int64, int64, float32, int64, "
-                      "int64)", cc=CC, device=True)
-    body = ptx[ptx.index("{"):]
-    loads = [m.start() for m in re.finditer(r"ld\.global\.v4\.u32", body)]
-    assert len(loads) == 2, body
-    first_use = min(body.index(op, loads[0]) for op in ("shl.b32", "and.b32", "cvt.f32")
-                    if op in body[loads[0]:])
-    assert loads[1] < first_use, body
-
-
 def _every_intrinsic(a, b):
     w = intrinsics.load_v4_u32(a)
     intrinsics.store_v4_u32(b, w)

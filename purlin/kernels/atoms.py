@@ -135,10 +135,6 @@ def _reduce_v16_half(dst, pool, nsrc, base, nvec, dt, op, divisor, tid, nthreads
     """bfloat16 / float16: eight elements per 16-byte word, accumulated in float32."""
     first = load_i64(pool)
     div = np.float32(divisor)
-    if nsrc == 2:
-        _reduce2_v16_half(dst, first, load_i64(pool + 8), base, nvec, dt, op, div, tid,
-                          nthreads)
-        return
     i = tid
     while i < nvec:
         at = base + i * 16
@@ -170,46 +166,15 @@ def _reduce_v16_half(dst, pool, nsrc, base, nvec, dt, op, divisor, tid, nthreads
 
 
 @device
-def _reduce2_v16_half(dst, first, second, base, nvec, dt, op, div, tid, nthreads):
-    """Two sources (the common case: a peer's piece and the rank's own): both 16-byte loads
-    are issued before either is unpacked, so their latencies overlap (one memory round trip
-    per word instead of two; over NVLink, a remote and a local one)."""
-    i = tid
-    while i < nvec:
-        at = base + i * 16
-        w = load_v4_u32(first + at)
-        v = load_v4_u32(second + at)
-        a0, a1 = _unpack_half2(w[0], dt)
-        a2, a3 = _unpack_half2(w[1], dt)
-        a4, a5 = _unpack_half2(w[2], dt)
-        a6, a7 = _unpack_half2(w[3], dt)
-        b0, b1 = _unpack_half2(v[0], dt)
-        b2, b3 = _unpack_half2(v[1], dt)
-        b4, b5 = _unpack_half2(v[2], dt)
-        b6, b7 = _unpack_half2(v[3], dt)
-        store_v4_u32(dst + at, (
-            _pack_half2(_avg_float(_combine(a0, b0, op), op, div),
-                        _avg_float(_combine(a1, b1, op), op, div), dt),
-            _pack_half2(_avg_float(_combine(a2, b2, op), op, div),
-                        _avg_float(_combine(a3, b3, op), op, div), dt),
-            _pack_half2(_avg_float(_combine(a4, b4, op), op, div),
-                        _avg_float(_combine(a5, b5, op), op, div), dt),
-            _pack_half2(_avg_float(_combine(a6, b6, op), op, div),
-                        _avg_float(_combine(a7, b7, op), op, div), dt)))
-        i += nthreads
-
-
-@device
 def _reduce_v16_f32(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads):
     first = load_i64(pool)
-    second = load_i64(pool + 8) if nsrc > 1 else first  # hoisted: its load overlaps the first
     div = np.float32(divisor)
     i = tid
     while i < nvec:
         at = base + i * 16
         a0, a1, a2, a3 = load_v4_f32(first + at)
         for s in range(1, nsrc):
-            b0, b1, b2, b3 = load_v4_f32((second if s == 1 else load_i64(pool + s * 8)) + at)
+            b0, b1, b2, b3 = load_v4_f32(load_i64(pool + s * 8) + at)
             a0 = _combine(a0, b0, op)
             a1 = _combine(a1, b1, op)
             a2 = _combine(a2, b2, op)
