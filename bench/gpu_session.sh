@@ -14,6 +14,8 @@
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   stagetests  the GPU tests of lanes by stage and push-pull alone (cestage: both against
 #               NCCL from 64 MiB)
+#   floor       hand-written one-shot all-reduce kernels (flag, LL, Lamport) at 8 KiB .. 1 MiB
+#               against NCCL and Purlin's auto: what the protocol can reach without the executor
 #   tune sweep  the tuning table, then the six-collective sweep against NCCL (sweepsm: no ce;
 #               sweepce: the ce datapath's collectives, 1 MiB .. 1 GiB, against sm and NCCL)
 # Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
@@ -65,6 +67,10 @@ for stage in "${stages[@]}"; do
         timeline)
             timeout 200 python3 bench/gpu_timeline.py --out "$OUT" > "$OUT/timeline.log" 2>&1
             echo "rc=$?"; tail -25 "$OUT/timeline.log"
+            ;;
+        floor)
+            timeout 240 python3 bench/gpu_floor.py --out "$OUT" > "$OUT/floor.log" 2>&1
+            echo "rc=$?"; tail -12 "$OUT/floor.log"
             ;;
         tracecli)
             timeout 120 python3 -m purlin trace all-reduce -n 2 -b 1MiB --dtype bfloat16 --measure \
