@@ -29,8 +29,18 @@ SIZES = [8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
 
 def candidates(nbytes: int):
     """(strategy, chunks, lanes, blocks_per_lane[, options]) worth trying at this size
-    (lanes x blocks within the 132 SMs); options: "ll" (flags inside the data), "pdl"
-    (programmatic dependent launch), "ll+pdl"."""
+    (lanes x blocks within the 132 SMs); options: "ll" (flags inside the data), "fused" (LL
+    run by the fused kernel; blocks None: its default grid), "pdl" (programmatic dependent
+    launch), "ll+pdl", "fused+pdl"."""
+    fused = [("direct-push", 1, 1, None, "fused+pdl"), ("direct-push", 1, 1, None, "fused")]
+    if nbytes <= 1 * MiB:
+        fused += [("direct-push", 1, 1, b, "fused+pdl") for b in (8, 16, 32)]
+    else:
+        fused = []
+    return fused + _candidates(nbytes)
+
+
+def _candidates(nbytes: int):
     if nbytes <= 8 * KiB:
         return [("direct-push", 1, 1, 1, "ll"), ("direct-push", 1, 1, 1, "pdl"),
                 ("direct-push", 1, 1, 1, "ll+pdl"), ("direct-push", 1, 1, 1),
@@ -80,7 +90,8 @@ def main() -> int:
         for strategy, chunks, lanes, bpl, *opt in candidates(nbytes)[: 2 if args.quick
                                                                      else None]:
             options = opt[0] if opt else ""
-            protocol = "ll" if "ll" in options else "simple"
+            protocol = ("fused" if "fused" in options else "ll" if "ll" in options
+                        else "simple")
             try:
                 rec = time_purlin(cluster, coll, nbytes, args.dtype, strategy, chunks, lanes,
                                   bpl, mode="graph", ops=50, repeats=15, protocol=protocol,
@@ -97,11 +108,12 @@ def main() -> int:
                       + failures[-1]["error"], flush=True)
             torch.cuda.empty_cache()
     for nbytes in (8 * KiB, 64 * KiB):
-        for protocol in ("simple", "ll"):
+        for protocol in ("simple", "ll", "fused"):
             try:
                 records.append(time_purlin(cluster, coll, nbytes, args.dtype, "direct-push", 1,
-                                           1, 1, mode="eager", ops=200, repeats=10,
-                                           protocol=protocol, pdl=protocol == "ll"))
+                                           1, None if protocol == "fused" else 1, mode="eager",
+                                           ops=200, repeats=10, protocol=protocol,
+                                           pdl=protocol != "simple"))
             except Exception:
                 failures.append({"nbytes": nbytes, "eager": True, "protocol": protocol,
                                  "error": traceback.format_exc(limit=4)})
@@ -136,7 +148,7 @@ def summary(records, baselines) -> str:
         best = min(mine, key=lambda r: r.time_us)
         cfg = (f"{best.extra['strategy']} c{best.extra['chunks']} l{best.extra['lanes']} "
                f"b{best.extra['blocks_per_lane']}"
-               + (" ll" if best.extra.get("protocol") == "ll" else "")
+               + (f" {best.extra['protocol']}" if best.extra.get("protocol") else "")
                + (" pdl" if best.extra.get("pdl") else ""))
         n_us = nccl[0].time_us if nccl else float("nan")
         n_bw = nccl[0].busbw_gbs if nccl else float("nan")

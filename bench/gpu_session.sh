@@ -2,7 +2,8 @@
 # One GPU session on 2 GPUs, stage by stage; logs and JSON go to $OUT (or ./out).
 # Usage (on the GPU machine, from the repo root): bash bench/gpu_session.sh [stage ...]
 #   env kernels tests allreduce      (the default set: ~5 minutes; cetests: the ce part alone;
-#                                    lltests: the LL and PDL cases alone)
+#                                    lltests: the LL and PDL cases alone; fusedtests: the
+#                                    fused LL kernel's)
 #   timeline    measured vs predicted timelines (needs plotly: bench/gpu_wheels.sh)
 #   tracecli    `purlin trace ... --measure` on the GPUs
 #   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap (ce1g: 1 GiB;
@@ -58,6 +59,11 @@ for stage in "${stages[@]}"; do
                 -p no:cacheprovider --maxfail 8 -o addopts="" --timeout 120 \
                 > "$OUT/gpu_ll_tests.log" 2>&1
             echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_ll_tests.log" | tail -30
+            ;;
+        fusedtests)
+            timeout 300 python3 -m pytest -q tests/test_gpu_sm.py -k fused -p no:cacheprovider \
+                --maxfail 8 -o addopts="" --timeout 120 > "$OUT/gpu_fused_tests.log" 2>&1
+            echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_fused_tests.log" | tail -30
             ;;
         cetests)
             timeout 150 python3 -m pytest -q tests/test_gpu_ce.py -p no:cacheprovider \

@@ -323,3 +323,91 @@ def test_pdl_launches_match_the_reference(torch, protocol):
     bound = cluster.bind(coll, "direct-push", count=4096, dtype="float32", protocol=protocol,
                          pdl=True)
     assert _wrong_over_replays(torch, bound, 2_000) == 0
+
+
+# -- the fused LL kernel -----------------------------------------------------------------------
+FUSED_CASES = ["all-reduce", "all-gather", "reduce-scatter", "all-to-all"]
+
+
+@pytest.mark.parametrize("kind,n", [("local", 2), ("virtual", 2), ("virtual", 4),
+                                    ("virtual", 8)])
+@pytest.mark.parametrize("name", FUSED_CASES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fused_matches_the_reference(torch, kind, n, name, dtype):
+    """protocol="fused" (LL rows and their consumers in one pass of the fused kernel) against
+    the reference from 16 bytes to 16 MiB, eager calls with fresh inputs (both LL parities)."""
+    cluster = _cluster(kind, n)
+    gen = np.random.default_rng(11)
+    coll = standard(name, n)
+    for nbytes in (16 * n, 8 << 10, 64 << 10, 1 << 20, 16 << 20):
+        sizing = _sizing(coll, nbytes, dtype, False)
+        bound = cluster.bind(coll, "direct-push", sizing=sizing, protocol="fused")
+        assert bound.launches[0][1].kernel == "fused"
+        _check(torch, bound, sizing, gen, calls=3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int32"])
+def test_fused_all_reduce_dtypes_and_ops(torch, dtype):
+    cluster = _cluster("local", 2)
+    gen = np.random.default_rng(12)
+    ops = ("sum", "max", "min") + (("avg",) if dtype != "int32" else ())
+    for op in ops:
+        coll = standard("all-reduce", 2, op=op)
+        sizing = _sizing(coll, 4096, dtype, False)
+        _check(torch, cluster.bind(coll, "direct-push", sizing=sizing, protocol="fused"),
+               sizing, gen)
+
+
+@pytest.mark.parametrize("kind,n", [("local", 2), ("virtual", 4)])
+def test_fused_and_interpreted_ll_agree_bit_for_bit(torch, kind, n):
+    """The same bf16 all-reduce through the interpreter's LL rows and the fused kernel: the
+    same sources in the same order, so the same bits."""
+    cluster = _cluster(kind, n)
+    coll = standard("all-reduce", n)
+    count = 24 << 10
+    xs = [torch.randn(count).to(torch.bfloat16) for _ in range(n)]
+    outs = {}
+    for protocol in ("ll", "fused"):
+        bound = cluster.bind(coll, "direct-push", count=count, dtype="bfloat16",
+                             protocol=protocol)
+        outs[protocol] = [o.cpu() for o in bound([x.clone() for x in xs])]
+    for r in range(n):
+        assert torch.equal(outs["ll"][r], outs["fused"][r]), f"rank {r}"
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_fused_graph_replays_10000(torch, pdl):
+    """10,000 graph replays of a fused all-reduce with fresh inputs each time: zero wrong."""
+    cluster = _cluster("local", 2)
+    bound = cluster.bind(standard("all-reduce", 2), "direct-push", count=4096,
+                         dtype="float32", protocol="fused", pdl=pdl)
+    assert _wrong_over_replays(torch, bound, 10_000) == 0
+
+
+def test_fused_refuses_what_it_cannot_fuse(torch):
+    from purlin.errors import CapabilityError
+
+    cluster = _cluster("local", 2)
+    with pytest.raises(CapabilityError, match="not whole 16-byte items"):
+        cluster.bind(standard("all-reduce", 2), "direct-push", count=1001, dtype="float32",
+                     protocol="fused")
+    with pytest.raises(CapabilityError, match="is a wait"):
+        cluster.bind(standard("broadcast", 2, root=0), "direct-push", count=1024,
+                     dtype="float32", protocol="fused")
+
+
+def test_fused_missing_put_times_out_naming_the_ll_area(torch):
+    """Rank 1's program loses its puts: rank 0's poll times out within the limit and the
+    error names the LL data of rank 1, the tag expected and the tag seen."""
+    from purlin.kernels import isa
+
+    cluster = _cluster("local", 2)
+    bound = cluster.bind(standard("all-reduce", 2), "direct-push", count=1024,
+                         dtype="float32", protocol="fused", timeout=0.5)
+    program = next(t for t in bound._keep if t.data_ptr() == bound.launches[1][2])
+    program[isa.F_NPUTS] = 0
+    t0 = time.perf_counter()
+    with pytest.raises(PurlinTimeoutError, match=r"rank 0 .*LL data rank 1 .*expected tag 1, "
+                                                 r"saw 0"):
+        bound([None, None])
+    assert time.perf_counter() - t0 < 5.0

@@ -486,6 +486,142 @@ def ll_rows_of_a_lowered_all_reduce():
     assert not flags[0].any() and not flags[1].any(), "an LL pair notified a flag"
 
 
+# ------------------------------------------------------------------------------- fused LL
+
+
+def _fused_setup(collective, dtype: str, count: int, seed: int = 0):
+    """Host buffers and lowered LL tables for every rank of ``collective`` (direct-push)."""
+    from purlin.atom.lowering import ll_area_bytes, lower
+    from purlin.snac import plan
+
+    s = plan(collective, "direct-push", count=count, dtype=dtype)
+    n, item = s.nranks, np.dtype(_NP[dtype]).itemsize
+    rng = np.random.default_rng(seed)
+    xs = [_random(rng, dtype, s.sizing.input_count(r)) for r in range(n)]
+    outs = [np.zeros(s.sizing.output_count(r), dtype=_NP[dtype]) for r in range(n)]
+    scratch_bytes = {r: -(-s.scratch[r] * item // 16) * 16 for r in range(n)}
+    scratch = [np.zeros(scratch_bytes[r] * s.scratch_copies + 16, dtype=np.uint8)
+               for r in range(n)]
+    ll = [np.zeros(ll_area_bytes(scratch_bytes[r]) * s.scratch_copies // 4 + 4, dtype=np.uint32)
+          for r in range(n)]
+    flags = [np.zeros(64, dtype=np.uint64) for _ in range(n)]
+    bases = {}
+    for r in range(n):
+        bases[(r, "input")], bases[(r, "output")] = xs[r].ctypes.data, outs[r].ctypes.data
+        bases[(r, "scratch")] = scratch[r].ctypes.data
+    lowered = lower(s, bases, {r: flags[r].ctypes.data for r in range(n)},
+                    scratch_bytes=scratch_bytes, ll_bases={r: ll[r].ctypes.data for r in range(n)})
+    return s, xs, outs, ll, lowered, (scratch, flags)
+
+
+_NP = {"bfloat16": np.uint16, "float32": np.float32, "int32": np.int32}
+
+
+def _peer_units(lowered, ll, to: int, call: int) -> None:
+    """Write into rank ``to``'s LL area the units every other rank's LL_PUT rows of call
+    ``call`` would have written (tag call + 1, the parity's table)."""
+    from purlin.kernels import isa, sim
+
+    for low in lowered:
+        if low.rank == to:
+            continue
+        table = low.tables[call % len(low.tables)]
+        for row in table:
+            if row[isa.OP] != isa.LL_PUT or row[isa.PEER] != to:
+                continue
+            src = int(low.srcs[row[isa.SRC]])
+            size = int(row[isa.COUNT]) * isa.ITEMSIZE[int(row[isa.DTYPE])]
+            units = sim.ll_pack(ctypes.string_at(src, size), call + 1).ravel()
+            at = (int(row[isa.DST]) - ll[to].ctypes.data) // 4
+            ll[to][at: at + units.size] = units
+
+
+def _run_fused(low, blocks: int = 3, threads: int = 4, timeout_ns: int = 10_000_000):
+    from purlin.atom.fused import program
+    from purlin.kernels import fused, isa
+
+    err = np.zeros(isa.ERR_WIDTH, dtype=np.int64)
+    abort = np.zeros(1, dtype=np.uint64)
+    prog = program(low, error=err.ctypes.data, abort=abort.ctypes.data)
+    words = prog.words.copy()
+    return words, err, abort, lambda: fused.fused[blocks, threads](
+        words.ctypes.data, 1, blocks, timeout_ns, words.size)
+
+
+@case
+def fused_all_reduce_equals_the_interpreter_bit_for_bit():
+    """Rank 0 of a 3-rank bf16 all-reduce, fused, over two calls (even and odd LL parities,
+    tags 1 and 2): the same bits as the interpreter's rows, its units in both peers' areas,
+    every block's call counter at 2."""
+    from purlin.kernels import isa, sim
+    from purlin.spec import collectives
+
+    s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_reduce(3), "bfloat16", 24)
+    words, err, abort, launch = _run_fused(lowered[0])
+    for call in range(2):
+        _peer_units(lowered, ll, 0, call)
+        launch()
+        assert err[isa.E_CODE] == 0, err
+        fused_out = outs[0].copy()
+        outs[0][:] = 0
+        rank0 = sim.HostRank.from_lowered(lowered[0])
+        rank0.epoch[0] = call
+        sim.run_simulated([rank0], threads=4)
+        assert rank0.error_record["code"] == 0, rank0.error_record
+        assert (fused_out == outs[0]).all(), (call, fused_out, outs[0])
+        want = _bf16_bits(sum(_bf16_to_f32(x).astype(np.float64) for x in xs))
+        assert (np.abs(fused_out.astype(np.int32) - want.astype(np.int32)) <= 1).all(), call
+    from purlin.kernels.isa import F_EPOCHS
+    assert (words[F_EPOCHS: F_EPOCHS + 3] == 2).all(), words[F_EPOCHS: F_EPOCHS + 4]
+    for q in (1, 2):  # rank 0's units of the odd call sit in rank q's odd parity, tag 2
+        row = next(r for r in lowered[0].tables[1] if r[isa.OP] == isa.LL_PUT
+                   and r[isa.PEER] == q)
+        at = (int(row[isa.DST]) - ll[q].ctypes.data) // 4
+        want = sim.ll_pack(xs[0].tobytes(), 2).ravel()
+        assert (ll[q][at: at + want.size] == want).all(), q
+
+
+@case
+def fused_all_gather_and_int32_all_to_all():
+    """Copy sinks: a 3-rank all-gather (float32) and an int32 all-to-all, rank 0 fused,
+    against numpy."""
+    from purlin.kernels import isa
+    from purlin.spec import collectives
+
+    s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_gather(3), "float32", 12)
+    words, err, abort, launch = _run_fused(lowered[0], blocks=2, threads=3)
+    _peer_units(lowered, ll, 0, 0)
+    launch()
+    assert err[isa.E_CODE] == 0, err
+    assert (outs[0] == np.concatenate(xs)).all(), outs[0]
+    s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_to_all(2), "int32", 8, seed=3)
+    words, err, abort, launch = _run_fused(lowered[0])
+    _peer_units(lowered, ll, 0, 0)
+    launch()
+    assert err[isa.E_CODE] == 0, err
+    assert (outs[0] == np.concatenate([xs[0][:4], xs[1][:4]])).all(), (outs[0], xs)
+
+
+@case
+def fused_times_out_naming_the_units_and_the_peer():
+    """No peer ran: the fused kernel records a timeout naming a unit of rank 0's LL area, this
+    call's tag (1) against the 0 it saw, the peer and step of the row, and raises ABORT."""
+    from purlin.kernels import isa
+    from purlin.spec import collectives
+
+    s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_reduce(2), "float32", 8)
+    words, err, abort, launch = _run_fused(lowered[0], blocks=1, threads=2,
+                                           timeout_ns=20_000_000)
+    launch()
+    get = next(r for r in lowered[0].tables[0] if r[isa.OP] == isa.LL_GET)
+    start = ll[0].ctypes.data
+    assert err[isa.E_CODE] == isa.ERR_TIMEOUT, err
+    assert start <= err[isa.E_FLAG] < start + ll[0].nbytes, err
+    assert (err[isa.E_EXPECTED], err[isa.E_SEEN]) == (1, 0), err
+    assert (err[isa.E_PEER], err[isa.E_STEP]) == (1, get[isa.STEP]), err
+    assert int(abort[0]) >= 1
+
+
 # ------------------------------------------------------------------------ pytest entry points
 
 

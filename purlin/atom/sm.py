@@ -87,18 +87,23 @@ def virtual_cluster(cls, n, device=0):
     return cls("virtual", n, (device,) * n)
 
 
-PROTOCOLS = ("simple", "ll")
+PROTOCOLS = ("simple", "ll", "fused")
 LL_MAX_BYTES = 256 << 10  # where LL can pay: it doubles the bytes on the wire
+FUSED_MAX_BYTES = 1 << 20  # where the fused LL kernel can pay (tuning candidates)
 
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
-         threads: int = DEFAULT_THREADS, trace_rows: int = 0, protocol: str = "simple",
+         threads: int | None = None, trace_rows: int = 0, protocol: str = "simple",
          pdl: bool = False):
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), by default with one
-    block per lane. ``pdl=True`` (sm_90+) launches with programmatic dependent launch,
-    overlapping each call's launch with the end of the kernel before it."""
+    block per lane. ``protocol="fused"`` runs those LL rows and the rows that consume them in
+    one pass of :mod:`purlin.kernels.fused` instead of the interpreter (no scratch round trip,
+    no lane barrier; ``blocks_per_lane`` is then the blocks of each rank, by default about one
+    16-byte item per thread, :func:`purlin.atom.fused.grid`); a schedule it cannot fuse is
+    refused with the reason. ``pdl=True`` (sm_90+) launches with programmatic dependent
+    launch, overlapping each call's launch with the end of the kernel before it."""
     if protocol not in PROTOCOLS:
         raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                               f"{protocol!r}")
@@ -119,8 +124,7 @@ class SmBound:
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows,
                  protocol="simple", pdl=False):
-        from purlin.atom.lowering import HEAD_WORDS, flag_slots, ll_transfers, lower
-        from purlin.kernels.launch import Launcher
+        from purlin.atom.lowering import flag_slots, ll_transfers, lower
 
         torch = _torch()
         if schedule.dtype not in TORCH_DTYPES:
@@ -130,10 +134,18 @@ class SmBound:
         self.torch = torch
         n, lanes = schedule.nranks, schedule.lanes
         sizing = schedule.sizing
-        ll = protocol == "ll" and len(ll_transfers(schedule)) > 0
+        ll = protocol in ("ll", "fused") and len(ll_transfers(schedule)) > 0
+        if protocol == "fused" and not ll:
+            raise CapabilityError(f"protocol='fused' needs LL transfers, and {schedule.title()} "
+                                  "has none (direct-push stages its pieces as LL units)")
+        if protocol == "fused" and trace_rows:
+            raise CapabilityError("the fused kernel keeps no per-row trace; trace with "
+                                  "protocol='ll'")
         # LL defaults to one block per lane (the 8 KiB optimum on 2 x H200); more may be given
         bpl = blocks_per_lane or (1 if ll else
                                   default_blocks_per_lane(sizing.message_bytes, lanes))
+        if protocol == "fused":
+            bpl = 1  # the lowering's: one block per lane, no lane barriers to fuse around
         self.blocks_per_lane, self.protocol, self.pdl = bpl, protocol, pdl
         devs = cluster.devices
         self.devices = devs
@@ -162,12 +174,26 @@ class SmBound:
             blobs.append(blob)
             self.control.append(control)  # epoch, done, error record
         self._keep += blobs
-        # one launch per device: a virtual cluster packs all its ranks into one launch, with a
-        # table of their descriptors; a lone rank launches on its block and prefetches it
-        self.launches = []
+        self.launches = []  # one per device: (device, launcher, descriptor address, ranks)
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(devs):
             groups.setdefault(d, []).append(r)
+        self.threads = threads or DEFAULT_THREADS
+        if protocol == "fused":
+            self._launch_fused(groups, blocks_per_lane, threads)
+        else:
+            self._launch_tables(groups, blobs)
+        self.timeout_ns = int(timeout * 1e9)
+        self.calls = 0
+        torch.cuda.synchronize()
+
+    def _launch_tables(self, groups, blobs) -> None:
+        """The executor per device: a lone rank launches on its block and prefetches it; a
+        virtual cluster packs its ranks into one launch with a table of their descriptors."""
+        from purlin.atom.lowering import HEAD_WORDS
+        from purlin.kernels.launch import Launcher
+
+        torch = self.torch
         for d, ranks in groups.items():
             if len(ranks) == 1:
                 table, head = blobs[ranks[0]], HEAD_WORDS
@@ -175,13 +201,45 @@ class SmBound:
                 table = torch.stack([blobs[r][:isa.DESC_WIDTH] for r in ranks]).contiguous()
                 head = 0
             self._keep.append(table)
-            launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=lanes,
-                                blocks_per_lane=bpl, threads=threads, head_words=head, pdl=pdl)
-            _check_resident(torch, d, launcher, cluster.kind)
+            launcher = Launcher(device=d, nranks_in_launch=len(ranks),
+                                nlanes=self.schedule.lanes, blocks_per_lane=self.blocks_per_lane,
+                                threads=self.threads, head_words=head, pdl=self.pdl)
+            _check_resident(torch, d, launcher, self.cluster.kind)
             self.launches.append((d, launcher, table.data_ptr(), ranks))
-        self.timeout_ns = int(timeout * 1e9)
-        self.calls = 0
-        torch.cuda.synchronize()
+
+    def _launch_fused(self, groups, blocks, threads) -> None:
+        """One fused program per rank (purlin.atom.fused), packed per device at a common
+        stride; the executor's control words keep the error record, so check() reads it."""
+        from purlin.atom.fused import fuse_problem, grid, program
+        from purlin.kernels.launch import Launcher
+
+        torch = self.torch
+        problems = [p for p in (fuse_problem(low) for low in self.lowered) if p]
+        if problems:
+            raise CapabilityError(f"protocol='fused' cannot run {self.schedule.title()}: "
+                                  f"{problems[0]}; use protocol='ll'")
+        progs = [program(low, error=self.control[r].data_ptr() + 2 * 8,
+                         abort=self.abort.data_ptr()) for r, low in enumerate(self.lowered)]
+        sms = torch.cuda.get_device_properties(self.devices[0]).multi_processor_count
+        size = max(p.items for p in progs)
+        default_blocks, default_threads = grid(size, max(len(r) for r in groups.values()), sms)
+        self.blocks_per_lane = blocks or default_blocks
+        self.threads = threads or default_threads
+        if self.blocks_per_lane > isa.F_MAX_BLOCKS:
+            raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
+                                  f"rank, got blocks_per_lane={self.blocks_per_lane}")
+        for d, ranks in groups.items():
+            stride = max(progs[r].words.size for r in ranks)
+            words = np.zeros(stride * len(ranks), dtype=np.int64)
+            for k, r in enumerate(ranks):
+                words[k * stride: k * stride + progs[r].words.size] = progs[r].words
+            table = torch.from_numpy(words).to(torch.device("cuda", d))
+            self._keep.append(table)
+            launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
+                                blocks_per_lane=self.blocks_per_lane, threads=self.threads,
+                                pdl=self.pdl, kernel="fused", stride_words=stride)
+            _check_resident(torch, d, launcher, self.cluster.kind)
+            self.launches.append((d, launcher, table.data_ptr(), ranks))
 
     # -- running -----------------------------------------------------------------------------
     def launch(self, streams=None) -> None:

@@ -111,12 +111,14 @@ def time_eager(torch, bound, calls: int, repeats: int) -> tuple[list[float], lis
 
 def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
                 strategy: str = "direct-push", chunks: int = 1, lanes: int = 1,
-                blocks_per_lane: int | None = None, threads: int = 512, mode: str = "graph",
+                blocks_per_lane: int | None = None, threads: int | None = None,
+                mode: str = "graph",
                 ops: int = 50, repeats: int = 20, provider: str | None = None,
                 protocol: str = "simple", pdl: bool = False, lanes_by: str = "piece") -> Record:
     """Bind, check and time one point; returns a Record (graph: device time per op).
-    ``protocol="ll"``: the sm datapath's LL transfers; ``pdl``: programmatic dependent launch
-    (both ``purlin.atom.sm.bind``)."""
+    ``protocol="ll"``: the sm datapath's LL transfers ("fused": run by the fused LL kernel);
+    ``pdl``: programmatic dependent launch (all ``purlin.atom.sm.bind``); ``threads``: the
+    datapath's choice when None."""
     import torch
 
     coll = collective
@@ -127,7 +129,7 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
     wrong = count_wrong(torch, bound)
     sched = bound.schedule
     extra = {**plan_extra(sched), "blocks_per_lane": bound.blocks_per_lane,
-             "threads": threads}
+             "threads": getattr(bound, "threads", threads)}
     if getattr(bound, "protocol", "simple") != "simple":  # as bound: auto may choose them
         extra["protocol"] = bound.protocol
     if getattr(bound, "pdl", False):

@@ -3,8 +3,9 @@ one per collective and size, as the tuning table that ``strategy="auto"`` reads.
 
 A candidate is (strategy, chunks, lanes, blocks per lane), and for small messages how it
 launches and signals: each candidate up to ``PDL_MAX_BYTES`` is also tried with programmatic
-dependent launch (``pdl``), and direct-push up to ``LL_MAX_BYTES`` with the LL protocol (flags
-inside the data; ``purlin.atom.sm``). The generator keeps every launch
+dependent launch (``pdl``), direct-push up to ``LL_MAX_BYTES`` with the LL protocol (flags
+inside the data; ``purlin.atom.sm``) and up to ``FUSED_MAX_BYTES`` with the fused LL kernel
+(its blocks per rank around the datapath's default grid). The generator keeps every launch
 within the SM budget (all blocks of a launch must be resident at once, or a wait could starve
 its producer: lanes x blocks per lane x ranks per launch <= SMs x blocks per SM), gives no
 lane nothing to do (lanes <= pieces), and orders the candidates from the most to the least
@@ -16,9 +17,10 @@ plausible for the size, so that a time limit cuts the least likely ones.
 (True, 'direct-push')
 >>> [c for c in candidates(collectives.all_reduce(2), 8 << 10, sms=132, limit=1)
 ...  if c.strategy == "direct-push"]  # doctest: +NORMALIZE_WHITESPACE
-[direct-push c1 l1 b1 ll pdl, direct-push c1 l1 b1 ll, direct-push c2 l2 b1 ll pdl,
- direct-push c2 l2 b1 ll, direct-push c4 l4 b1 ll pdl, direct-push c4 l4 b1 ll,
- direct-push c1 l1 b1, direct-push c1 l1 b1 pdl]
+[direct-push c1 l1 b4 fused pdl, direct-push c1 l1 b4 fused, direct-push c1 l1 b2 fused pdl,
+ direct-push c1 l1 b8 fused pdl, direct-push c1 l1 b1 ll pdl, direct-push c1 l1 b1 ll,
+ direct-push c2 l2 b1 ll pdl, direct-push c2 l2 b1 ll, direct-push c4 l4 b1 ll pdl,
+ direct-push c4 l4 b1 ll, direct-push c1 l1 b1, direct-push c1 l1 b1 pdl]
 >>> sm_budget(132, threads=512), sm_budget(132, threads=128)
 (132, 528)
 """
@@ -29,7 +31,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from purlin.atom.sm import LL_MAX_BYTES
+from purlin.atom.sm import FUSED_MAX_BYTES, LL_MAX_BYTES
 from purlin.bench.metrics import Record, Timing
 from purlin.bench.sweep import Progress, Results, environment
 from purlin.errors import CapabilityError
@@ -66,8 +68,9 @@ class Config:
 
 
 def launch_suffix(protocol: str = "simple", pdl: bool = False) -> str:
-    """" ll", " pdl", " ll pdl" or "": how configurations print their launch options."""
-    return f"{' ll' if protocol == 'll' else ''}{' pdl' if pdl else ''}"
+    """" ll", " fused", " pdl", " ll pdl" or "": how configurations print their launch
+    options."""
+    return f"{'' if protocol == 'simple' else ' ' + protocol}{' pdl' if pdl else ''}"
 
 
 def sm_budget(sms: int = 132, threads: int = 512, ranks_per_launch: int = 1) -> int:
@@ -137,7 +140,8 @@ def candidates(collective, nbytes: int, dtype: str = "bfloat16", *, sms: int = 1
             found[first] = -1.0
         ranked = _diverse(sorted(found, key=lambda c: (found[c], c.blocks, c.chunks)))
         ranked = ranked[:limit] if limit else ranked
-        per_strategy.append(_ll_configs(sizing, strategy, lane_opts, sms)
+        per_strategy.append(_fused_configs(sizing, strategy, sms, budget)
+                            + _ll_configs(sizing, strategy, lane_opts, sms)
                             + _with_pdl(ranked, size))
     out = []
     for k in range(max((len(r) for r in per_strategy), default=0)):
@@ -150,6 +154,22 @@ def _with_pdl(configs: list[Config], size: int) -> list[Config]:
     if size > PDL_MAX_BYTES:
         return configs
     return [v for c in configs for v in (c, replace(c, pdl=True))]
+
+
+def _fused_configs(sizing, strategy: str, sms: int, budget: int) -> list[Config]:
+    """Fused LL candidates for direct-push up to FUSED_MAX_BYTES: the fused kernel's default
+    blocks per rank with and without PDL, then half and twice as many with PDL (all within
+    ``budget`` blocks)."""
+    from purlin.atom.fused import grid
+
+    size = sizing.message_bytes
+    if strategy != "direct-push" or size > FUSED_MAX_BYTES:
+        return []
+    blocks = min(budget, grid(max(1, size // 16), sms=sms)[0])
+    out = [Config(strategy, 1, 1, blocks, "fused", True), Config(strategy, 1, 1, blocks, "fused")]
+    for other in sorted({max(1, blocks // 2), min(64, budget, 2 * blocks)} - {blocks}):
+        out.append(Config(strategy, 1, 1, other, "fused", True))
+    return out
 
 
 def _ll_configs(sizing, strategy: str, lane_opts, sms: int) -> list[Config]:
@@ -272,7 +292,8 @@ def tune(cluster, collectives, sizes, dtype: str = "bfloat16", *, limit: int | N
 def _time(time_purlin, cluster, coll, size, dtype, cfg: Config, threads, ops, repeats):
     try:
         return time_purlin(cluster, coll, size, dtype, cfg.strategy, cfg.chunks, cfg.lanes,
-                           cfg.blocks_per_lane, threads=threads, mode="graph", ops=ops,
+                           cfg.blocks_per_lane, mode="graph", ops=ops,
+                           threads=None if cfg.protocol == "fused" else threads,
                            repeats=repeats, provider=f"purlin:{cfg.strategy}",
                            protocol=cfg.protocol, pdl=cfg.pdl)
     except Exception as exc:  # a candidate that cannot bind or times out is no candidate
@@ -296,7 +317,8 @@ def best_entry(collective: str, timed, dtype: str, threads: int = 512) -> dict |
             per[cfg.strategy] = (cfg, r)
     cfg, r = min(per.values(), key=lambda p: p[1].time_us)
     return {"collective": collective, "nbytes": r.nbytes, "dtype": dtype,
-            "strategy": cfg.strategy, **_launch(cfg), "threads": threads,
+            "strategy": cfg.strategy, **_launch(cfg),
+            "threads": r.extra.get("threads") or threads,
             "time_us": round(r.time_us, 3), "busbw_gbs": round(r.busbw_gbs, 2),
             "timed": len(timed),
             "per_strategy": {s: {**_launch(c), "time_us": round(rr.time_us, 3)}

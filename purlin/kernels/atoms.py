@@ -90,7 +90,7 @@ def copy_bytes(dst, src, nbytes, tid, nthreads):
 
 
 @device
-def _combine(a, b, op):
+def combine(a, b, op):
     """One step of the reduction; max and min let a NaN through, as numpy does."""
     if op == MAX:
         return a if (a >= b or a != a) else b
@@ -100,14 +100,14 @@ def _combine(a, b, op):
 
 
 @device
-def _avg_float(a, op, divisor):
+def avg_float(a, op, divisor):
     if op == AVG:
         return a / divisor
     return a
 
 
 @device
-def _avg_int(a, op, divisor):
+def avg_int(a, op, divisor):
     """Integer average truncated toward zero (like C and NCCL)."""
     if op == AVG:
         q = abs(a) // divisor
@@ -116,7 +116,7 @@ def _avg_int(a, op, divisor):
 
 
 @device
-def _unpack_half2(word, dt):
+def unpack_half2(word, dt):
     """Two 16-bit floats in a 32-bit word to (low, high) float32."""
     if dt == BF16:
         return bits_to_f32((word & 0xFFFF) << 16), bits_to_f32(word & 0xFFFF0000)
@@ -124,7 +124,7 @@ def _unpack_half2(word, dt):
 
 
 @device
-def _pack_half2(lo, hi, dt):
+def pack_half2(lo, hi, dt):
     if dt == BF16:
         return f32x2_to_bf16x2(lo, hi)
     return f32x2_to_f16x2(lo, hi)
@@ -139,29 +139,29 @@ def _reduce_v16_half(dst, pool, nsrc, base, nvec, dt, op, divisor, tid, nthreads
     while i < nvec:
         at = base + i * 16
         w = load_v4_u32(first + at)
-        a0, a1 = _unpack_half2(w[0], dt)
-        a2, a3 = _unpack_half2(w[1], dt)
-        a4, a5 = _unpack_half2(w[2], dt)
-        a6, a7 = _unpack_half2(w[3], dt)
+        a0, a1 = unpack_half2(w[0], dt)
+        a2, a3 = unpack_half2(w[1], dt)
+        a4, a5 = unpack_half2(w[2], dt)
+        a6, a7 = unpack_half2(w[3], dt)
         for s in range(1, nsrc):
             v = load_v4_u32(load_i64(pool + s * 8) + at)
-            b0, b1 = _unpack_half2(v[0], dt)
-            b2, b3 = _unpack_half2(v[1], dt)
-            b4, b5 = _unpack_half2(v[2], dt)
-            b6, b7 = _unpack_half2(v[3], dt)
-            a0 = _combine(a0, b0, op)
-            a1 = _combine(a1, b1, op)
-            a2 = _combine(a2, b2, op)
-            a3 = _combine(a3, b3, op)
-            a4 = _combine(a4, b4, op)
-            a5 = _combine(a5, b5, op)
-            a6 = _combine(a6, b6, op)
-            a7 = _combine(a7, b7, op)
+            b0, b1 = unpack_half2(v[0], dt)
+            b2, b3 = unpack_half2(v[1], dt)
+            b4, b5 = unpack_half2(v[2], dt)
+            b6, b7 = unpack_half2(v[3], dt)
+            a0 = combine(a0, b0, op)
+            a1 = combine(a1, b1, op)
+            a2 = combine(a2, b2, op)
+            a3 = combine(a3, b3, op)
+            a4 = combine(a4, b4, op)
+            a5 = combine(a5, b5, op)
+            a6 = combine(a6, b6, op)
+            a7 = combine(a7, b7, op)
         store_v4_u32(dst + at, (
-            _pack_half2(_avg_float(a0, op, div), _avg_float(a1, op, div), dt),
-            _pack_half2(_avg_float(a2, op, div), _avg_float(a3, op, div), dt),
-            _pack_half2(_avg_float(a4, op, div), _avg_float(a5, op, div), dt),
-            _pack_half2(_avg_float(a6, op, div), _avg_float(a7, op, div), dt)))
+            pack_half2(avg_float(a0, op, div), avg_float(a1, op, div), dt),
+            pack_half2(avg_float(a2, op, div), avg_float(a3, op, div), dt),
+            pack_half2(avg_float(a4, op, div), avg_float(a5, op, div), dt),
+            pack_half2(avg_float(a6, op, div), avg_float(a7, op, div), dt)))
         i += nthreads
 
 
@@ -175,12 +175,12 @@ def _reduce_v16_f32(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads):
         a0, a1, a2, a3 = load_v4_f32(first + at)
         for s in range(1, nsrc):
             b0, b1, b2, b3 = load_v4_f32(load_i64(pool + s * 8) + at)
-            a0 = _combine(a0, b0, op)
-            a1 = _combine(a1, b1, op)
-            a2 = _combine(a2, b2, op)
-            a3 = _combine(a3, b3, op)
-        store_v4_f32(dst + at, (_avg_float(a0, op, div), _avg_float(a1, op, div),
-                                _avg_float(a2, op, div), _avg_float(a3, op, div)))
+            a0 = combine(a0, b0, op)
+            a1 = combine(a1, b1, op)
+            a2 = combine(a2, b2, op)
+            a3 = combine(a3, b3, op)
+        store_v4_f32(dst + at, (avg_float(a0, op, div), avg_float(a1, op, div),
+                                avg_float(a2, op, div), avg_float(a3, op, div)))
         i += nthreads
 
 
@@ -195,12 +195,12 @@ def _reduce_v16_i32(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads):
         a0, a1, a2, a3 = np.int64(x[0]), np.int64(x[1]), np.int64(x[2]), np.int64(x[3])
         for s in range(1, nsrc):
             b0, b1, b2, b3 = load_v4_i32(load_i64(pool + s * 8) + at)
-            a0 = _combine(a0, np.int64(b0), op)
-            a1 = _combine(a1, np.int64(b1), op)
-            a2 = _combine(a2, np.int64(b2), op)
-            a3 = _combine(a3, np.int64(b3), op)
-        store_v4_i32(dst + at, (_avg_int(a0, op, divisor), _avg_int(a1, op, divisor),
-                                _avg_int(a2, op, divisor), _avg_int(a3, op, divisor)))
+            a0 = combine(a0, np.int64(b0), op)
+            a1 = combine(a1, np.int64(b1), op)
+            a2 = combine(a2, np.int64(b2), op)
+            a3 = combine(a3, np.int64(b3), op)
+        store_v4_i32(dst + at, (avg_int(a0, op, divisor), avg_int(a1, op, divisor),
+                                avg_int(a2, op, divisor), avg_int(a3, op, divisor)))
         i += nthreads
 
 
@@ -214,9 +214,9 @@ def _reduce_v16_f64(dst, pool, nsrc, base, nvec, op, divisor, tid, nthreads):
         a0, a1 = load_v2_f64(first + at)
         for s in range(1, nsrc):
             b0, b1 = load_v2_f64(load_i64(pool + s * 8) + at)
-            a0 = _combine(a0, b0, op)
-            a1 = _combine(a1, b1, op)
-        store_v2_f64(dst + at, (_avg_float(a0, op, div), _avg_float(a1, op, div)))
+            a0 = combine(a0, b0, op)
+            a1 = combine(a1, b1, op)
+        store_v2_f64(dst + at, (avg_float(a0, op, div), avg_float(a1, op, div)))
         i += nthreads
 
 
@@ -250,18 +250,18 @@ def _reduce_scalar(dst, pool, nsrc, first, count, dt, op, divisor, tid, nthreads
         if dt == F64:
             a = load_f64(load_i64(pool) + at)
             for s in range(1, nsrc):
-                a = _combine(a, load_f64(load_i64(pool + s * 8) + at), op)
-            store_f64(dst + at, _avg_float(a, op, np.float64(divisor)))
+                a = combine(a, load_f64(load_i64(pool + s * 8) + at), op)
+            store_f64(dst + at, avg_float(a, op, np.float64(divisor)))
         elif dt == I32:
             n = np.int64(load_i32(load_i64(pool) + at))
             for s in range(1, nsrc):
-                n = _combine(n, np.int64(load_i32(load_i64(pool + s * 8) + at)), op)
-            store_u32(dst + at, _avg_int(n, op, divisor))
+                n = combine(n, np.int64(load_i32(load_i64(pool + s * 8) + at)), op)
+            store_u32(dst + at, avg_int(n, op, divisor))
         else:
             x = _load_as_f32(load_i64(pool) + at, dt)
             for s in range(1, nsrc):
-                x = _combine(x, _load_as_f32(load_i64(pool + s * 8) + at, dt), op)
-            _store_from_f32(dst + at, _avg_float(x, op, np.float32(divisor)), dt)
+                x = combine(x, _load_as_f32(load_i64(pool + s * 8) + at, dt), op)
+            _store_from_f32(dst + at, avg_float(x, op, np.float32(divisor)), dt)
         e += nthreads
 
 

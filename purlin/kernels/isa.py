@@ -78,3 +78,17 @@ ERR_NONE, ERR_TIMEOUT, ERR_ABORTED = 0, 1, 2
 
 # trace record (int64 each): row index, block within the lane, start ns, end ns
 TRACE_WIDTH = 4
+
+# The fused LL program (``purlin.kernels.fused``): a rank whose table holds only LL_PUT,
+# LL_GET, COPY and REDUCE rows with no local hazards between them runs as one pass in which
+# every thread moves the same 16-byte items of every row -- puts first, then each destination
+# ("sink") from its sources, reading LL units straight from the LL area. int64 words:
+#   header (F_HEAD words) | per-block call counters (F_MAX_BLOCKS) | puts | sinks | sources
+F_RANK, F_NPUTS, F_NSINKS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_PUTS, F_SINKS = \
+    range(10)
+F_HEAD = 16
+F_EPOCHS = F_HEAD            # block b counts its calls in word F_EPOCHS + b
+F_MAX_BLOCKS = 64
+PUT_WIDTH = 4                # src, dst on even calls, dst on odd calls, bytes
+SINK_WIDTH = 4               # dst, bytes, number of sources, word index of the first source
+SOURCE_WIDTH = 5             # is LL, address on even calls, on odd calls, peer rank, step

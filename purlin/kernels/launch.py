@@ -10,6 +10,10 @@ when the stream is capturing.
     launcher = Launcher(device=0, nlanes=4, blocks_per_lane=8, threads=512)
     launcher(desc_ptr, stream=torch.cuda.current_stream(0).cuda_stream)
 
+``Launcher(..., kernel="fused", stride_words=W)`` launches :mod:`purlin.kernels.fused` instead
+(same five arguments; rank slot ``s`` of the launch reads its program ``s * W`` words after
+``desc_ptr``; ``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank).
+
 Under ``NUMBA_ENABLE_CUDASIM=1`` the same object launches through the simulator (the stream is
 ignored there).
 """
@@ -19,8 +23,11 @@ from __future__ import annotations
 import ctypes
 
 from purlin.errors import ExecutionError, SpecError
+from purlin.kernels import fused
 from purlin.kernels.executor import MAX_THREADS, SIGNATURE, executor, executor_pdl
 from purlin.kernels.intrinsics import SIMULATOR
+
+KERNELS = {"executor": (executor, executor_pdl), "fused": (fused.fused, fused.fused_pdl)}
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 
@@ -38,7 +45,7 @@ class Launcher:
 
     def __init__(self, device: int = 0, nranks_in_launch: int = 1, nlanes: int = 1,
                  blocks_per_lane: int = 1, threads: int = 256, head_words: int = 0,
-                 pdl: bool = False):
+                 pdl: bool = False, kernel: str = "executor", stride_words: int = 0):
         for name, value in (("nranks_in_launch", nranks_in_launch), ("nlanes", nlanes),
                             ("blocks_per_lane", blocks_per_lane), ("threads", threads)):
             if int(value) < 1:
@@ -46,6 +53,10 @@ class Launcher:
         if threads > MAX_THREADS:
             raise SpecError(f"the executor is compiled for at most {MAX_THREADS} threads per "
                             f"block, got threads={threads}")
+        if kernel not in KERNELS:
+            raise SpecError(f"Launcher kernel must be one of {', '.join(KERNELS)}, got "
+                            f"{kernel!r}")
+        self.kernel = kernel
         self.device = int(device)
         self.nranks_in_launch = int(nranks_in_launch)
         self.blocks_per_lane = int(blocks_per_lane)
@@ -53,6 +64,8 @@ class Launcher:
         # a one-rank launch whose descriptor starts a contiguous block (lowering.build_blob)
         # of at least this many int64 words prefetches them (0: no prefetch)
         self.head_words = int(head_words) if self.nranks_in_launch == 1 else 0
+        if kernel == "fused":  # its fifth argument: the words between two ranks' programs
+            self.head_words = int(stride_words)
         self.grid = self.nranks_in_launch * int(nlanes) * self.blocks_per_lane
         self.pdl = bool(pdl)
         self.registers = None  # per thread, once loaded on a GPU
@@ -82,7 +95,7 @@ class Launcher:
                 raise ExecutionError(f"pdl=True needs compute capability 9.0 or newer; GPU "
                                      f"{self.device} has "
                                      f"{cuda.get_current_device().compute_capability}")
-            kernel = (executor_pdl if self.pdl else executor).compile(SIGNATURE)
+            kernel = KERNELS[self.kernel][self.pdl].compile(SIGNATURE)
             kernel.bind()
             # numba-cuda keeps the loaded function on its code library, one per device
             cufunc = kernel._codelibrary.get_cufunc()
@@ -124,7 +137,7 @@ class Launcher:
         else:
             err = self._launch_on(handle)
         if err:
-            raise ExecutionError(f"cuLaunchKernel of the executor on device {self.device} "
+            raise ExecutionError(f"cuLaunchKernel of the {self.kernel} on device {self.device} "
                                  f"failed: {err!r} (grid {self.grid} x {self.threads})")
 
     def _launch_on(self, handle):
@@ -140,6 +153,6 @@ class Launcher:
     # -- simulator path ------------------------------------------------------------------------
 
     def _launch_simulated(self, desc_ptr, stream, timeout_ns) -> None:
-        kernel = executor_pdl if self.pdl else executor
+        kernel = KERNELS[self.kernel][self.pdl]
         kernel[self.grid, self.threads](int(desc_ptr), self.nranks_in_launch,
                                         self.blocks_per_lane, int(timeout_ns), self.head_words)
