@@ -29,14 +29,24 @@ SIZES = [8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
 
 def candidates(nbytes: int):
     """(strategy, chunks, lanes, blocks_per_lane[, options]) worth trying at this size
-    (lanes x blocks within the 132 SMs); options: "ll" (flags inside the data), "fused" (LL
-    run by the fused kernel; blocks None: its default grid), "pdl" (programmatic dependent
-    launch), "ll+pdl", "fused+pdl"."""
-    fused = [("direct-push", 1, 1, None, "fused+pdl"), ("direct-push", 1, 1, None, "fused")]
-    if nbytes <= 1 * MiB:
-        fused += [("direct-push", 1, 1, b, "fused+pdl") for b in (8, 16, 32)]
+    (lanes x blocks within the 132 SMs); options joined by "+": a protocol ("ll": flags inside
+    the data; "fused": the fused kernel, flags with a slot per block; "fused-ll": the fused
+    kernel with LL transfers -- blocks None is the fused kernel's default grid) and "pdl"
+    (programmatic dependent launch)."""
+    if nbytes <= 64 * KiB:
+        fused = [("direct-push", 1, 1, None, "fused-ll+pdl"), ("direct-push", 1, 1, None,
+                                                                "fused+pdl")]
+        fused += [("direct-push", 1, 1, b, "fused-ll+pdl") for b in (8, 16, 32)]
+    elif nbytes <= 1 * MiB:
+        fused = [("direct-push", 1, 1, b, "fused+pdl") for b in (None, 16, 64)]
+        fused += [("direct-push", 1, 1, None, "fused-ll+pdl"), ("two-phase", 1, 1, 32,
+                                                                "fused+pdl")]
+    elif nbytes <= 16 * MiB:
+        fused = [("direct-push", 1, 1, b, "fused") for b in (None, 64)]
+        fused += [("two-phase", c, 1, b, "fused") for c in (1, 2) for b in (64, 128)]
     else:
-        fused = []
+        fused = [("direct-pull", 1, 1, 128, "fused"), ("two-phase", 1, 1, 128, "fused"),
+                 ("direct-push", 1, 1, 128, "fused")]
     return fused + _candidates(nbytes)
 
 
@@ -73,6 +83,7 @@ def main() -> int:
 
     import torch
 
+    from purlin.atom.sm import PROTOCOLS
     from purlin.bench.providers import time_purlin
     from purlin.bench.torch_dist import run_baselines
     from purlin.runtime import Cluster
@@ -90,12 +101,12 @@ def main() -> int:
         for strategy, chunks, lanes, bpl, *opt in candidates(nbytes)[: 2 if args.quick
                                                                      else None]:
             options = opt[0] if opt else ""
-            protocol = ("fused" if "fused" in options else "ll" if "ll" in options
-                        else "simple")
+            parts = options.split("+")
+            protocol = next((p for p in parts if p in PROTOCOLS), "simple")
             try:
                 rec = time_purlin(cluster, coll, nbytes, args.dtype, strategy, chunks, lanes,
                                   bpl, mode="graph", ops=50, repeats=15, protocol=protocol,
-                                  pdl="pdl" in options)
+                                  pdl="pdl" in parts)
                 records.append(rec)
                 print(f"  {nbytes:>10} {strategy:>12} c{chunks} l{lanes} b{bpl} {options}: "
                       f"{rec.time_us:9.2f} us  busbw {rec.busbw_gbs:6.1f}  wrong {rec.wrong}",
@@ -108,10 +119,10 @@ def main() -> int:
                       + failures[-1]["error"], flush=True)
             torch.cuda.empty_cache()
     for nbytes in (8 * KiB, 64 * KiB):
-        for protocol in ("simple", "ll", "fused"):
+        for protocol in ("simple", "ll", "fused-ll"):
             try:
                 records.append(time_purlin(cluster, coll, nbytes, args.dtype, "direct-push", 1,
-                                           1, None if protocol == "fused" else 1, mode="eager",
+                                           1, None if protocol == "fused-ll" else 1, mode="eager",
                                            ops=200, repeats=10, protocol=protocol,
                                            pdl=protocol != "simple"))
             except Exception:

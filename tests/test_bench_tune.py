@@ -46,9 +46,10 @@ def test_candidates_are_ordered_and_limited_per_strategy():
     assert strategies[:4] == ["direct-push", "direct-pull", "two-phase", "ring"]
     assert all(strategies.count(s) == 3 for s in set(strategies))
     small = candidates(collectives.all_reduce(2), 8 * KiB)
-    assert small[0] == Config("direct-push", 1, 1, 4, "fused", True)  # fused LL + PDL first
+    assert small[0] == Config("direct-push", 1, 1, 4, "fused-ll", True)  # fused LL + PDL first
     pushes = [c for c in small if c.strategy == "direct-push"]
-    assert pushes[4] == Config("direct-push", 1, 1, 1, "ll", True)  # then the interpreter's LL
+    assert pushes[4] == Config("direct-push", 1, 1, 4, "fused", True)  # then fused flags
+    assert pushes[6] == Config("direct-push", 1, 1, 1, "ll", True)  # then the interpreter's LL
     simple = [c for c in small if c.protocol == "simple" and c.strategy == "direct-push"]
     assert simple[0] == Config("direct-push", 1, 1, 1)  # then the rule of thumb
     assert simple[1] == Config("direct-push", 1, 1, 1, pdl=True)  # each also with PDL
@@ -57,7 +58,8 @@ def test_candidates_are_ordered_and_limited_per_strategy():
 def test_launch_variants_only_where_they_can_pay():
     ar = collectives.all_reduce(2)
     for c in candidates(ar, 8 * KiB) + candidates(ar, 256 * KiB):
-        assert c.protocol == "simple" or c.strategy == "direct-push"
+        assert c.protocol in ("simple", "fused") or c.strategy == "direct-push"
+        assert not c.protocol.startswith("fused") or c.lanes == 1
     ll64 = {c.blocks_per_lane for c in candidates(ar, 64 * KiB) if c.protocol == "ll"}
     assert ll64 == {1, 4}  # one block, and the default ~16 KiB per block
     assert not any(c.protocol == "ll" for c in candidates(ar, 1 * MiB))

@@ -1,19 +1,23 @@
-"""Fused LL programs (purlin.atom.fused): which lowered tables fuse, what the program holds,
-and the kernel's PTX. The kernel itself runs in tests/test_kernels_sim.py (simulator) and
-tests/test_gpu_sm.py (GPUs)."""
+"""Fused programs (purlin.atom.fused): which lowered tables fuse, what a program holds, the
+programs run end to end by host threads (a thread per rank and block, ranks drifting apart, a
+slow block), and the kernel's PTX. The kernel itself runs in tests/test_kernels_sim.py
+(simulator) and tests/test_gpu_sm.py (GPUs)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from purlin.atom.fused import fuse_problem, grid, program
+from purlin.atom.fused import fuse_problem, grid, program, rank_ops
 from purlin.atom.lowering import lower
 from purlin.errors import CapabilityError
 from purlin.kernels import isa
+from purlin.kernels.host import HostBuffers, fused_programs, run_fused_calls
 from purlin.snac import plan
-from purlin.spec import collectives
+from purlin.spec import STANDARD, collectives, reference, standard
 
 BUFFERS = ("input", "output", "scratch", "ll")
+STRATEGIES = ("direct-push", "direct-pull", "two-phase", "ring")
 
 
 def lowered(collective, strategy="direct-push", count=None, dtype="bfloat16", ll=True, **kw):
@@ -24,71 +28,113 @@ def lowered(collective, strategy="direct-push", count=None, dtype="bfloat16", ll
                  ll_bases={r: bases[(r, "ll")] for r in range(n)} if ll else None)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 8])
-@pytest.mark.parametrize("name", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all"])
-def test_direct_push_collectives_fuse_at_every_rank_count(name, n):
-    for low in lowered(getattr(collectives, name)(n)):
-        assert fuse_problem(low) is None
+CASES = [(c, s) for c in STANDARD for s in STRATEGIES
+         if not (s == "two-phase" and c not in ("all-reduce", "reduce-scatter", "reduce"))]
+
+
+@pytest.mark.parametrize("ll", [True, False])
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("name,strategy", CASES)
+def test_fused_programs_run_every_standard_plan_on_host_threads(name, strategy, n, ll):
+    """Every standard collective x strategy, LL or flags, 1 and 2 chunks: the fused
+    programs, run by a thread per (rank, block) with rank 0's last block slow, give the
+    reference on three calls (both parities). The only plans refused forward LL data they
+    received (a relay reads the LL_GET's scratch, which the fused kernel never writes)."""
+    coll = standard(name, n, root=n - 1)
+    widest = max(max(len(r) for r in coll.input), max(len(r) for r in coll.output))
+    for chunks in (1, 2):
+        s = plan(coll, strategy, count=4 * widest * chunks * 3, dtype="float32", chunks=chunks)
+        bufs = HostBuffers(s, ll=ll)
+        low = bufs.lower()
+        problem = fuse_problem(low)
+        if problem is not None:
+            assert ll and "touches an LL transfer's destination" in problem, problem
+            with pytest.raises(CapabilityError, match="LL transfer's destination"):
+                for one in low:
+                    rank_ops(one)
+            continue
+        programs = fused_programs(low, bufs)
+        rng = np.random.default_rng(n + chunks)
+        xs = [[rng.integers(-50, 50, s.sizing.input_count(r)).astype(np.float64)
+               for r in range(n)] for _ in range(3)]
+        outs = run_fused_calls(programs, bufs, xs, blocks=3, slow_block_delay=0.001)
+        for k in range(3):
+            want = reference(s.sizing, xs[k])
+            for r in range(n):
+                assert np.array_equal(outs[k][r], want[r]), (chunks, k, r)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_an_all_reduce_program_puts_to_every_peer_and_reduces_in_row_order(n):
     lows = lowered(collectives.all_reduce(n), count=64 * n)
     for low in lows:
-        prog = program(low, error=7 << 40, abort=9 << 40)
-        w = prog.words
-        assert (prog.puts, prog.sinks) == (n - 1, 1)
-        assert (w[isa.F_RANK], w[isa.F_NPUTS], w[isa.F_NSINKS]) == (low.rank, n - 1, 1)
-        assert (w[isa.F_ERROR], w[isa.F_ABORT], w[isa.F_DTYPE]) == (7 << 40, 9 << 40, isa.BF16)
-        assert not w[isa.F_EPOCHS: isa.F_EPOCHS + isa.F_MAX_BLOCKS].any()
-        sink = int(w[isa.F_SINKS])
-        dst, nbytes, nsrc, first = w[sink: sink + isa.SINK_WIDTH]
-        assert (nbytes, nsrc) == (64 * n * 2, n)
-        sources = w[first: first + n * isa.SOURCE_WIDTH].reshape(n, isa.SOURCE_WIDTH)
-        # the REDUCE row's sources in its order: n-1 LL areas (alternating per call), 1 input
+        prog = program(low, error=7 << 40, abort=9 << 40, flag_slot=lambda a: a)
+        head = prog.words[isa.F_MAX_BLOCKS:]
+        assert not prog.words[:isa.F_MAX_BLOCKS].any()  # call counters
+        assert (head[isa.F_RANK], head[isa.F_NOPS]) == (low.rank, n)  # n-1 puts, 1 move
+        assert (head[isa.F_ERROR], head[isa.F_ABORT], head[isa.F_DTYPE]) == \
+            (7 << 40, 9 << 40, isa.BF16)
+        ops = head[isa.F_HEAD: isa.F_HEAD + n * isa.OP_WIDTH].reshape(n, isa.OP_WIDTH)
+        assert list(ops[:, 0]) == [isa.F_OP_PUT] * (n - 1) + [isa.F_OP_MOVE]
+        _, dst, dst_odd, nbytes, nsrc, first = ops[-1][:6]
+        assert (dst == dst_odd, nbytes, nsrc) == (True, 64 * n * 2, n)
+        sources = head[first: first + n * isa.SOURCE_WIDTH].reshape(n, isa.SOURCE_WIDTH)
         reduce_row = next(r for r in low.tables[0] if r[isa.OP] == isa.REDUCE)
         assert dst == reduce_row[isa.DST]
-        assert sources[:, 0].sum() == n - 1
+        assert sources[:, 0].sum() == n - 1  # the peers' LL areas, alternating per call
         assert all((src[1] != src[2]) == bool(src[0]) for src in sources)
         peers = sorted(int(p) for p in sources[sources[:, 0] == 1][:, 3])
         assert peers == sorted(set(range(n)) - {low.rank})
         assert prog.items == 64 * n * 2 // 16
 
 
-def test_a_two_rank_all_gather_program_copies_both_pieces():
-    low = lowered(collectives.all_gather(2))[1]
-    prog = program(low, error=0, abort=0)
-    assert (prog.puts, prog.sinks) == (1, 2)  # the own piece, and the peer's from LL units
-
-
-@pytest.mark.parametrize("name,why", [("broadcast", "is a wait"), ("reduce", "is a notify")])
-def test_collectives_that_ack_their_scratch_stay_on_the_interpreter(name, why):
-    lows = lowered(getattr(collectives, name)(2, 0))
-    problems = [fuse_problem(low) for low in lows]
-    assert any(p and why in p for p in problems), problems
-    bad = next(low for low, p in zip(lows, problems) if p)
-    with pytest.raises(CapabilityError, match=f"cannot fuse: rank {bad.rank} row"):
-        program(bad, error=0, abort=0)
+def test_flags_map_to_block_slots():
+    low = lowered(collectives.all_reduce(2), ll=False)
+    ops = rank_ops(low[0])
+    assert [op[0] for op in ops] == ["move", "notify", "wait", "move"]
+    slots = {}
+    prog = program(low[0], 0, 0, flag_slot=lambda a: slots.setdefault(a, (1 + len(slots)) << 32))
+    head = prog.words[isa.F_MAX_BLOCKS:]
+    notify = head[isa.F_HEAD + isa.OP_WIDTH: isa.F_HEAD + 2 * isa.OP_WIDTH]
+    wait = head[isa.F_HEAD + 2 * isa.OP_WIDTH: isa.F_HEAD + 3 * isa.OP_WIDTH]
+    assert notify[1] == slots[ops[1][1]] and wait[1] == slots[ops[2][1]]
+    assert wait[7] == ops[2][1]  # the lowered flag, for error messages
+    assert tuple(wait[2:5]) == (1, 1, 0)  # per call, value, this call
 
 
 def test_sizes_that_are_not_whole_16_byte_items_stay_on_the_interpreter():
-    low = lowered(collectives.all_reduce(2), count=60)[0]  # 120 bytes
+    low = lowered(collectives.all_reduce(2), count=60)  # 120 bytes
     assert "not whole 16-byte items" in fuse_problem(low)
+    with pytest.raises(CapabilityError, match="cannot fuse: rank 0 row 0"):
+        program(low[0], 0, 0, flag_slot=lambda a: a)
 
 
-def test_ring_all_reduce_and_plain_tables_do_not_fuse():
-    assert "notify" in fuse_problem(lowered(collectives.all_reduce(2), "ring")[0])
-    assert "row 1 is a notify" in fuse_problem(lowered(collectives.all_reduce(2), ll=False)[0])
+def test_several_lanes_stay_on_the_interpreter():
+    low = lowered(collectives.all_reduce(2), chunks=2, lanes=2)
+    assert fuse_problem(low) == "rank 0 runs 2 lanes (the fused kernel runs one)"
 
 
 def test_a_rank_that_only_puts_to_a_peer_is_refused():
     """Without data back from the peer, nothing stops it from running two calls ahead."""
-    low = lowered(collectives.all_reduce(2))[0]
-    keep = [k for k, row in enumerate(low.tables[0]) if row[isa.OP] != isa.LL_GET]
-    one_way = type(low)(low.rank, [t[keep] for t in low.tables], low.lane_offsets, low.srcs,
-                        low.lane_barriers)
-    assert fuse_problem(one_way) == ("rank 0 puts to rank 1 without receiving from it in the "
-                                     "same call")
+    low = lowered(collectives.all_reduce(2))
+    r0 = low[0]
+    keep = [k for k, row in enumerate(r0.tables[0]) if row[isa.OP] == isa.LL_PUT]
+    one_way = type(r0)(r0.rank, [t[keep] for t in r0.tables], np.array([0, len(keep)]),
+                       r0.srcs, r0.lane_barriers)
+    assert fuse_problem([one_way, low[1]]) == ("rank 0 puts to rank 1 without hearing from "
+                                               "it in the same call")
+
+
+def test_spans_that_overlap_without_matching_are_refused():
+    """A reduce reading half of what a peer pushed would take its items from other blocks."""
+    low = lowered(collectives.all_reduce(2), ll=False)
+    r1 = low[1]
+    tables = [t.copy() for t in r1.tables]
+    for t in tables:
+        move = next(k for k, row in enumerate(t) if row[isa.OP] == isa.REDUCE)
+        t[move, isa.COUNT] //= 2
+    half = type(r1)(r1.rank, tables, r1.lane_offsets, r1.srcs, r1.lane_barriers)
+    assert "overlapping but different bytes" in fuse_problem([low[0], half])
 
 
 def test_grid_gives_about_one_item_per_thread_within_residency():
@@ -98,10 +144,11 @@ def test_grid_gives_about_one_item_per_thread_within_residency():
     blocks, threads = grid(1 << 16, ranks_in_launch=8)
     assert blocks * 8 <= 132 and threads == 512
     assert grid(1) == (1, 128)
+    assert grid(1 << 24) == (128, 512)
 
 
 @pytest.fixture(scope="module", params=["fused", "fused_pdl"])
-def fused_ptx(request) -> str:
+def fused_ptx(request):
     from purlin.kernels import fused
     from purlin.kernels.compat import compile_ptx
 
@@ -115,8 +162,9 @@ def test_the_fused_kernel_compiles_to_the_intended_ptx(fused_ptx):
     assert "st.volatile.global.v4.u32" in ptx          # LL puts: data and tag in one store
     assert "ld.volatile.global.v4.u32" in ptx          # LL polls
     assert "ld.global.v4.u32" in ptx                   # 16-byte plain loads
-    assert "red.release.sys.global.add.u64" in ptx     # ABORT after a timeout
-    assert "%globaltimer" in ptx                       # time-limited polls
+    assert "ld.acquire.sys.global.u64" in ptx          # flag waits
+    assert "red.release.sys.global.add.u64" in ptx     # notifies, and ABORT after a timeout
+    assert "%globaltimer" in ptx                       # time-limited waits and polls
     assert ".local" not in ptx                         # no spills to local memory
+    assert "bar.sync" in ptx                           # around flags, before the counter
     assert ("griddepcontrol.wait" in ptx) == (name == "fused_pdl")
-    assert "bar.sync" in ptx                           # the block's counter after its items

@@ -325,36 +325,60 @@ def test_pdl_launches_match_the_reference(torch, protocol):
     assert _wrong_over_replays(torch, bound, 2_000) == 0
 
 
-# -- the fused LL kernel -----------------------------------------------------------------------
-FUSED_CASES = ["all-reduce", "all-gather", "reduce-scatter", "all-to-all"]
+# -- the fused kernel --------------------------------------------------------------------------
+FUSED_CASES = [(c, s) for c in STANDARD for s in ("direct-push", "two-phase", "ring")
+               if not (s == "two-phase" and c not in ("all-reduce", "reduce-scatter", "reduce"))]
 
 
-@pytest.mark.parametrize("kind,n", [("local", 2), ("virtual", 2), ("virtual", 4),
-                                    ("virtual", 8)])
-@pytest.mark.parametrize("name", FUSED_CASES)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_fused_matches_the_reference(torch, kind, n, name, dtype):
-    """protocol="fused" (LL rows and their consumers in one pass of the fused kernel) against
-    the reference from 16 bytes to 16 MiB, eager calls with fresh inputs (both LL parities)."""
+@pytest.mark.parametrize("kind,n", [("local", 2), ("virtual", 3)])
+@pytest.mark.parametrize("name,strategy", FUSED_CASES)
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+def test_fused_matches_the_reference(torch, kind, n, name, strategy, protocol):
+    """protocol="fused" / "fused-ll" (the one-lane table run block-matched by the fused
+    kernel, flags with a slot per block, LL units read in place) against the reference from
+    16 bytes to 16 MiB (bf16; float32 at 64 KiB, 2 chunks), eager calls with fresh inputs
+    (both parities); plans the fused kernel refuses are named by their reason."""
+    from purlin.errors import CapabilityError
+
     cluster = _cluster(kind, n)
     gen = np.random.default_rng(11)
-    coll = standard(name, n)
-    for nbytes in (16 * n, 8 << 10, 64 << 10, 1 << 20, 16 << 20):
-        sizing = _sizing(coll, nbytes, dtype, False)
-        bound = cluster.bind(coll, "direct-push", sizing=sizing, protocol="fused")
+    coll = standard(name, n, root=n - 1)
+    for nbytes, dtype, chunks in ((16 * n, "bfloat16", 1), (8 << 10, "bfloat16", 1),
+                                  (64 << 10, "float32", 2), (1 << 20, "bfloat16", 1),
+                                  (16 << 20, "bfloat16", 2)):
+        sizing = _sizing(coll, nbytes * chunks, dtype, False)
+        try:
+            bound = cluster.bind(coll, strategy, sizing=sizing, chunks=chunks,
+                                 protocol=protocol)
+        except CapabilityError as exc:
+            assert "LL transfer's destination" in str(exc) and protocol == "fused-ll", exc
+            continue
         assert bound.launches[0][1].kernel == "fused"
         _check(torch, bound, sizing, gen, calls=3)
 
 
+@pytest.mark.parametrize("n", range(2, 9))
+def test_fused_virtual_ranks(torch, n):
+    cluster = _cluster("virtual", n)
+    gen = np.random.default_rng(13)
+    for name in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
+        coll = standard(name, n)
+        for protocol in ("fused", "fused-ll"):
+            sizing = _sizing(coll, 64 << 10, "bfloat16", False)
+            _check(torch, cluster.bind(coll, "direct-push", sizing=sizing, protocol=protocol),
+                   sizing, gen, calls=3)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "int32"])
-def test_fused_all_reduce_dtypes_and_ops(torch, dtype):
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+def test_fused_all_reduce_dtypes_and_ops(torch, dtype, protocol):
     cluster = _cluster("local", 2)
     gen = np.random.default_rng(12)
     ops = ("sum", "max", "min") + (("avg",) if dtype != "int32" else ())
     for op in ops:
         coll = standard("all-reduce", 2, op=op)
         sizing = _sizing(coll, 4096, dtype, False)
-        _check(torch, cluster.bind(coll, "direct-push", sizing=sizing, protocol="fused"),
+        _check(torch, cluster.bind(coll, "direct-push", sizing=sizing, protocol=protocol),
                sizing, gen)
 
 
@@ -367,20 +391,22 @@ def test_fused_and_interpreted_ll_agree_bit_for_bit(torch, kind, n):
     count = 24 << 10
     xs = [torch.randn(count).to(torch.bfloat16) for _ in range(n)]
     outs = {}
-    for protocol in ("ll", "fused"):
+    for protocol in ("ll", "fused-ll", "fused"):
         bound = cluster.bind(coll, "direct-push", count=count, dtype="bfloat16",
                              protocol=protocol)
         outs[protocol] = [o.cpu() for o in bound([x.clone() for x in xs])]
     for r in range(n):
+        assert torch.equal(outs["ll"][r], outs["fused-ll"][r]), f"rank {r}"
         assert torch.equal(outs["ll"][r], outs["fused"][r]), f"rank {r}"
 
 
-@pytest.mark.parametrize("pdl", [False, True])
-def test_fused_graph_replays_10000(torch, pdl):
+@pytest.mark.parametrize("protocol,pdl", [("fused", False), ("fused", True),
+                                          ("fused-ll", True)])
+def test_fused_graph_replays_10000(torch, protocol, pdl):
     """10,000 graph replays of a fused all-reduce with fresh inputs each time: zero wrong."""
     cluster = _cluster("local", 2)
     bound = cluster.bind(standard("all-reduce", 2), "direct-push", count=4096,
-                         dtype="float32", protocol="fused", pdl=pdl)
+                         dtype="float32", protocol=protocol, pdl=pdl)
     assert _wrong_over_replays(torch, bound, 10_000) == 0
 
 
@@ -389,25 +415,28 @@ def test_fused_refuses_what_it_cannot_fuse(torch):
 
     cluster = _cluster("local", 2)
     with pytest.raises(CapabilityError, match="not whole 16-byte items"):
-        cluster.bind(standard("all-reduce", 2), "direct-push", count=1001, dtype="float32",
+        cluster.bind(standard("all-reduce", 2), "direct-push", count=1002, dtype="float32",
                      protocol="fused")
-    with pytest.raises(CapabilityError, match="is a wait"):
-        cluster.bind(standard("broadcast", 2, root=0), "direct-push", count=1024,
-                     dtype="float32", protocol="fused")
+    with pytest.raises(CapabilityError, match="runs one lane"):
+        cluster.bind(standard("all-reduce", 2), "direct-push", count=1024, dtype="float32",
+                     chunks=2, lanes=2, protocol="fused")
 
 
-def test_fused_missing_put_times_out_naming_the_ll_area(torch):
-    """Rank 1's program loses its puts: rank 0's poll times out within the limit and the
-    error names the LL data of rank 1, the tag expected and the tag seen."""
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+def test_fused_missing_peer_times_out_naming_it(torch, protocol):
+    """Rank 1's program loses its ops: rank 0 times out within the limit and the error
+    names rank 1 (its flag, or the LL data it sends), the target and what was seen."""
     from purlin.kernels import isa
 
     cluster = _cluster("local", 2)
     bound = cluster.bind(standard("all-reduce", 2), "direct-push", count=1024,
-                         dtype="float32", protocol="fused", timeout=0.5)
+                         dtype="float32", protocol=protocol, timeout=0.5)
     program = next(t for t in bound._keep if t.data_ptr() == bound.launches[1][2])
-    program[isa.F_NPUTS] = 0
+    program[isa.F_MAX_BLOCKS + isa.F_NOPS] = 0
     t0 = time.perf_counter()
-    with pytest.raises(PurlinTimeoutError, match=r"rank 0 .*LL data rank 1 .*expected tag 1, "
-                                                 r"saw 0"):
+    want = (r"rank 0 .*LL data rank 1 .*expected tag 1, saw 0" if protocol == "fused-ll"
+            else r"rank 0 step \d+ .*timed out .*flag\(r0<-r1\.l0\) from rank 1: expected "
+                 r">= 1 \(1 notifies x 1 blocks\), saw 0")
+    with pytest.raises(PurlinTimeoutError, match=want):
         bound([None, None])
     assert time.perf_counter() - t0 < 5.0

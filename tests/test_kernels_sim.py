@@ -489,7 +489,7 @@ def ll_rows_of_a_lowered_all_reduce():
 # ------------------------------------------------------------------------------- fused LL
 
 
-def _fused_setup(collective, dtype: str, count: int, seed: int = 0):
+def _fused_setup(collective, dtype: str, count: int, seed: int = 0, use_ll: bool = True):
     """Host buffers and lowered LL tables for every rank of ``collective`` (direct-push)."""
     from purlin.atom.lowering import ll_area_bytes, lower
     from purlin.snac import plan
@@ -510,7 +510,8 @@ def _fused_setup(collective, dtype: str, count: int, seed: int = 0):
         bases[(r, "input")], bases[(r, "output")] = xs[r].ctypes.data, outs[r].ctypes.data
         bases[(r, "scratch")] = scratch[r].ctypes.data
     lowered = lower(s, bases, {r: flags[r].ctypes.data for r in range(n)},
-                    scratch_bytes=scratch_bytes, ll_bases={r: ll[r].ctypes.data for r in range(n)})
+                    scratch_bytes=scratch_bytes,
+                    ll_bases={r: ll[r].ctypes.data for r in range(n)} if use_ll else None)
     return s, xs, outs, ll, lowered, (scratch, flags)
 
 
@@ -536,13 +537,15 @@ def _peer_units(lowered, ll, to: int, call: int) -> None:
             ll[to][at: at + units.size] = units
 
 
-def _run_fused(low, blocks: int = 3, threads: int = 4, timeout_ns: int = 10_000_000):
+def _run_fused(low, blocks: int = 3, threads: int = 4, timeout_ns: int = 10_000_000,
+               flag_slot=None):
     from purlin.atom.fused import program
     from purlin.kernels import fused, isa
 
     err = np.zeros(isa.ERR_WIDTH, dtype=np.int64)
     abort = np.zeros(1, dtype=np.uint64)
-    prog = program(low, error=err.ctypes.data, abort=abort.ctypes.data)
+    prog = program(low, error=err.ctypes.data, abort=abort.ctypes.data,
+                   flag_slot=flag_slot or (lambda a: a))
     words = prog.words.copy()
     return words, err, abort, lambda: fused.fused[blocks, threads](
         words.ctypes.data, 1, blocks, timeout_ns, words.size)
@@ -571,8 +574,7 @@ def fused_all_reduce_equals_the_interpreter_bit_for_bit():
         assert (fused_out == outs[0]).all(), (call, fused_out, outs[0])
         want = _bf16_bits(sum(_bf16_to_f32(x).astype(np.float64) for x in xs))
         assert (np.abs(fused_out.astype(np.int32) - want.astype(np.int32)) <= 1).all(), call
-    from purlin.kernels.isa import F_EPOCHS
-    assert (words[F_EPOCHS: F_EPOCHS + 3] == 2).all(), words[F_EPOCHS: F_EPOCHS + 4]
+    assert (words[:3] == 2).all() and words[3] == 0, words[:4]  # block call counters
     for q in (1, 2):  # rank 0's units of the odd call sit in rank q's odd parity, tag 2
         row = next(r for r in lowered[0].tables[1] if r[isa.OP] == isa.LL_PUT
                    and r[isa.PEER] == q)
@@ -600,6 +602,51 @@ def fused_all_gather_and_int32_all_to_all():
     launch()
     assert err[isa.E_CODE] == 0, err
     assert (outs[0] == np.concatenate([xs[0][:4], xs[1][:4]])).all(), (outs[0], xs)
+
+
+@case
+def fused_flags_have_a_slot_per_block():
+    """The simple protocol fused (a 2-rank float32 all-reduce: push, notify, wait, reduce):
+    rank 0 with rank 1's pushes and notifies already landed (every block's slot at 1) sums
+    correctly, pushes its input into rank 1's scratch and adds 1 to each of rank 1's block
+    slots; a block whose slot was not notified times out naming the lowered flag."""
+    from purlin.kernels import isa
+    from purlin.spec import collectives
+
+    s, xs, outs, ll, lowered, (scratch, flags) = _fused_setup(collectives.all_reduce(2),
+                                                              "float32", 16, use_ll=False)
+    ops = [isa.OPCODE_NAMES[op] for op in lowered[0].tables[0][:, isa.OP]]
+    assert ops == ["copy", "notify", "wait", "reduce"], ops
+    blocks = 2
+    slots = [np.zeros(flags[r].size * isa.F_MAX_BLOCKS, dtype=np.int64) for r in range(2)]
+
+    def flag_slot(address):
+        r = next(q for q in range(2) if 0 <= address - flags[q].ctypes.data < flags[q].nbytes)
+        index = (address - flags[r].ctypes.data) // 8
+        return slots[r].ctypes.data + index * isa.F_MAX_BLOCKS * 8
+
+    wait = next(row for row in lowered[0].tables[0] if row[isa.OP] == isa.WAIT)
+    mine = (flag_slot(int(wait[isa.FLAG])) - slots[0].ctypes.data) // 8
+    slots[0][mine: mine + blocks] = 1
+    push = next(row for row in lowered[1].tables[0] if row[isa.OP] == isa.COPY)
+    at = int(push[isa.DST]) - scratch[0].ctypes.data
+    scratch[0][at: at + 64] = xs[1].view(np.uint8)  # rank 1's push, landed
+    words, err, abort, launch = _run_fused(lowered[0], blocks=blocks, threads=2,
+                                           flag_slot=flag_slot)
+    launch()
+    assert err[isa.E_CODE] == 0, err
+    assert (outs[0] == xs[0] + xs[1]).all(), outs[0]
+    notify = next(row for row in lowered[0].tables[0] if row[isa.OP] == isa.NOTIFY)
+    theirs = (flag_slot(int(notify[isa.FLAG])) - slots[1].ctypes.data) // 8
+    assert list(slots[1][theirs: theirs + blocks + 1]) == [1, 1, 0]
+    at = int(lowered[0].tables[0][0][isa.DST]) - scratch[1].ctypes.data
+    assert (scratch[1][at: at + 64].view(np.float32) == xs[0]).all()
+    slots[0][mine + 1] = 0  # call 1: block 1 never hears from rank 1
+    slots[0][mine] = 2
+    launch()
+    assert err[isa.E_CODE] == isa.ERR_TIMEOUT and err[isa.E_BLOCK] == 1, err
+    assert (err[isa.E_FLAG], err[isa.E_EXPECTED], err[isa.E_SEEN]) == \
+        (int(wait[isa.FLAG]), 2, 0), err
 
 
 @case

@@ -1,22 +1,25 @@
-"""Fuse a rank's lowered LL rows into one pass: the program of :mod:`purlin.kernels.fused`.
+"""Fuse lowered tables into block-matched programs: the input of :mod:`purlin.kernels.fused`.
 
-Pure numpy, like :mod:`purlin.atom.lowering`, whose tables it reads. A rank fuses when its
-table (every lane, even and odd calls) holds only LL_PUT, LL_GET, COPY and REDUCE rows, and
-running them item by item cannot go wrong:
+Pure numpy, like :mod:`purlin.atom.lowering`, whose one-lane tables (one block per lane) it
+reads for every rank at once. The fused kernel gives every thread the same 16-byte items of
+every row on every rank and gives each flag a slot per block, so block b waits only for block
+b of its peers and no row needs a lane barrier. That is sound when:
 
+* each rank has one lane, and its rows are WAIT, NOTIFY, LL_PUT, LL_GET, COPY and REDUCE;
 * every row moves a multiple of 16 bytes between 16-byte aligned addresses;
-* every LL_GET's destination is read only whole, by COPY / REDUCE rows of the same size --
-  those rows then read the LL units directly (the LL_GET and its scratch disappear);
-* no row writes what another row reads or writes (puts read only buffers nobody writes);
-* plain addresses are the same on even and odd calls (only LL areas alternate);
-* every peer the rank puts to also puts to it in the same call: a peer cannot then run two
-  calls ahead and overwrite LL units of the area parity still being read.
+* two rows (of any ranks) that touch the same bytes, one of them writing, cover exactly the
+  same bytes: item i is then block b's on both sides, so the block's flags order them;
+* rows of one rank between two flag operations touch common bytes only as the same span
+  (each thread then meets only its own items, in program order);
+* every LL_GET's destination is read only whole, by COPY / REDUCE rows, which then read the
+  LL units in place (the LL_GET and its scratch disappear);
+* a rank that sends LL units to a peer hears from that peer in the same call (an LL unit or
+  a flag), so the peer cannot run two calls ahead into the LL parity still being read.
 
-Direct-push all-reduce, reduce-scatter, all-gather and all-to-all with ``protocol="ll"``
-qualify at any rank count; broadcast and reduce keep a flag for the scratch they reuse and
-run on the interpreter, as do sizes that are not whole 16-byte items.
+Direct-push all-reduce, reduce-scatter, all-gather, all-to-all, broadcast and reduce fuse at
+any rank count, with LL transfers or plain pushes and flags; a table that does not is run by
+the interpreter.
 
->>> import numpy as np
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan
 >>> from purlin.atom.lowering import lower
@@ -25,8 +28,8 @@ run on the interpreter, as do sizes that are not whole 16-byte items.
 ...          for i, b in enumerate(("input", "output", "scratch", "ll"))}
 >>> low = lower(s, bases, {r: (9 + r) << 20 for r in range(2)},
 ...             ll_bases={r: bases[(r, "ll")] for r in range(2)})
->>> program(low[0], error=0, abort=0).sinks
-1
+>>> fuse_problem(low) is None, [op[0] for op in rank_ops(low[0])]
+(True, ['put', 'move'])
 """
 
 from __future__ import annotations
@@ -35,163 +38,227 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from purlin.errors import CapabilityError
-from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, F_ABORT, F_DIVISOR, F_DTYPE,
-                                F_EPOCHS, F_ERROR, F_MAX_BLOCKS, F_NPUTS, F_NSINKS, F_PUTS,
-                                F_RANK, F_REDOP, F_SINKS, ITEMSIZE, LL_GET, LL_PUT, NSRC, OP,
-                                OPCODE_NAMES, PEER, PUT_WIDTH, REDOP, REDUCE, SINK_WIDTH,
-                                SOURCE_WIDTH, SRC, STEP)
 from purlin.atom.lowering import LoweredRank
+from purlin.errors import CapabilityError
+from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
+                                F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
+                                F_OP_MOVE, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK, F_REDOP,
+                                FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_WIDTH,
+                                OPCODE_NAMES, PEER, PER_CALL, REDOP, REDUCE, SOURCE_WIDTH, SRC,
+                                STEP, VALUE, WAIT)
 
-__all__ = ["FusedProgram", "fuse_problem", "grid", "program"]
+__all__ = ["FusedProgram", "fuse_problem", "grid", "program", "rank_ops"]
 
 ITEM = 16
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
 
+class _Refused(Exception):
+    """A table the fused kernel must not run (the message says why)."""
+
+
 @dataclass(frozen=True)
 class FusedProgram:
-    """One rank's fused program: ``words`` (int64, call counters zero), its puts and sinks,
-    and ``items``, the largest row in 16-byte items (what the grid is sized for)."""
+    """One rank's fused program: ``words`` (int64, call counters zero), the number of ops,
+    and ``items``, its largest row in 16-byte items (what the grid is sized for)."""
 
     words: np.ndarray
-    puts: int
-    sinks: int
+    ops: int
     items: int
 
 
-def _rows(low: LoweredRank):
-    """(even row, odd row) pairs of every lane, with the pool address of each source."""
+def rank_ops(low: LoweredRank) -> list[tuple]:
+    """The rank's rows as fused ops, LL_GET rows folded into the rows that read them:
+    ("wait", flag, per call, value, epoch offset, peer, step), ("notify", flag, value),
+    ("put", source, units even, units odd, bytes, peer, step) and ("move", destination even,
+    odd, bytes, sources, dtype, (redop, divisor)) with sources (is LL, even, odd, peer, step).
+    Raises CapabilityError naming the rank and row when the rank cannot be fused."""
+    try:
+        return _rank_ops(low)
+    except _Refused as exc:
+        raise CapabilityError(f"cannot fuse: {exc}") from None
+
+
+def _rank_ops(low: LoweredRank) -> list[tuple]:
+    r = low.rank
+    if len(low.lane_offsets) != 2:
+        raise _Refused(f"rank {r} runs {len(low.lane_offsets) - 1} lanes (the fused kernel "
+                       "runs one)")
     even, odd = low.tables[0], low.tables[-1]
-    for a, b in zip(even, odd):
+    ops, gets, used = [], {}, set()
+    for k, (a, b) in enumerate(zip(even, odd)):
+        op = int(a[OP])
+        if op not in (WAIT, NOTIFY, LL_PUT, LL_GET, COPY, REDUCE) or int(b[OP]) != op:
+            raise _Refused(f"rank {r} row {k} is a {OPCODE_NAMES[op]}")
+        if op == WAIT:
+            ops.append(("wait", int(a[FLAG]), int(a[PER_CALL]), int(a[VALUE]),
+                        int(a[EPOCH_OFFSET]), int(a[PEER]), int(a[STEP])))
+            continue
+        if op == NOTIFY:
+            ops.append(("notify", int(a[FLAG]), int(a[VALUE])))
+            continue
+        dt = int(a[DTYPE])
+        if dt not in FUSED_DTYPES:
+            raise _Refused(f"rank {r}: the fused kernel does not move dtype code {dt}")
+        nbytes = int(a[COUNT]) * ITEMSIZE[dt]
         srcs_a = [int(x) for x in low.srcs[a[SRC]: a[SRC] + max(1, a[NSRC])]]
         srcs_b = [int(x) for x in low.srcs[b[SRC]: b[SRC] + max(1, b[NSRC])]]
-        yield a, b, srcs_a, srcs_b
-
-
-def _analyse(low: LoweredRank):
-    """(puts, sinks, dtype, redop, divisor) or a string saying why the rank cannot fuse."""
-    if not len(low.tables[0]):
-        return f"rank {low.rank} has no rows"
-    puts, gets, sinks, put_peers = [], {}, [], set()
-    dtypes, redops = set(), set()
-    for k, (a, b, sa, sb) in enumerate(_rows(low)):
-        op = int(a[OP])
-        if op not in (LL_PUT, LL_GET, COPY, REDUCE) or int(b[OP]) != op:
-            return f"rank {low.rank} row {k} is a {OPCODE_NAMES[op]}"
-        dt = int(a[DTYPE])
-        dtypes.add(dt)
-        nbytes = int(a[COUNT]) * ITEMSIZE[dt]
-        if nbytes % ITEM:
-            return (f"rank {low.rank} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
-                    "not whole 16-byte items")
+        addresses = [int(a[DST]), int(b[DST]), *srcs_a, *srcs_b]
+        if nbytes % ITEM or any(x % ITEM for x in addresses):
+            raise _Refused(f"rank {r} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
+                           "not whole 16-byte items at 16-byte aligned addresses")
         if op == LL_PUT:
-            if sa != sb:
-                return f"rank {low.rank} row {k} puts from a buffer that alternates per call"
-            puts.append((sa[0], int(a[DST]), int(b[DST]), nbytes))
-            put_peers.add(int(a[PEER]))
+            ops.append(("put", srcs_a[0], int(a[DST]), int(b[DST]), nbytes, int(a[PEER]),
+                        int(a[STEP])))
         elif op == LL_GET:
-            gets[(int(a[DST]), int(b[DST]))] = (sa[0], sb[0], nbytes, int(a[PEER]), int(a[STEP]))
+            gets[(int(a[DST]), int(b[DST]))] = (srcs_a[0], srcs_b[0], nbytes, int(a[PEER]),
+                                                int(a[STEP]))
         else:
-            if op == REDUCE:
-                redops.add((int(a[REDOP]), int(a[DIVISOR])))
-            sinks.append((int(a[DST]), int(b[DST]), nbytes, list(zip(sa, sb))))
-    if len(dtypes) != 1 or len(redops) > 1:
-        return f"rank {low.rank} mixes element types or reductions"
-    dt = dtypes.pop()
-    if dt not in FUSED_DTYPES:
-        return f"rank {low.rank}: the fused kernel does not move dtype code {dt}"
-    if not puts and not gets:
-        return f"rank {low.rank} has no LL rows"
-    # LL areas alternate between two parities: a peer two calls ahead must have waited for
-    # this rank's data of the call between, so every peer written to is also heard from
-    silent = put_peers - {peer for *_, peer, _ in gets.values()}
-    if silent:
-        return (f"rank {low.rank} puts to rank {min(silent)} without receiving from it in the "
-                "same call")
-    get_spans = [(e, n) for (e, _), (_, _, n, _, _) in gets.items()]
-    used = set()
-    out_sinks, plain = [], []
-    for dst_a, dst_b, nbytes, sources in sinks:
-        if dst_a != dst_b:
-            return f"rank {low.rank} writes a buffer that alternates per call"
-        entries = []
-        for s_a, s_b in sources:
-            got = gets.get((s_a, s_b))
-            if got is not None and got[2] == nbytes:
-                used.add((s_a, s_b))
-                entries.append((1, got[0], got[1], got[3], got[4]))
-                continue
-            if s_a != s_b or any(_overlap(s_a, nbytes, e, n) for e, n in get_spans):
-                return (f"rank {low.rank} reads part of an LL transfer's destination (or "
-                        "scratch that alternates per call)")
-            entries.append((0, s_a, s_a, -1, -1))
-            plain.append((s_a, nbytes))
-        out_sinks.append((dst_a, nbytes, entries))
-    if len(used) != len(gets):
-        return f"rank {low.rank} keeps an LL transfer's data for a later row"
-    writes = [(d, n) for d, n, _ in out_sinks]
-    reads = plain + [(src, n) for src, _, _, n in puts]
-    for i, (d, n) in enumerate(writes):
-        if any(_overlap(d, n, d2, n2) for d2, n2 in writes[i + 1:]) or \
-                any(_overlap(d, n, s, m) for s, m in reads):
-            return f"rank {low.rank} writes a buffer another of its rows reads or writes"
-    addresses = [d for d, _ in writes] + [s for s, _ in reads]
-    if any(a % ITEM for a in addresses):
-        return f"rank {low.rank} moves data at addresses not 16-byte aligned"
-    redop, divisor = redops.pop() if redops else (0, 1)
-    return puts, out_sinks, dt, redop, divisor
+            how = (int(a[REDOP]), int(a[DIVISOR])) if op == REDUCE else None
+            sources = []
+            for s_a, s_b in zip(srcs_a, srcs_b):
+                got = gets.get((s_a, s_b))
+                if got is not None and got[2] == nbytes:
+                    sources.append((1, got[0], got[1], got[3], got[4]))
+                    used.add((s_a, s_b))
+                else:
+                    sources.append((0, s_a, s_b, -1, -1))
+            ops.append(("move", int(a[DST]), int(b[DST]), nbytes, tuple(sources), dt, how))
+    if set(gets) - used:
+        raise _Refused(f"rank {r} keeps an LL transfer's data for a row that does not read "
+                       "it whole")
+    _check_rank(r, ops, gets)
+    return ops
 
 
-def _overlap(a: int, n: int, b: int, m: int) -> bool:
-    return a < b + m and b < a + n
+def _check_rank(r: int, ops: list[tuple], gets: dict) -> None:
+    """Within the rank: one element type and reduction, LL areas read only through moves,
+    no two data rows between flag operations touching the same bytes, and every LL peer
+    heard from."""
+    kinds = {(op[5], op[6]) for op in ops if op[0] == "move" and op[6] is not None}
+    if len({op[5] for op in ops if op[0] == "move"}) > 1 or len(kinds) > 1:
+        raise _Refused(f"rank {r} mixes element types or reductions")
+    got = [(dst[0], dst[1], g[2]) for dst, g in gets.items()]
+    for op in ops:
+        if op[0] in ("put", "move"):
+            w, reads = _accesses(op)
+            plain = [x for x, src in zip(reads, op[4] if op[0] == "move" else (None,))
+                     if not (src and src[0])]
+            if any(_meets(x, g) for x in (w, *plain) for g in got):
+                raise _Refused(f"rank {r} touches an LL transfer's destination other than "
+                               "by reading it whole (it is never written when fused)")
+    segment: list = []
+    for op in ops + [("notify",)]:
+        if op[0] in ("wait", "notify"):
+            for i, (w, reads) in enumerate(segment):
+                for w2, reads2 in segment[i + 1:]:
+                    if w and any(_clash(w, x) for x in (w2, *reads2) if x) or \
+                            w2 and any(_clash(w2, x) for x in reads):
+                        raise _Refused(f"rank {r} has two rows between flag operations that "
+                                       "touch the same bytes")
+            segment = []
+        else:
+            segment.append(_accesses(op))
+    put_peers = {op[5] for op in ops if op[0] == "put"}
+    heard = {g[3] for g in gets.values()} | {op[5] for op in ops if op[0] == "wait"}
+    if put_peers - heard:
+        raise _Refused(f"rank {r} puts to rank {min(put_peers - heard)} without hearing from "
+                       "it in the same call")
 
 
-def fuse_problem(low: LoweredRank) -> str | None:
-    """Why ``low`` cannot run as a fused program (a sentence naming the rank), or None."""
-    found = _analyse(low)
-    return found if isinstance(found, str) else None
+def _accesses(op) -> tuple:
+    """(written span or None, read spans) of a data op; a span is (even, odd, bytes)."""
+    if op[0] == "put":
+        return (op[2], op[3], 2 * op[4]), ((op[1], op[1], op[4]),)
+    n = op[3]
+    return (op[1], op[2], n), tuple((s[1], s[2], 2 * n if s[0] else n) for s in op[4])
 
 
-def program(low: LoweredRank, error: int, abort: int) -> FusedProgram:
-    """The fused program of ``low``: ``error`` is the address of the rank's error record
-    (``isa.ERR_WIDTH`` words), ``abort`` that of the cluster's abort word."""
-    found = _analyse(low)
-    if isinstance(found, str):
-        raise CapabilityError(f"cannot fuse: {found}")
-    puts, sinks, dt, redop, divisor = found
-    head = F_EPOCHS + F_MAX_BLOCKS
-    sinks_at = head + PUT_WIDTH * len(puts)
-    sources_at = sinks_at + SINK_WIDTH * len(sinks)
-    nsources = sum(len(e) for _, _, e in sinks)
-    words = np.zeros(sources_at + SOURCE_WIDTH * nsources, dtype=np.int64)
-    words[[F_RANK, F_NPUTS, F_NSINKS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_PUTS,
-           F_SINKS]] = [low.rank, len(puts), len(sinks), dt, redop, divisor, error, abort,
-                        head, sinks_at]
-    for k, put in enumerate(puts):
-        words[head + PUT_WIDTH * k: head + PUT_WIDTH * (k + 1)] = put
+def _clash(a: tuple, b: tuple) -> bool:
+    """Spans that share bytes without being the same span: different threads would meet."""
+    return a != b and _meets(a, b)
+
+
+def _meets(a: tuple, b: tuple) -> bool:
+    """Do spans ``a`` and ``b`` share a byte (in either parity)?"""
+    return any(x < y + b[2] and y < x + a[2] for x in (a[0], a[1]) for y in (b[0], b[1]))
+
+
+def _check_ranks(ops_by_rank: list[list[tuple]]) -> None:
+    """Across ranks (and flag operations of one rank): a written span meets another span only
+    where both are the same span."""
+    spans = []  # (rank, op index, span, writes)
+    for r, ops in enumerate(ops_by_rank):
+        for k, op in enumerate(ops):
+            if op[0] in ("put", "move"):
+                w, reads = _accesses(op)
+                spans.append((r, k, w, True))
+                spans += [(r, k, x, False) for x in reads]
+    for i, (r, k, a, wa) in enumerate(spans):
+        for r2, k2, b, wb in spans[i + 1:]:
+            if (wa or wb) and (r, k) != (r2, k2) and _meets(a, b) and a != b:
+                raise _Refused(f"rank {r} and rank {r2} touch overlapping but different "
+                               "bytes: their items would fall to different blocks")
+
+
+def fuse_problem(lowered: list[LoweredRank]) -> str | None:
+    """Why the ranks of ``lowered`` cannot run as fused programs (a sentence naming the rank
+    and row), or None."""
+    try:
+        _check_ranks([_rank_ops(low) for low in lowered])
+    except _Refused as exc:
+        return str(exc)
+    return None
+
+
+def program(low: LoweredRank, error: int, abort: int, flag_slot) -> FusedProgram:
+    """The fused program of rank ``low`` (check the whole cluster with :func:`fuse_problem`
+    first): ``error`` is the address of the rank's error record (``isa.ERR_WIDTH`` words),
+    ``abort`` that of the cluster's abort word, ``flag_slot(address)`` the address of block
+    0's slot for a lowered flag (block b's is ``8 * b`` further)."""
+    ops = rank_ops(low)
+    moves = [op for op in ops if op[0] == "move"]
+    dt = moves[0][5] if moves else 0
+    how = next((op[6] for op in moves if op[6] is not None), (0, 1))
+    sources_at = F_HEAD + OP_WIDTH * len(ops)
+    nsources = sum(len(op[4]) for op in moves)
+    words = np.zeros(F_MAX_BLOCKS + sources_at + SOURCE_WIDTH * nsources, dtype=np.int64)
+    head = words[F_MAX_BLOCKS:]
+    head[[F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT]] = \
+        [low.rank, len(ops), dt, how[0], how[1], error, abort]
     at = sources_at
-    for k, (dst, nbytes, entries) in enumerate(sinks):
-        words[sinks_at + SINK_WIDTH * k: sinks_at + SINK_WIDTH * (k + 1)] = \
-            (dst, nbytes, len(entries), at)
-        for entry in entries:
-            words[at: at + SOURCE_WIDTH] = entry
-            at += SOURCE_WIDTH
-    items = max([n for *_, n in puts] + [n for _, n, _ in sinks]) // ITEM
-    return FusedProgram(words, len(puts), len(sinks), items)
+    for k, op in enumerate(ops):
+        if op[0] == "wait":
+            _, flag, per_call, value, offset, peer, step = op
+            row = (F_OP_WAIT, flag_slot(flag), per_call, value, offset, peer, step, flag)
+        elif op[0] == "notify":
+            row = (F_OP_NOTIFY, flag_slot(op[1]), op[2])
+        elif op[0] == "put":
+            row = (F_OP_PUT, *op[1:])
+        else:
+            _, dst_a, dst_b, nbytes, sources, _, _ = op
+            row = (F_OP_MOVE, dst_a, dst_b, nbytes, len(sources), at)
+            for src in sources:
+                head[at: at + SOURCE_WIDTH] = src
+                at += SOURCE_WIDTH
+        head[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
+    items = max([op[4] for op in ops if op[0] == "put"]
+                + [op[3] for op in moves] + [ITEM]) // ITEM
+    return FusedProgram(words, len(ops), items)
 
 
 def grid(items: int, ranks_in_launch: int = 1, sms: int = 132) -> tuple[int, int]:
-    """(blocks per rank, threads) for a fused program of ``items`` 16-byte items: about one
+    """(blocks per rank, threads) for fused programs of ``items`` 16-byte items: about one
     item per thread, 128 threads per block up to 16 KiB, 256 up to 128 KiB, else 512, at most
-    32 blocks per rank, and few enough for every rank of the launch to be resident (counting
-    128 registers per thread, the launch bound's limit).
+    32 blocks per rank below 4 MiB and every SM above, and few enough for every rank of the
+    launch to be resident (counting 128 registers per thread, the launch bound's limit).
 
-    >>> grid(512), grid(4096), grid(1 << 16), grid(1 << 16, ranks_in_launch=8)
-    ((4, 128), (16, 256), (32, 512), (16, 512))
+    >>> grid(512), grid(4096), grid(1 << 16), grid(1 << 16, ranks_in_launch=8), grid(1 << 24)
+    ((4, 128), (16, 256), (32, 512), (16, 512), (128, 512))
     """
     nbytes = items * ITEM
     threads = 128 if nbytes <= 16 << 10 else 256 if nbytes <= 128 << 10 else 512
-    blocks = max(1, min(32, -(-items // threads)))
+    most = 32 if nbytes < 4 << 20 else F_MAX_BLOCKS
+    blocks = max(1, min(most, -(-items // threads)))
     per_sm = max(1, 65536 // (threads * 128))
     return max(1, min(blocks, sms * per_sm // ranks_in_launch)), threads

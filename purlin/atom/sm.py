@@ -87,9 +87,9 @@ def virtual_cluster(cls, n, device=0):
     return cls("virtual", n, (device,) * n)
 
 
-PROTOCOLS = ("simple", "ll", "fused")
+PROTOCOLS = ("simple", "ll", "fused", "fused-ll")
 LL_MAX_BYTES = 256 << 10  # where LL can pay: it doubles the bytes on the wire
-FUSED_MAX_BYTES = 1 << 20  # where the fused LL kernel can pay (tuning candidates)
+FUSED_MAX_BYTES = 16 << 20  # where the fused kernel is tried (tuning candidates)
 
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
@@ -98,12 +98,16 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), by default with one
-    block per lane. ``protocol="fused"`` runs those LL rows and the rows that consume them in
-    one pass of :mod:`purlin.kernels.fused` instead of the interpreter (no scratch round trip,
-    no lane barrier; ``blocks_per_lane`` is then the blocks of each rank, by default about one
-    16-byte item per thread, :func:`purlin.atom.fused.grid`); a schedule it cannot fuse is
-    refused with the reason. ``pdl=True`` (sm_90+) launches with programmatic dependent
-    launch, overlapping each call's launch with the end of the kernel before it."""
+    block per lane. ``protocol="fused"`` runs a one-lane schedule on the fused kernel
+    (:mod:`purlin.kernels.fused`) instead of the interpreter: every thread moves the same
+    16-byte items of every row on every rank and each flag has a slot per block, so a block
+    waits only for the same block of its peers and nothing needs a lane barrier;
+    ``"fused-ll"`` does that with the LL transfers (read in place: no scratch round trip).
+    ``blocks_per_lane`` is then the blocks of each rank (by default about one item per thread,
+    :func:`purlin.atom.fused.grid`); a schedule the fused kernel cannot run is refused with
+    the reason (:func:`purlin.atom.fused.fuse_problem`). ``pdl=True`` (sm_90+) launches with
+    programmatic dependent launch, overlapping each call's launch with the end of the kernel
+    before it."""
     if protocol not in PROTOCOLS:
         raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                               f"{protocol!r}")
@@ -134,17 +138,16 @@ class SmBound:
         self.torch = torch
         n, lanes = schedule.nranks, schedule.lanes
         sizing = schedule.sizing
-        ll = protocol in ("ll", "fused") and len(ll_transfers(schedule)) > 0
-        if protocol == "fused" and not ll:
-            raise CapabilityError(f"protocol='fused' needs LL transfers, and {schedule.title()} "
-                                  "has none (direct-push stages its pieces as LL units)")
-        if protocol == "fused" and trace_rows:
-            raise CapabilityError("the fused kernel keeps no per-row trace; trace with "
-                                  "protocol='ll'")
+        fused = protocol.startswith("fused")
+        ll = protocol in ("ll", "fused-ll") and len(ll_transfers(schedule)) > 0
+        if fused and (trace_rows or lanes != 1):
+            raise CapabilityError(f"protocol={protocol!r} runs one lane without per-row traces; "
+                                  f"{schedule.title()} has {lanes} lanes"
+                                  + (" and a trace was asked for" if trace_rows else ""))
         # LL defaults to one block per lane (the 8 KiB optimum on 2 x H200); more may be given
         bpl = blocks_per_lane or (1 if ll else
                                   default_blocks_per_lane(sizing.message_bytes, lanes))
-        if protocol == "fused":
+        if fused:
             bpl = 1  # the lowering's: one block per lane, no lane barriers to fuse around
         self.blocks_per_lane, self.protocol, self.pdl = bpl, protocol, pdl
         devs = cluster.devices
@@ -179,7 +182,7 @@ class SmBound:
         for r, d in enumerate(devs):
             groups.setdefault(d, []).append(r)
         self.threads = threads or DEFAULT_THREADS
-        if protocol == "fused":
+        if fused:
             self._launch_fused(groups, blocks_per_lane, threads)
         else:
             self._launch_tables(groups, blobs)
@@ -209,17 +212,26 @@ class SmBound:
 
     def _launch_fused(self, groups, blocks, threads) -> None:
         """One fused program per rank (purlin.atom.fused), packed per device at a common
-        stride; the executor's control words keep the error record, so check() reads it."""
+        stride, with a flag slot per block; the executor's control words keep the error
+        record, so check() reads it."""
         from purlin.atom.fused import fuse_problem, grid, program
         from purlin.kernels.launch import Launcher
 
         torch = self.torch
-        problems = [p for p in (fuse_problem(low) for low in self.lowered) if p]
-        if problems:
-            raise CapabilityError(f"protocol='fused' cannot run {self.schedule.title()}: "
-                                  f"{problems[0]}; use protocol='ll'")
+        problem = fuse_problem(self.lowered)
+        if problem:
+            raise CapabilityError(f"protocol={self.protocol!r} cannot run "
+                                  f"{self.schedule.title()}: {problem}")
+        self.block_flags = [torch.zeros(f.numel() * isa.F_MAX_BLOCKS, dtype=torch.int64,
+                                        device=f.device) for f in self.flags]
+
+        def flag_slot(address: int) -> int:
+            rank, index = self._flag_of(address)
+            return self.block_flags[rank].data_ptr() + index * isa.F_MAX_BLOCKS * 8
+
         progs = [program(low, error=self.control[r].data_ptr() + 2 * 8,
-                         abort=self.abort.data_ptr()) for r, low in enumerate(self.lowered)]
+                         abort=self.abort.data_ptr(), flag_slot=flag_slot)
+                 for r, low in enumerate(self.lowered)]
         sms = torch.cuda.get_device_properties(self.devices[0]).multi_processor_count
         size = max(p.items for p in progs)
         default_blocks, default_threads = grid(size, max(len(r) for r in groups.values()), sms)
@@ -229,7 +241,7 @@ class SmBound:
             raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
                                   f"rank, got blocks_per_lane={self.blocks_per_lane}")
         for d, ranks in groups.items():
-            stride = max(progs[r].words.size for r in ranks)
+            stride = max(progs[r].words.size for r in ranks)  # a program's length too
             words = np.zeros(stride * len(ranks), dtype=np.int64)
             for k, r in enumerate(ranks):
                 words[k * stride: k * stride + progs[r].words.size] = progs[r].words
@@ -295,7 +307,7 @@ class SmBound:
                 "collective must be bound again")
         flag_rank, flag_index = self._flag_of(int(rec[isa.E_FLAG]))
         lanes = self.schedule.lanes
-        bpl = self.blocks_per_lane
+        bpl = 1 if self.protocol.startswith("fused") else self.blocks_per_lane  # adds per notify
         what = (f"flag(r{flag_rank}<-r{flag_index // lanes}.l{flag_index % lanes})"
                 if flag_index < self.schedule.nranks * lanes else f"lane barrier of r{flag_rank}")
         raise PurlinTimeoutError(

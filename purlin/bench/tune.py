@@ -4,9 +4,9 @@ one per collective and size, as the tuning table that ``strategy="auto"`` reads.
 A candidate is (strategy, chunks, lanes, blocks per lane), and for small messages how it
 launches and signals: each candidate up to ``PDL_MAX_BYTES`` is also tried with programmatic
 dependent launch (``pdl``), direct-push up to ``LL_MAX_BYTES`` with the LL protocol (flags
-inside the data; ``purlin.atom.sm``) and up to ``FUSED_MAX_BYTES`` with the fused LL kernel
-(its blocks per rank around the datapath's default grid). The generator keeps every launch
-within the SM budget (all blocks of a launch must be resident at once, or a wait could starve
+inside the data; ``purlin.atom.sm``) and with the fused kernel's LL transfers (``fused-ll``),
+and the fused kernel with flags for every strategy (one lane) up to ``FUSED_MAX_BYTES``. The
+generator keeps every launch within the SM budget (all blocks of a launch must be resident at once, or a wait could starve
 its producer: lanes x blocks per lane x ranks per launch <= SMs x blocks per SM), gives no
 lane nothing to do (lanes <= pieces), and orders the candidates from the most to the least
 plausible for the size, so that a time limit cuts the least likely ones.
@@ -17,10 +17,12 @@ plausible for the size, so that a time limit cuts the least likely ones.
 (True, 'direct-push')
 >>> [c for c in candidates(collectives.all_reduce(2), 8 << 10, sms=132, limit=1)
 ...  if c.strategy == "direct-push"]  # doctest: +NORMALIZE_WHITESPACE
-[direct-push c1 l1 b4 fused pdl, direct-push c1 l1 b4 fused, direct-push c1 l1 b2 fused pdl,
- direct-push c1 l1 b8 fused pdl, direct-push c1 l1 b1 ll pdl, direct-push c1 l1 b1 ll,
- direct-push c2 l2 b1 ll pdl, direct-push c2 l2 b1 ll, direct-push c4 l4 b1 ll pdl,
- direct-push c4 l4 b1 ll, direct-push c1 l1 b1, direct-push c1 l1 b1 pdl]
+[direct-push c1 l1 b4 fused-ll pdl, direct-push c1 l1 b4 fused-ll,
+ direct-push c1 l1 b2 fused-ll pdl, direct-push c1 l1 b8 fused-ll pdl,
+ direct-push c1 l1 b4 fused pdl, direct-push c1 l1 b8 fused pdl,
+ direct-push c1 l1 b1 ll pdl, direct-push c1 l1 b1 ll, direct-push c2 l2 b1 ll pdl,
+ direct-push c2 l2 b1 ll, direct-push c4 l4 b1 ll pdl, direct-push c4 l4 b1 ll,
+ direct-push c1 l1 b1, direct-push c1 l1 b1 pdl]
 >>> sm_budget(132, threads=512), sm_budget(132, threads=128)
 (132, 528)
 """
@@ -157,18 +159,29 @@ def _with_pdl(configs: list[Config], size: int) -> list[Config]:
 
 
 def _fused_configs(sizing, strategy: str, sms: int, budget: int) -> list[Config]:
-    """Fused LL candidates for direct-push up to FUSED_MAX_BYTES: the fused kernel's default
-    blocks per rank with and without PDL, then half and twice as many with PDL (all within
-    ``budget`` blocks)."""
+    """Fused-kernel candidates up to FUSED_MAX_BYTES, one lane each: with LL transfers for
+    direct-push up to LL_MAX_BYTES, and with flags (a slot per block) for every strategy, at
+    the kernel's default blocks per rank (with PDL up to PDL_MAX_BYTES) and twice as many;
+    direct-push also with half as many, and two chunks where the strategy relays."""
     from purlin.atom.fused import grid
 
     size = sizing.message_bytes
-    if strategy != "direct-push" or size > FUSED_MAX_BYTES:
+    if size > FUSED_MAX_BYTES:
         return []
     blocks = min(budget, grid(max(1, size // 16), sms=sms)[0])
-    out = [Config(strategy, 1, 1, blocks, "fused", True), Config(strategy, 1, 1, blocks, "fused")]
-    for other in sorted({max(1, blocks // 2), min(64, budget, 2 * blocks)} - {blocks}):
-        out.append(Config(strategy, 1, 1, other, "fused", True))
+    more = min(budget, 2 * blocks)
+    pdl = size <= PDL_MAX_BYTES
+    out = []
+    if strategy == "direct-push" and size <= LL_MAX_BYTES:
+        out += [Config(strategy, 1, 1, blocks, "fused-ll", True),
+                Config(strategy, 1, 1, blocks, "fused-ll")]
+        out += [Config(strategy, 1, 1, b, "fused-ll", True)
+                for b in sorted({max(1, blocks // 2), more} - {blocks})]
+    out.append(Config(strategy, 1, 1, blocks, "fused", pdl))
+    if more != blocks:
+        out.append(Config(strategy, 1, 1, more, "fused", pdl))
+    if strategy in ("two-phase", "ring") and pieces(sizing, strategy, 2) > 1:
+        out.append(Config(strategy, 2, 1, blocks, "fused", pdl))
     return out
 
 

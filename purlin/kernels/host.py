@@ -222,30 +222,40 @@ def run_calls(lowered, buffers: HostBuffers, inputs_per_call, timeout: float = 1
     other blocks, and the ranks waiting for it, run ahead as far as the flags let them (what
     exposes a missing lane barrier)."""
     mem = _Memory(timeout)
-    n = buffers.schedule.nranks
-    calls = len(inputs_per_call)
-    outputs = [[None] * n for _ in range(calls)]
     errors: list = []
 
     def delay(rank: int, block: int) -> float:  # rank 0's last block is the slow one
         slow = rank == 0 and block == blocks_per_lane - 1 and blocks_per_lane > 1
         return slow_block_delay if slow else 0.0
 
-    def rank_thread(rank: int) -> None:
+    def workers(rank: int, call: int) -> list:
         low = lowered[rank]
-        nlanes = len(low.lane_offsets) - 1
+        table = low.tables[call % len(low.tables)]
+        return [threading.Thread(target=_lane_guard, args=(
+            table[low.lane_offsets[lane]: low.lane_offsets[lane + 1]], low.srcs, call, mem,
+            rank, errors, b, blocks_per_lane, delay(rank, b)))
+            for lane in range(len(low.lane_offsets) - 1) for b in range(blocks_per_lane)]
+
+    return _run_ranks(buffers, inputs_per_call, workers, errors, timeout)
+
+
+def _run_ranks(buffers: HostBuffers, inputs_per_call, workers, errors: list, timeout: float):
+    """A thread per rank runs its calls in turn: writes its input of call k, starts and joins
+    ``workers(rank, k)`` (threads), keeps its output; ranks drift apart as GPUs do. Returns
+    outputs[call][rank]; raises the first error in ``errors``."""
+    n = buffers.schedule.nranks
+    calls = len(inputs_per_call)
+    outputs = [[None] * n for _ in range(calls)]
+
+    def rank_thread(rank: int) -> None:
         try:
             for call in range(calls):
                 x = np.asarray(inputs_per_call[call][rank], dtype=np.float64)
                 _store(buffers.inputs[rank].ctypes.data, x, buffers.code)
-                table = low.tables[call % len(low.tables)]
-                lanes = [threading.Thread(target=_lane_guard, args=(
-                    table[low.lane_offsets[lane]: low.lane_offsets[lane + 1]], low.srcs, call,
-                    mem, rank, errors, b, blocks_per_lane, delay(rank, b)))
-                    for lane in range(nlanes) for b in range(blocks_per_lane)]
-                for t in lanes:
+                threads = workers(rank, call)
+                for t in threads:
                     t.start()
-                for t in lanes:
+                for t in threads:
                     t.join()
                 if errors:
                     return
@@ -273,3 +283,107 @@ def _lane_guard(rows, pool, epoch, mem, rank, errors, block=0, blocks=1, delay=0
         errors.append(exc)
         with mem.cond:
             mem.cond.notify_all()
+
+
+# -- fused programs ---------------------------------------------------------------------------
+
+
+def fused_programs(lowered, buffers: HostBuffers):
+    """The fused programs (``purlin.atom.fused``) of ``lowered`` on ``buffers``, with a flag
+    slot per block (``buffers.block_flags``) and a throw-away error record and abort word."""
+    from purlin.atom.fused import program
+
+    buffers.block_flags = [np.zeros(f.size * isa.F_MAX_BLOCKS, np.int64) for f in buffers.flags]
+    buffers.fused_error = np.zeros(isa.ERR_WIDTH, np.int64)
+    buffers.fused_abort = np.zeros(1, np.int64)
+
+    def flag_slot(address: int) -> int:
+        for r, f in enumerate(buffers.flags):
+            if 0 <= address - f.ctypes.data < f.nbytes:
+                index = (address - f.ctypes.data) // 8
+                return buffers.block_flags[r].ctypes.data + index * isa.F_MAX_BLOCKS * 8
+        raise ValueError(f"0x{address:x} is no flag of these buffers")
+
+    return [program(low, buffers.fused_error.ctypes.data, buffers.fused_abort.ctypes.data,
+                    flag_slot).words for low in lowered]
+
+
+def _items(nbytes: int, block: int, blocks: int, threads: int) -> list[int]:
+    """The 16-byte items block ``block`` takes: item i goes to thread ``i % (blocks *
+    threads)`` of the rank's grid, as in the fused kernel."""
+    return [i for i in range(nbytes // 16) if (i % (blocks * threads)) // threads == block]
+
+
+def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: int,
+                     threads: int, delay: float) -> None:
+    """One block of a fused program for call ``epoch``: its items of every PUT and MOVE, its
+    own slot of every flag."""
+    head = words[isa.F_MAX_BLOCKS:]
+    tag = epoch % isa.LL_TAG_MOD + 1
+    odd = epoch & 1
+    code, redop, divisor = (int(head[isa.F_DTYPE]), int(head[isa.F_REDOP]),
+                            int(head[isa.F_DIVISOR]))
+    for k in range(int(head[isa.F_NOPS])):
+        op = [int(x) for x in head[isa.F_HEAD + k * isa.OP_WIDTH:][:isa.OP_WIDTH]]
+        what = f"rank {rank} block {block} op {k}"
+        if op[0] == isa.F_OP_WAIT:
+            target = (epoch + op[4]) * op[2] + op[3]
+            if target > 0:
+                mem.wait(op[1] + 8 * block, target, what)
+        elif op[0] == isa.F_OP_NOTIFY:
+            mem.add(op[1] + 8 * block, op[2])
+        elif op[0] == isa.F_OP_PUT:
+            for i in _items(op[4], block, blocks, threads):
+                mem.ll_put(op[2 + odd] + 32 * i, _bytes(op[1] + 16 * i, 16).tobytes(), tag)
+        else:
+            if delay:
+                time.sleep(delay)
+            dst, nbytes, nsrc, first = op[1 + odd], op[3], op[4], op[5]
+            sources = [[int(x) for x in head[first + s * isa.SOURCE_WIDTH:]
+                        [:isa.SOURCE_WIDTH]] for s in range(nsrc)]
+            count = 16 // isa.ITEMSIZE[code]
+            for i in _items(nbytes, block, blocks, threads):
+                raw = []
+                for is_ll, even, odd_at, _, _ in sources:
+                    at = (odd_at if odd else even)
+                    if is_ll:
+                        raw.append(mem.ll_get(at + 32 * i, 16, tag, what))
+                    else:
+                        raw.append(_bytes(at + 16 * i, 16).tobytes())
+                if nsrc == 1:
+                    _bytes(dst + 16 * i, 16)[:] = np.frombuffer(raw[0], np.uint8)
+                    continue
+                values = [_load(np.frombuffer(r, np.uint8).ctypes.data, count, code)
+                          for r in (np.frombuffer(x, np.uint8).copy() for x in raw)]
+                out = (np.max(values, axis=0) if redop == isa.MAX else
+                       np.min(values, axis=0) if redop == isa.MIN else np.sum(values, axis=0))
+                if redop == isa.AVG:
+                    out = (np.where(out < 0, -(-out // divisor), out // divisor)
+                           if code == isa.I32 else out / divisor)
+                _store(dst + 16 * i, out, code)
+
+
+def run_fused_calls(programs, buffers: HostBuffers, inputs_per_call, blocks: int = 2,
+                    threads: int = 1, timeout: float = 10.0, slow_block_delay: float = 0.0):
+    """:func:`run_calls` for fused programs: a thread per (rank, block), each rank's calls in
+    turn, so ranks drift apart; with ``slow_block_delay`` rank 0's last block sleeps before
+    each MOVE, so its other blocks and the ranks that wait for it run ahead as far as their
+    own flag slots let them. Returns outputs[call][rank]; raises the first error."""
+    mem = _Memory(timeout)
+    errors: list = []
+
+    def block_guard(rank, call, block):
+        slow = rank == 0 and block == blocks - 1 and blocks > 1
+        try:
+            _run_fused_block(programs[rank], call, mem, rank, block, blocks, threads,
+                             slow_block_delay if slow else 0.0)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            errors.append(exc)
+            with mem.cond:
+                mem.cond.notify_all()
+
+    def workers(rank: int, call: int) -> list:
+        return [threading.Thread(target=block_guard, args=(rank, call, b))
+                for b in range(blocks)]
+
+    return _run_ranks(buffers, inputs_per_call, workers, errors, timeout)

@@ -79,16 +79,18 @@ ERR_NONE, ERR_TIMEOUT, ERR_ABORTED = 0, 1, 2
 # trace record (int64 each): row index, block within the lane, start ns, end ns
 TRACE_WIDTH = 4
 
-# The fused LL program (``purlin.kernels.fused``): a rank whose table holds only LL_PUT,
-# LL_GET, COPY and REDUCE rows with no local hazards between them runs as one pass in which
-# every thread moves the same 16-byte items of every row -- puts first, then each destination
-# ("sink") from its sources, reading LL units straight from the LL area. int64 words:
-#   header (F_HEAD words) | per-block call counters (F_MAX_BLOCKS) | puts | sinks | sources
-F_RANK, F_NPUTS, F_NSINKS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_PUTS, F_SINKS = \
-    range(10)
-F_HEAD = 16
-F_EPOCHS = F_HEAD            # block b counts its calls in word F_EPOCHS + b
-F_MAX_BLOCKS = 64
-PUT_WIDTH = 4                # src, dst on even calls, dst on odd calls, bytes
-SINK_WIDTH = 4               # dst, bytes, number of sources, word index of the first source
+# The fused program (``purlin.kernels.fused``, built by ``purlin.atom.fused``): a one-lane table
+# run block-matched -- every thread moves the same 16-byte items of every row, and each flag has
+# a slot per block, so block b of one rank waits only for block b of its peer. int64 words:
+#   call counters (F_MAX_BLOCKS, block b's in word b) | header (F_HEAD) | ops | sources
+# with every address in the header and ops counted in words from the header's start.
+F_MAX_BLOCKS = 128
+F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT = range(7)
+F_HEAD = 8
+F_OP_WAIT, F_OP_NOTIFY, F_OP_PUT, F_OP_MOVE = 1, 2, 3, 4
+OP_WIDTH = 8
+# WAIT:   kind, flag slot of block 0, per call, value, epoch offset, peer, step, lowered flag
+# NOTIFY: kind, flag slot of block 0 (on the peer), value
+# PUT:    kind, source, LL units on even calls, on odd calls, bytes, peer, step (LL_PUT)
+# MOVE:   kind, destination on even calls, on odd calls, bytes, sources, first source word
 SOURCE_WIDTH = 5             # is LL, address on even calls, on odd calls, peer rank, step
