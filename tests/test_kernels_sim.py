@@ -547,8 +547,12 @@ def _run_fused(low, blocks: int = 3, threads: int = 4, timeout_ns: int = 10_000_
     prog = program(low, error=err.ctypes.data, abort=abort.ctypes.data,
                    flag_slot=flag_slot or (lambda a: a))
     words = prog.words.copy()
-    return words, err, abort, lambda: fused.fused[blocks, threads](
-        words.ctypes.data, 1, blocks, timeout_ns, words.size)
+
+    def launch():  # the program holds the addresses of err and abort: keep them alive here
+        fused.fused[blocks, threads](words.ctypes.data, 1, blocks, timeout_ns, words.size)
+        return err, abort
+
+    return words, err, abort, launch
 
 
 @case
@@ -604,20 +608,16 @@ def fused_all_gather_and_int32_all_to_all():
     assert (outs[0] == np.concatenate([xs[0][:4], xs[1][:4]])).all(), (outs[0], xs)
 
 
-@case
-def fused_flags_have_a_slot_per_block():
-    """The simple protocol fused (a 2-rank float32 all-reduce: push, notify, wait, reduce):
-    rank 0 with rank 1's pushes and notifies already landed (every block's slot at 1) sums
-    correctly, pushes its input into rank 1's scratch and adds 1 to each of rank 1's block
-    slots; a block whose slot was not notified times out naming the lowered flag."""
+def _fused_flags_rank0(dtype: str, count: int, blocks: int, threads: int):
+    """A 2-rank all-reduce on the simple protocol, fused (push, notify, wait, reduce): rank 0
+    run with rank 1's push and notifies already landed (every block's slot at 1)."""
     from purlin.kernels import isa
     from purlin.spec import collectives
 
     s, xs, outs, ll, lowered, (scratch, flags) = _fused_setup(collectives.all_reduce(2),
-                                                              "float32", 16, use_ll=False)
+                                                              dtype, count, use_ll=False)
     ops = [isa.OPCODE_NAMES[op] for op in lowered[0].tables[0][:, isa.OP]]
     assert ops == ["copy", "notify", "wait", "reduce"], ops
-    blocks = 2
     slots = [np.zeros(flags[r].size * isa.F_MAX_BLOCKS, dtype=np.int64) for r in range(2)]
 
     def flag_slot(address):
@@ -630,15 +630,28 @@ def fused_flags_have_a_slot_per_block():
     slots[0][mine: mine + blocks] = 1
     push = next(row for row in lowered[1].tables[0] if row[isa.OP] == isa.COPY)
     at = int(push[isa.DST]) - scratch[0].ctypes.data
-    scratch[0][at: at + 64] = xs[1].view(np.uint8)  # rank 1's push, landed
-    words, err, abort, launch = _run_fused(lowered[0], blocks=blocks, threads=2,
+    scratch[0][at: at + xs[1].nbytes] = xs[1].view(np.uint8)  # rank 1's push, landed
+    words, err, abort, launch = _run_fused(lowered[0], blocks=blocks, threads=threads,
                                            flag_slot=flag_slot)
     launch()
     assert err[isa.E_CODE] == 0, err
+    return s, xs, outs, lowered, scratch, slots, flag_slot, (mine, wait), (words, err, abort,
+                                                                           launch)
+
+
+@case
+def fused_flags_have_a_slot_per_block():
+    """The simple protocol fused, float32: rank 0 sums correctly, pushes its input into rank
+    1's scratch and adds 1 to each of rank 1's block slots; a block whose slot was not
+    notified times out naming the lowered flag."""
+    from purlin.kernels import isa
+
+    s, xs, outs, lowered, scratch, slots, flag_slot, (mine, wait), (words, err, abort, launch) = \
+        _fused_flags_rank0("float32", 16, blocks=2, threads=2)
     assert (outs[0] == xs[0] + xs[1]).all(), outs[0]
     notify = next(row for row in lowered[0].tables[0] if row[isa.OP] == isa.NOTIFY)
     theirs = (flag_slot(int(notify[isa.FLAG])) - slots[1].ctypes.data) // 8
-    assert list(slots[1][theirs: theirs + blocks + 1]) == [1, 1, 0]
+    assert list(slots[1][theirs: theirs + 3]) == [1, 1, 0]
     at = int(lowered[0].tables[0][0][isa.DST]) - scratch[1].ctypes.data
     assert (scratch[1][at: at + 64].view(np.float32) == xs[0]).all()
     slots[0][mine + 1] = 0  # call 1: block 1 never hears from rank 1
@@ -647,6 +660,20 @@ def fused_flags_have_a_slot_per_block():
     assert err[isa.E_CODE] == isa.ERR_TIMEOUT and err[isa.E_BLOCK] == 1, err
     assert (err[isa.E_FLAG], err[isa.E_EXPECTED], err[isa.E_SEEN]) == \
         (int(wait[isa.FLAG]), 2, 0), err
+
+
+@case
+def fused_bfloat16_pairs_and_unrolled_copies():
+    """Enough items per thread for the plain fast paths: the push copies four items in
+    flight, the bfloat16 reduce two (then the one-item tail) -- the same bits as numpy."""
+    from purlin.kernels import isa
+
+    s, xs, outs, lowered, scratch, *_ = _fused_flags_rank0("bfloat16", 8 * 41, blocks=2,
+                                                           threads=3)
+    want = _bf16_bits(_bf16_to_f32(xs[0]) + _bf16_to_f32(xs[1]))
+    assert (outs[0] == want).all(), np.nonzero(outs[0] != want)
+    at = int(lowered[0].tables[0][0][isa.DST]) - scratch[1].ctypes.data
+    assert (scratch[1][at: at + xs[0].nbytes] == xs[0].view(np.uint8)).all()
 
 
 @case

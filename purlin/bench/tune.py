@@ -306,7 +306,7 @@ def _time(time_purlin, cluster, coll, size, dtype, cfg: Config, threads, ops, re
     try:
         return time_purlin(cluster, coll, size, dtype, cfg.strategy, cfg.chunks, cfg.lanes,
                            cfg.blocks_per_lane, mode="graph", ops=ops,
-                           threads=None if cfg.protocol == "fused" else threads,
+                           threads=None if cfg.protocol.startswith("fused") else threads,
                            repeats=repeats, provider=f"purlin:{cfg.strategy}",
                            protocol=cfg.protocol, pdl=cfg.pdl)
     except Exception as exc:  # a candidate that cannot bind or times out is no candidate

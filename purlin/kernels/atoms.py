@@ -34,7 +34,7 @@ from purlin.kernels.isa import (AVG, BF16, ERR_ABORTED, ERR_TIMEOUT, F16, F32, F
 
 
 @device
-def _copy_v16(dst, src, nvec, tid, nthreads):
+def copy_v16(dst, src, nvec, tid, nthreads):
     """16-byte words, four in flight per thread before their stores."""
     i = tid
     while i + 3 * nthreads < nvec:
@@ -79,7 +79,7 @@ def copy_bytes(dst, src, nbytes, tid, nthreads):
     nunits = (nbytes - head) // width
     _copy_units(dst, src, head, 1, tid, nthreads)
     if width == 16:
-        _copy_v16(dst + head, src + head, nunits, tid, nthreads)
+        copy_v16(dst + head, src + head, nunits, tid, nthreads)
     else:
         _copy_units(dst + head, src + head, nunits, width, tid, nthreads)
     done = head + nunits * width

@@ -32,7 +32,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from purlin.kernels.atoms import avg_float, avg_int, combine, ll_tag, pack_half2, unpack_half2
+from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, ll_tag, pack_half2,
+                                  unpack_half2)
 from purlin.kernels.intrinsics import (SIMULATOR, atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, load_acquire, load_i64, load_v4_u32,
@@ -124,11 +125,7 @@ def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns
         store_v4_u32(dst, (w0, w1, w2, w3))
         return 0, seen, unit, at
     if dt == BF16 or dt == F16:
-        a0, a1 = unpack_half2(w0, dt)
-        a2, a3 = unpack_half2(w1, dt)
-        a4, a5 = unpack_half2(w2, dt)
-        a6, a7 = unpack_half2(w3, dt)
-        acc = (a0, a1, a2, a3, a4, a5, a6, a7)
+        acc = _half8((w0, w1, w2, w3), dt)
         for s in range(1, nsrc):
             entry = at + s * SOURCE_WIDTH
             code, seen, unit, v0, v1, v2, v3 = _source(meta, head, entry, item, odd, tag,
@@ -136,12 +133,7 @@ def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns
             if code != 0:
                 return code, seen, unit, entry
             acc = _fold_half(acc, (v0, v1, v2, v3), dt, redop)
-        div = np.float32(divisor)
-        store_v4_u32(dst, (
-            pack_half2(avg_float(acc[0], redop, div), avg_float(acc[1], redop, div), dt),
-            pack_half2(avg_float(acc[2], redop, div), avg_float(acc[3], redop, div), dt),
-            pack_half2(avg_float(acc[4], redop, div), avg_float(acc[5], redop, div), dt),
-            pack_half2(avg_float(acc[6], redop, div), avg_float(acc[7], redop, div), dt)))
+        _store_half8(dst, acc, dt, redop, np.float32(divisor))
     elif dt == F32:
         f = (bits_to_f32(w0), bits_to_f32(w1), bits_to_f32(w2), bits_to_f32(w3))
         for s in range(1, nsrc):
@@ -169,6 +161,52 @@ def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns
         store_v4_u32(dst, (avg_int(n[0], redop, divisor), avg_int(n[1], redop, divisor),
                            avg_int(n[2], redop, divisor), avg_int(n[3], redop, divisor)))
     return 0, seen, unit, at
+
+
+@device
+def _plain_words(meta, head, at, item, odd):
+    """Item ``item`` of the plain source whose entry starts at word ``at``: four uint32."""
+    return load_v4_u32(_word(meta, head, at + 1 + odd) + item * 16)
+
+
+@device
+def _half8(w, dt):
+    a0, a1 = unpack_half2(w[0], dt)
+    a2, a3 = unpack_half2(w[1], dt)
+    a4, a5 = unpack_half2(w[2], dt)
+    a6, a7 = unpack_half2(w[3], dt)
+    return a0, a1, a2, a3, a4, a5, a6, a7
+
+
+@device
+def _store_half8(dst, acc, dt, redop, div):
+    store_v4_u32(dst, (
+        pack_half2(avg_float(acc[0], redop, div), avg_float(acc[1], redop, div), dt),
+        pack_half2(avg_float(acc[2], redop, div), avg_float(acc[3], redop, div), dt),
+        pack_half2(avg_float(acc[4], redop, div), avg_float(acc[5], redop, div), dt),
+        pack_half2(avg_float(acc[6], redop, div), avg_float(acc[7], redop, div), dt)))
+
+
+@device
+def _reduce_pairs_half(meta, head, at, nsrc, dst, items, g, stride, odd, dt, redop, divisor):
+    """A plain bfloat16 / float16 reduction, two items per thread at a time (each source's
+    two loads in flight together); returns the first item left for the one-item path."""
+    div = np.float32(divisor)
+    i = g
+    while i + stride < items:
+        j = i + stride
+        x = _half8(_plain_words(meta, head, at, i, odd), dt)
+        y = _half8(_plain_words(meta, head, at, j, odd), dt)
+        for s in range(1, nsrc):
+            entry = at + s * SOURCE_WIDTH
+            u = _plain_words(meta, head, entry, i, odd)
+            v = _plain_words(meta, head, entry, j, odd)
+            x = _fold_half(x, u, dt, redop)
+            y = _fold_half(y, v, dt, redop)
+        _store_half8(dst + i * 16, x, dt, redop, div)
+        _store_half8(dst + j * 16, y, dt, redop, div)
+        i += 2 * stride
+    return i
 
 
 @device
@@ -280,7 +318,20 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words):
                 i += stride
         else:
             items = _word(meta, head, at + 3) // 16
+            nsrc = _word(meta, head, at + 4)
+            first = _word(meta, head, at + 5)
+            plain = True
+            for k2 in range(nsrc):
+                if _word(meta, head, first + k2 * SOURCE_WIDTH) != 0:
+                    plain = False
             i = g
+            if plain and nsrc == 1:
+                copy_v16(_word(meta, head, at + 1 + odd),
+                         _word(meta, head, first + 1 + odd), items, g, stride)
+                i = items
+            elif plain and (dt == BF16 or dt == F16):
+                i = _reduce_pairs_half(meta, head, first, nsrc, _word(meta, head, at + 1 + odd),
+                                       items, g, stride, odd, dt, redop, divisor)
             while i < items:
                 code, seen, unit, entry = _move_item(meta, head, at, i, odd, tag, dt, redop,
                                                      divisor, timeout_ns, abort)
