@@ -165,3 +165,15 @@ def test_auto_passes_the_tables_protocol_and_pdl_to_the_sm_bind_only():
                                                                   "pdl": True}
     assert _auto_options(ll, {}, sm=False) == {"blocks_per_lane": 1}  # ce: blocks only
     assert "protocol='ll', pdl=True" in repr(ll)
+
+
+def test_a_tables_fused_protocol_may_fall_back_to_the_interpreter():
+    """A fused choice was measured at a nearby size; at a size the fused kernel cannot run
+    (not whole 16-byte items) the sm bind falls back instead of failing -- only for auto."""
+    from purlin.runtime.cluster import _auto_options
+
+    fused = Choice("direct-push", 1, 1, 16, "table", "fused-ll", True)
+    assert _auto_options(fused, {}, sm=True) == {"blocks_per_lane": 16, "protocol": "fused-ll",
+                                                 "pdl": True, "fallback": True}
+    assert "fallback" not in _auto_options(fused, {"protocol": "ll"}, sm=True)
+    assert _auto_options(fused, {}, sm=False) == {"blocks_per_lane": 16}

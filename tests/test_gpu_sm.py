@@ -422,6 +422,21 @@ def test_fused_graph_replays_10000(torch, protocol, pdl):
     assert _wrong_over_replays(torch, bound, 10_000) == 0
 
 
+def test_auto_falls_back_to_the_interpreter_where_it_must(torch):
+    """The tuning table's fused choices hold for nearby sizes; at 8 bytes (half an item) and
+    at odd sizes auto runs the interpreter with the same signalling, and gets it right."""
+    cluster = _cluster("local", 2)
+    gen = np.random.default_rng(14)
+    for nbytes in (8, 1000, 4096):
+        for name in ("all-reduce", "all-gather"):
+            coll = standard(name, 2)
+            sizing = _sizing(coll, nbytes, "bfloat16", nbytes == 1000)
+            bound = cluster.bind(coll, "auto", sizing=sizing)
+            if nbytes == 4096:
+                assert bound.protocol.startswith("fused"), bound.protocol
+            _check(torch, bound, sizing, gen, calls=2)
+
+
 def test_fused_refuses_what_it_cannot_fuse(torch):
     from purlin.errors import CapabilityError
 

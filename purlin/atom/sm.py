@@ -94,7 +94,7 @@ FUSED_MAX_BYTES = 16 << 20  # where the fused kernel is tried (tuning candidates
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
          threads: int | None = None, trace_rows: int = 0, protocol: str = "simple",
-         pdl: bool = False):
+         pdl: bool = False, fallback: bool = False):
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), by default with one
@@ -105,14 +105,23 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     ``"fused-ll"`` does that with the LL transfers (read in place: no scratch round trip).
     ``blocks_per_lane`` is then the blocks of each rank (by default about one item per thread,
     :func:`purlin.atom.fused.grid`); a schedule the fused kernel cannot run is refused with
-    the reason (:func:`purlin.atom.fused.fuse_problem`). ``pdl=True`` (sm_90+) launches with
-    programmatic dependent launch, overlapping each call's launch with the end of the kernel
-    before it."""
+    the reason (:func:`purlin.atom.fused.fuse_problem`) -- or, with ``fallback=True`` (what
+    ``strategy="auto"`` asks for: a tuning table's choice for a nearby size), run by the
+    interpreter with the same signalling ("ll" or "simple") and its default blocks.
+    ``pdl=True`` (sm_90+) launches with programmatic dependent launch, overlapping each call's
+    launch with the end of the kernel before it."""
     if protocol not in PROTOCOLS:
         raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                               f"{protocol!r}")
-    return SmBound(cluster, schedule, timeout=timeout, blocks_per_lane=blocks_per_lane,
-                   threads=threads, trace_rows=trace_rows, protocol=protocol, pdl=pdl)
+    options = dict(timeout=timeout, trace_rows=trace_rows, pdl=pdl)
+    try:
+        return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
+                       protocol=protocol, **options)
+    except CapabilityError:
+        if not (fallback and protocol.startswith("fused")):
+            raise
+    return SmBound(cluster, schedule, blocks_per_lane=None, threads=None,
+                   protocol="ll" if protocol == "fused-ll" else "simple", **options)
 
 
 def default_blocks_per_lane(message_bytes: int, lanes: int, sms: int = 132) -> int:

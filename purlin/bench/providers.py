@@ -114,18 +114,21 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
                 blocks_per_lane: int | None = None, threads: int | None = None,
                 mode: str = "graph",
                 ops: int = 50, repeats: int = 20, provider: str | None = None,
-                protocol: str = "simple", pdl: bool = False, lanes_by: str = "piece") -> Record:
+                protocol: str = "simple", pdl: bool = False, lanes_by: str = "piece",
+                fallback: bool = False) -> Record:
     """Bind, check and time one point; returns a Record (graph: device time per op).
     ``protocol="ll"``: the sm datapath's LL transfers ("fused": run by the fused LL kernel);
     ``pdl``: programmatic dependent launch (all ``purlin.atom.sm.bind``); ``threads``: the
-    datapath's choice when None."""
+    datapath's choice when None; ``fallback``: a fused protocol that cannot run this size
+    runs on the interpreter (a tuning table's choice for a nearby size)."""
     import torch
 
     coll = collective
     sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
     bound = cluster.bind(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
                          lanes_by=lanes_by, threads=threads,
-                         **launch_options(blocks_per_lane, protocol, pdl))
+                         **launch_options(blocks_per_lane, protocol, pdl),
+                         **({"fallback": True} if fallback else {}))
     wrong = count_wrong(torch, bound)
     sched = bound.schedule
     extra = {**plan_extra(sched), "blocks_per_lane": bound.blocks_per_lane,

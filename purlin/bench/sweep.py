@@ -380,7 +380,8 @@ class Sweep:
                                             c.strategy, c.chunks, c.lanes, c.blocks_per_lane,
                                             mode=p.mode, ops=self.ops, repeats=self.repeats,
                                             provider=p.provider.name, protocol=c.protocol,
-                                            pdl=c.pdl, lanes_by=c.lanes_by)
+                                            pdl=c.pdl, lanes_by=c.lanes_by,
+                                            fallback=c.source != "given")
             elif self.datapath == "cpu":
                 rec = providers.time_purlin_cpu(p.collective, p.nbytes, p.dtype, c.strategy,
                                                 c.chunks, c.lanes,

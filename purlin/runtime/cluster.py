@@ -140,11 +140,14 @@ class Cluster:
 
 def _auto_options(choice, options: dict, sm: bool) -> dict:
     """The bind options of an ``auto`` choice under those the caller gave: blocks per lane,
-    and on the sm datapath its protocol and PDL. The table measured its blocks per lane with
-    its protocol, so the caller's blocks per lane or protocol replace the table's pair."""
+    and on the sm datapath its protocol and PDL (a fused protocol with ``fallback``). The
+    table measured its blocks per lane with its protocol, so the caller's blocks per lane or
+    protocol replace the table's pair."""
     mine = choice.sm_options() if sm else {"blocks_per_lane": choice.blocks_per_lane}
     if options.get("blocks_per_lane") is not None or "protocol" in options:
         mine = {k: v for k, v in mine.items() if k not in ("blocks_per_lane", "protocol")}
+    if mine.get("protocol", "").startswith("fused"):
+        mine["fallback"] = True  # measured at a nearby size: the interpreter where it must
     given = {k: v for k, v in options.items() if not (k == "blocks_per_lane" and v is None)}
     return {**mine, **given}
 
