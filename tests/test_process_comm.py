@@ -366,3 +366,20 @@ def test_ll_is_used_for_small_provable_messages_on_gpus_only():
     assert not Communicator._uses_ll(SimpleNamespace(protocol="simple", datapath="sm"), small)
     with_ll, without = layout(small, ll=True), layout(small)
     assert with_ll.has_ll and not without.has_ll and with_ll.size > without.size
+
+
+def test_fused_protocols_are_refused_in_process_mode(tmp_path):
+    """Process mode runs the interpreter: a fused protocol is refused, not silently ignored."""
+    import torch.distributed as dist
+
+    from purlin.errors import CapabilityError
+    from purlin.torch import Communicator
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        for protocol in ("fused", "fused-ll"):
+            with pytest.raises(CapabilityError, match="fused kernel runs on Cluster.bind only"):
+                Communicator(datapath="cpu", protocol=protocol)
+    finally:
+        dist.destroy_process_group()

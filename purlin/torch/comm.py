@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 
 from purlin.atom.sm import LL_MAX_BYTES  # protocol="ll" up to this size; larger: simple
+
+PROTOCOLS = ("simple", "ll")  # of the sm datapath, those process mode runs
 from purlin.errors import CapabilityError, ExecutionError, PurlinError, PurlinTimeoutError, \
     SpecError
 from purlin.runtime.shm import layout
@@ -90,11 +92,11 @@ class Communicator:
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.backend = str(dist.get_backend(self.group))
         self.datapath = _choose_datapath(datapath, self.backend)
-        from purlin.atom.sm import PROTOCOLS
-
         if protocol not in PROTOCOLS:
-            raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
-                                  f"{protocol!r}")
+            fused = " (the fused kernel runs on Cluster.bind only so far)" \
+                if protocol.startswith("fused") else ""
+            raise CapabilityError(f"Communicator protocol must be one of {', '.join(PROTOCOLS)}, "
+                                  f"got {protocol!r}{fused}")
         self.protocol, self.zero_copy = protocol, bool(zero_copy)
         self.timeout, self.strategy = float(timeout), strategy
         self.chunks, self.lanes = chunks, lanes
