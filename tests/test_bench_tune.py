@@ -46,7 +46,7 @@ def test_candidates_are_ordered_and_limited_per_strategy():
     assert strategies[:4] == ["direct-push", "direct-pull", "two-phase", "ring"]
     assert all(strategies.count(s) == 3 for s in set(strategies))
     small = candidates(collectives.all_reduce(2), 8 * KiB)
-    assert small[0] == Config("direct-push", 1, 1, 4, "fused-ll", True)  # fused LL + PDL first
+    assert small[0] == Config("direct-push", 1, 1, 8, "fused-ll", True)  # fused LL + PDL first
     pushes = [c for c in small if c.strategy == "direct-push"]
     assert pushes[4] == Config("direct-push", 1, 1, 4, "fused", True)  # then fused flags
     assert pushes[6] == Config("direct-push", 1, 1, 1, "ll", True)  # then the interpreter's LL

@@ -32,13 +32,13 @@ CASES = [(c, s) for c in STANDARD for s in STRATEGIES
          if not (s == "two-phase" and c not in ("all-reduce", "reduce-scatter", "reduce"))]
 
 
-@pytest.mark.parametrize("ll", [True, False])
+@pytest.mark.parametrize("ll,unit", [(True, 16), (True, 8), (False, 16)])
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("name,strategy", CASES)
-def test_fused_programs_run_every_standard_plan_on_host_threads(name, strategy, n, ll):
-    """Every standard collective x strategy, LL or flags, 1 and 2 chunks: the fused
-    programs, run by a thread per (rank, block) with rank 0's last block slow, give the
-    reference on three calls (both parities). The only plans refused forward LL data they
+def test_fused_programs_run_every_standard_plan_on_host_threads(name, strategy, n, ll, unit):
+    """Every standard collective x strategy, LL (16- or 8-byte items) or flags, 1 and 2
+    chunks: the fused programs, run by a thread per (rank, block) with rank 0's last block
+    slow, give the reference on three calls (both parities). The only plans refused forward LL data they
     received (a relay reads the LL_GET's scratch, which the fused kernel never writes)."""
     coll = standard(name, n, root=n - 1)
     widest = max(max(len(r) for r in coll.input), max(len(r) for r in coll.output))
@@ -46,14 +46,14 @@ def test_fused_programs_run_every_standard_plan_on_host_threads(name, strategy, 
         s = plan(coll, strategy, count=4 * widest * chunks * 3, dtype="float32", chunks=chunks)
         bufs = HostBuffers(s, ll=ll)
         low = bufs.lower()
-        problem = fuse_problem(low)
+        problem = fuse_problem(low, unit)
         if problem is not None:
             assert ll and "touches an LL transfer's destination" in problem, problem
             with pytest.raises(CapabilityError, match="LL transfer's destination"):
                 for one in low:
-                    rank_ops(one)
+                    rank_ops(one, unit)
             continue
-        programs = fused_programs(low, bufs)
+        programs = fused_programs(low, bufs, unit)
         rng = np.random.default_rng(n + chunks)
         xs = [[rng.integers(-50, 50, s.sizing.input_count(r)).astype(np.float64)
                for r in range(n)] for _ in range(3)]
@@ -107,6 +107,16 @@ def test_sizes_that_are_not_whole_16_byte_items_stay_on_the_interpreter():
     assert "not whole 16-byte items" in fuse_problem(low)
     with pytest.raises(CapabilityError, match="cannot fuse: rank 0 row 0"):
         program(low[0], 0, 0, flag_slot=lambda a: a)
+
+
+def test_eight_byte_items_take_what_sixteen_byte_ones_cannot():
+    low = lowered(collectives.all_reduce(2), count=4)  # 8 bytes: one LL unit
+    assert "not whole 16-byte items" in fuse_problem(low)
+    assert fuse_problem(low, unit=8) is None
+    prog = program(low[0], 0, 0, flag_slot=lambda a: a, unit=8)
+    assert prog.words[isa.F_MAX_BLOCKS + isa.F_UNIT] == 8 and prog.items == 1
+    with pytest.raises(CapabilityError, match="16 or 8 bytes"):
+        program(low[0], 0, 0, flag_slot=lambda a: a, unit=4)
 
 
 def test_several_lanes_stay_on_the_interpreter():

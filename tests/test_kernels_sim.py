@@ -538,14 +538,14 @@ def _peer_units(lowered, ll, to: int, call: int) -> None:
 
 
 def _run_fused(low, blocks: int = 3, threads: int = 4, timeout_ns: int = 10_000_000,
-               flag_slot=None):
+               flag_slot=None, unit: int = 16):
     from purlin.atom.fused import program
     from purlin.kernels import fused, isa
 
     err = np.zeros(isa.ERR_WIDTH, dtype=np.int64)
     abort = np.zeros(1, dtype=np.uint64)
     prog = program(low, error=err.ctypes.data, abort=abort.ctypes.data,
-                   flag_slot=flag_slot or (lambda a: a))
+                   flag_slot=flag_slot or (lambda a: a), unit=unit)
     words = prog.words.copy()
 
     def launch():  # the program holds the addresses of err and abort: keep them alive here
@@ -557,34 +557,36 @@ def _run_fused(low, blocks: int = 3, threads: int = 4, timeout_ns: int = 10_000_
 
 @case
 def fused_all_reduce_equals_the_interpreter_bit_for_bit():
-    """Rank 0 of a 3-rank bf16 all-reduce, fused, over two calls (even and odd LL parities,
-    tags 1 and 2): the same bits as the interpreter's rows, its units in both peers' areas,
-    every block's call counter at 2."""
+    """Rank 0 of a 3-rank all-reduce, fused with 16- and with 8-byte items (bf16; float32
+    with 8), over two calls (even and odd LL parities, tags 1 and 2): the same bits as the
+    interpreter's rows, its units in both peers' areas, every block's call counter at 2."""
     from purlin.kernels import isa, sim
     from purlin.spec import collectives
 
-    s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_reduce(3), "bfloat16", 24)
-    words, err, abort, launch = _run_fused(lowered[0])
-    for call in range(2):
-        _peer_units(lowered, ll, 0, call)
-        launch()
-        assert err[isa.E_CODE] == 0, err
-        fused_out = outs[0].copy()
-        outs[0][:] = 0
-        rank0 = sim.HostRank.from_lowered(lowered[0])
-        rank0.epoch[0] = call
-        sim.run_simulated([rank0], threads=4)
-        assert rank0.error_record["code"] == 0, rank0.error_record
-        assert (fused_out == outs[0]).all(), (call, fused_out, outs[0])
-        want = _bf16_bits(sum(_bf16_to_f32(x).astype(np.float64) for x in xs))
-        assert (np.abs(fused_out.astype(np.int32) - want.astype(np.int32)) <= 1).all(), call
-    assert (words[:3] == 2).all() and words[3] == 0, words[:4]  # block call counters
-    for q in (1, 2):  # rank 0's units of the odd call sit in rank q's odd parity, tag 2
-        row = next(r for r in lowered[0].tables[1] if r[isa.OP] == isa.LL_PUT
-                   and r[isa.PEER] == q)
-        at = (int(row[isa.DST]) - ll[q].ctypes.data) // 4
-        want = sim.ll_pack(xs[0].tobytes(), 2).ravel()
-        assert (ll[q][at: at + want.size] == want).all(), q
+    for dtype, unit in (("bfloat16", 16), ("bfloat16", 8), ("float32", 8)):
+        s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_reduce(3), dtype, 24)
+        words, err, abort, launch = _run_fused(lowered[0], unit=unit)
+        for call in range(2):
+            _peer_units(lowered, ll, 0, call)
+            launch()
+            assert err[isa.E_CODE] == 0, (unit, err)
+            fused_out = outs[0].copy()
+            outs[0][:] = 0
+            rank0 = sim.HostRank.from_lowered(lowered[0])
+            rank0.epoch[0] = call
+            sim.run_simulated([rank0], threads=4)
+            assert rank0.error_record["code"] == 0, rank0.error_record
+            assert (fused_out == outs[0]).all(), (unit, call, fused_out, outs[0])
+            if dtype == "bfloat16":
+                want = _bf16_bits(sum(_bf16_to_f32(x).astype(np.float64) for x in xs))
+                assert (np.abs(fused_out.astype(np.int32) - want.astype(np.int32)) <= 1).all()
+        assert (words[:3] == 2).all() and words[3] == 0, words[:4]  # block call counters
+        for q in (1, 2):  # rank 0's units of the odd call sit in rank q's odd parity, tag 2
+            row = next(r for r in lowered[0].tables[1] if r[isa.OP] == isa.LL_PUT
+                       and r[isa.PEER] == q)
+            at = (int(row[isa.DST]) - ll[q].ctypes.data) // 4
+            want = sim.ll_pack(xs[0].tobytes(), 2).ravel()
+            assert (ll[q][at: at + want.size] == want).all(), (unit, q)
 
 
 @case
@@ -601,7 +603,7 @@ def fused_all_gather_and_int32_all_to_all():
     assert err[isa.E_CODE] == 0, err
     assert (outs[0] == np.concatenate(xs)).all(), outs[0]
     s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_to_all(2), "int32", 8, seed=3)
-    words, err, abort, launch = _run_fused(lowered[0])
+    words, err, abort, launch = _run_fused(lowered[0], unit=8)
     _peer_units(lowered, ll, 0, 0)
     launch()
     assert err[isa.E_CODE] == 0, err

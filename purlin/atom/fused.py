@@ -42,14 +42,13 @@ from purlin.atom.lowering import LoweredRank
 from purlin.errors import CapabilityError
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
-                                F_OP_MOVE, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK, F_REDOP,
+                                F_OP_MOVE, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK, F_REDOP, F_UNIT,
                                 FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_WIDTH,
                                 OPCODE_NAMES, PEER, PER_CALL, REDOP, REDUCE, SOURCE_WIDTH, SRC,
                                 STEP, VALUE, WAIT)
 
 __all__ = ["FusedProgram", "fuse_problem", "grid", "program", "rank_ops"]
 
-ITEM = 16
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
 
@@ -60,26 +59,27 @@ class _Refused(Exception):
 @dataclass(frozen=True)
 class FusedProgram:
     """One rank's fused program: ``words`` (int64, call counters zero), the number of ops,
-    and ``items``, its largest row in 16-byte items (what the grid is sized for)."""
+    and ``items``, its largest row in items of its unit (what the grid is sized for)."""
 
     words: np.ndarray
     ops: int
     items: int
 
 
-def rank_ops(low: LoweredRank) -> list[tuple]:
+def rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
     """The rank's rows as fused ops, LL_GET rows folded into the rows that read them:
     ("wait", flag, per call, value, epoch offset, peer, step), ("notify", flag, value),
     ("put", source, units even, units odd, bytes, peer, step) and ("move", destination even,
     odd, bytes, sources, dtype, (redop, divisor)) with sources (is LL, even, odd, peer, step).
-    Raises CapabilityError naming the rank and row when the rank cannot be fused."""
+    Raises CapabilityError naming the rank and row when the rank cannot be fused. ``unit``:
+    the bytes a thread takes at a time (16, or 8 -- one LL unit each)."""
     try:
-        return _rank_ops(low)
+        return _rank_ops(low, unit)
     except _Refused as exc:
         raise CapabilityError(f"cannot fuse: {exc}") from None
 
 
-def _rank_ops(low: LoweredRank) -> list[tuple]:
+def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
     r = low.rank
     if len(low.lane_offsets) != 2:
         raise _Refused(f"rank {r} runs {len(low.lane_offsets) - 1} lanes (the fused kernel "
@@ -104,9 +104,9 @@ def _rank_ops(low: LoweredRank) -> list[tuple]:
         srcs_a = [int(x) for x in low.srcs[a[SRC]: a[SRC] + max(1, a[NSRC])]]
         srcs_b = [int(x) for x in low.srcs[b[SRC]: b[SRC] + max(1, b[NSRC])]]
         addresses = [int(a[DST]), int(b[DST]), *srcs_a, *srcs_b]
-        if nbytes % ITEM or any(x % ITEM for x in addresses):
+        if nbytes % unit or any(x % unit for x in addresses):
             raise _Refused(f"rank {r} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
-                           "not whole 16-byte items at 16-byte aligned addresses")
+                           f"not whole {unit}-byte items at {unit}-byte aligned addresses")
         if op == LL_PUT:
             ops.append(("put", srcs_a[0], int(a[DST]), int(b[DST]), nbytes, int(a[PEER]),
                         int(a[STEP])))
@@ -201,22 +201,27 @@ def _check_ranks(ops_by_rank: list[list[tuple]]) -> None:
                                "bytes: their items would fall to different blocks")
 
 
-def fuse_problem(lowered: list[LoweredRank]) -> str | None:
-    """Why the ranks of ``lowered`` cannot run as fused programs (a sentence naming the rank
-    and row), or None."""
+def fuse_problem(lowered: list[LoweredRank], unit: int = 16) -> str | None:
+    """Why the ranks of ``lowered`` cannot run as fused programs taking ``unit`` bytes per
+    thread at a time (a sentence naming the rank and row), or None."""
     try:
-        _check_ranks([_rank_ops(low) for low in lowered])
+        _check_ranks([_rank_ops(low, unit) for low in lowered])
     except _Refused as exc:
         return str(exc)
     return None
 
 
-def program(low: LoweredRank, error: int, abort: int, flag_slot) -> FusedProgram:
+def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16) -> FusedProgram:
     """The fused program of rank ``low`` (check the whole cluster with :func:`fuse_problem`
     first): ``error`` is the address of the rank's error record (``isa.ERR_WIDTH`` words),
     ``abort`` that of the cluster's abort word, ``flag_slot(address)`` the address of block
-    0's slot for a lowered flag (block b's is ``8 * b`` further)."""
-    ops = rank_ops(low)
+    0's slot for a lowered flag (block b's is ``8 * b`` further); every thread takes ``unit``
+    bytes (16, or 8: one LL unit, twice the threads for LL transfers) of a row at a time --
+    every rank of a cluster the same."""
+    if unit not in (8, 16):
+        raise CapabilityError(f"a fused program moves 16 or 8 bytes per thread at a time, not "
+                              f"{unit}")
+    ops = rank_ops(low, unit)
     moves = [op for op in ops if op[0] == "move"]
     dt = moves[0][5] if moves else 0
     how = next((op[6] for op in moves if op[6] is not None), (0, 1))
@@ -224,8 +229,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot) -> FusedProgram
     nsources = sum(len(op[4]) for op in moves)
     words = np.zeros(F_MAX_BLOCKS + sources_at + SOURCE_WIDTH * nsources, dtype=np.int64)
     head = words[F_MAX_BLOCKS:]
-    head[[F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT]] = \
-        [low.rank, len(ops), dt, how[0], how[1], error, abort]
+    head[[F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT]] = \
+        [low.rank, len(ops), dt, how[0], how[1], error, abort, unit]
     at = sources_at
     for k, op in enumerate(ops):
         if op[0] == "wait":
@@ -243,20 +248,22 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot) -> FusedProgram
                 at += SOURCE_WIDTH
         head[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
     items = max([op[4] for op in ops if op[0] == "put"]
-                + [op[3] for op in moves] + [ITEM]) // ITEM
+                + [op[3] for op in moves] + [unit]) // unit
     return FusedProgram(words, len(ops), items)
 
 
-def grid(items: int, ranks_in_launch: int = 1, sms: int = 132) -> tuple[int, int]:
-    """(blocks per rank, threads) for fused programs of ``items`` 16-byte items: about one
-    item per thread, 128 threads per block up to 16 KiB, 256 up to 128 KiB, else 512, at most
-    32 blocks per rank below 4 MiB and every SM above, and few enough for every rank of the
-    launch to be resident (counting 128 registers per thread, the launch bound's limit).
+def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
+         unit: int = 16) -> tuple[int, int]:
+    """(blocks per rank, threads) for fused programs of ``items`` items of ``unit`` bytes:
+    about one item per thread, 128 threads per block up to 16 KiB, 256 up to 128 KiB, else
+    512, at most 32 blocks per rank below 4 MiB and every SM above, and few enough for every
+    rank of the launch to be resident (counting 128 registers per thread, the launch bound's
+    limit).
 
     >>> grid(512), grid(4096), grid(1 << 16), grid(1 << 16, ranks_in_launch=8), grid(1 << 24)
     ((4, 128), (16, 256), (32, 512), (16, 512), (128, 512))
     """
-    nbytes = items * ITEM
+    nbytes = items * unit
     threads = 128 if nbytes <= 16 << 10 else 256 if nbytes <= 128 << 10 else 512
     most = 32 if nbytes < 4 << 20 else F_MAX_BLOCKS
     blocks = max(1, min(most, -(-items // threads)))

@@ -102,7 +102,8 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     (:mod:`purlin.kernels.fused`) instead of the interpreter: every thread moves the same
     16-byte items of every row on every rank and each flag has a slot per block, so a block
     waits only for the same block of its peers and nothing needs a lane barrier;
-    ``"fused-ll"`` does that with the LL transfers (read in place: no scratch round trip).
+    ``"fused-ll"`` does that with the LL transfers (read in place: no scratch round trip; a
+    thread takes one 8-byte LL unit at a time).
     ``blocks_per_lane`` is then the blocks of each rank (by default about one item per thread,
     :func:`purlin.atom.fused.grid`); a schedule the fused kernel cannot run is refused with
     the reason (:func:`purlin.atom.fused.fuse_problem`) -- or, with ``fallback=True`` (what
@@ -227,7 +228,10 @@ class SmBound:
         from purlin.kernels.launch import Launcher
 
         torch = self.torch
-        problem = fuse_problem(self.lowered)
+        # LL transfers go one 8-byte unit per thread (twice the threads polling at once, as
+        # the hand-written LL kernel of run AE); flags and plain copies 16 bytes
+        unit = 8 if self.protocol == "fused-ll" else 16
+        problem = fuse_problem(self.lowered, unit)
         if problem:
             raise CapabilityError(f"protocol={self.protocol!r} cannot run "
                                   f"{self.schedule.title()}: {problem}")
@@ -239,11 +243,12 @@ class SmBound:
             return self.block_flags[rank].data_ptr() + index * isa.F_MAX_BLOCKS * 8
 
         progs = [program(low, error=self.control[r].data_ptr() + 2 * 8,
-                         abort=self.abort.data_ptr(), flag_slot=flag_slot)
+                         abort=self.abort.data_ptr(), flag_slot=flag_slot, unit=unit)
                  for r, low in enumerate(self.lowered)]
         sms = torch.cuda.get_device_properties(self.devices[0]).multi_processor_count
         size = max(p.items for p in progs)
-        default_blocks, default_threads = grid(size, max(len(r) for r in groups.values()), sms)
+        default_blocks, default_threads = grid(size, max(len(r) for r in groups.values()), sms,
+                                               unit)
         self.blocks_per_lane = blocks or default_blocks
         self.threads = threads or default_threads
         if self.blocks_per_lane > isa.F_MAX_BLOCKS:

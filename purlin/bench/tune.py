@@ -17,8 +17,8 @@ plausible for the size, so that a time limit cuts the least likely ones.
 (True, 'direct-push')
 >>> [c for c in candidates(collectives.all_reduce(2), 8 << 10, sms=132, limit=1)
 ...  if c.strategy == "direct-push"]  # doctest: +NORMALIZE_WHITESPACE
-[direct-push c1 l1 b4 fused-ll pdl, direct-push c1 l1 b4 fused-ll,
- direct-push c1 l1 b2 fused-ll pdl, direct-push c1 l1 b8 fused-ll pdl,
+[direct-push c1 l1 b8 fused-ll pdl, direct-push c1 l1 b8 fused-ll,
+ direct-push c1 l1 b4 fused-ll pdl, direct-push c1 l1 b16 fused-ll pdl,
  direct-push c1 l1 b4 fused pdl, direct-push c1 l1 b8 fused pdl,
  direct-push c1 l1 b1 ll pdl, direct-push c1 l1 b1 ll, direct-push c2 l2 b1 ll pdl,
  direct-push c2 l2 b1 ll, direct-push c4 l4 b1 ll pdl, direct-push c4 l4 b1 ll,
@@ -173,10 +173,11 @@ def _fused_configs(sizing, strategy: str, sms: int, budget: int) -> list[Config]
     pdl = size <= PDL_MAX_BYTES
     out = []
     if strategy == "direct-push" and size <= LL_MAX_BYTES:
-        out += [Config(strategy, 1, 1, blocks, "fused-ll", True),
-                Config(strategy, 1, 1, blocks, "fused-ll")]
+        units = min(budget, grid(max(1, size // 8), sms=sms, unit=8)[0])  # 8-byte LL units
+        out += [Config(strategy, 1, 1, units, "fused-ll", True),
+                Config(strategy, 1, 1, units, "fused-ll")]
         out += [Config(strategy, 1, 1, b, "fused-ll", True)
-                for b in sorted({max(1, blocks // 2), more} - {blocks})]
+                for b in sorted({max(1, units // 2), min(budget, 2 * units)} - {units})]
     out.append(Config(strategy, 1, 1, blocks, "fused", pdl))
     if more != blocks:
         out.append(Config(strategy, 1, 1, more, "fused", pdl))

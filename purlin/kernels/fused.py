@@ -36,14 +36,15 @@ from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, ll_tag,
                                   unpack_half2)
 from purlin.kernels.intrinsics import (SIMULATOR, atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
-                                       griddep_wait, load_acquire, load_i64, load_v4_u32,
+                                       griddep_wait, load_acquire, load_i64, load_u32,
+                                       load_v4_u32,
                                        load_volatile_v4_u32, red_release_add, store_i64,
-                                       store_v4_u32, store_volatile_v4_u32)
+                                       store_u32, store_v4_u32, store_volatile_v4_u32)
 from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LANE, E_PEER,
                                 E_RANK, E_SEEN, E_STEP, ERR_ABORTED, ERR_TIMEOUT, F16, F32,
                                 F_ABORT, F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS,
                                 F_NOPS, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK, F_REDOP,
-                                OP_WIDTH, SOURCE_WIDTH)
+                                F_UNIT, OP_WIDTH, SOURCE_WIDTH)
 
 SIGNATURE = "void(int64, int64, int64, int64, int64)"  # the executor's, so one Launcher serves
 MAX_THREADS = 512
@@ -210,6 +211,78 @@ def _reduce_pairs_half(meta, head, at, nsrc, dst, items, g, stride, odd, dt, red
 
 
 @device
+def _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort):
+    """8-byte unit ``unit_i`` of a source: (code, tag seen, address polled, w0, w1)."""
+    addr = _word(meta, head, at + 1 + odd)
+    if _word(meta, head, at) == 0:
+        return (0, np.int64(0), addr, np.int64(load_u32(addr + unit_i * 8)),
+                np.int64(load_u32(addr + unit_i * 8 + 4)))
+    unit = addr + unit_i * 16
+    code, seen, w0, w1 = _poll(unit, tag, timeout_ns, abort)
+    return code, seen, unit, w0, w1
+
+
+@device
+def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort):
+    """:func:`_move_item` for 8 bytes (one LL unit): four 16-bit or two 32-bit elements,
+    accumulated as the interpreter does (each element type in its own loop, so no tuple ever
+    changes type)."""
+    dst = _word(meta, head, op_at + 1 + odd) + unit_i * 8
+    nsrc = _word(meta, head, op_at + 4)
+    at = _word(meta, head, op_at + 5)
+    code, seen, unit, w0, w1 = _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort)
+    if code != 0:
+        return code, seen, unit, at
+    if nsrc == 1:
+        store_u32(dst, w0)
+        store_u32(dst + 4, w1)
+        return 0, seen, unit, at
+    if dt == BF16 or dt == F16:
+        a0, a1 = unpack_half2(w0, dt)
+        a2, a3 = unpack_half2(w1, dt)
+        h = (a0, a1, a2, a3)
+        for s in range(1, nsrc):
+            entry = at + s * SOURCE_WIDTH
+            code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
+                                                timeout_ns, abort)
+            if code != 0:
+                return code, seen, unit, entry
+            b0, b1 = unpack_half2(v0, dt)
+            b2, b3 = unpack_half2(v1, dt)
+            h = _fold4(h, (b0, b1, b2, b3), redop)
+        div = np.float32(divisor)
+        store_u32(dst, pack_half2(avg_float(h[0], redop, div), avg_float(h[1], redop, div), dt))
+        store_u32(dst + 4, pack_half2(avg_float(h[2], redop, div), avg_float(h[3], redop, div),
+                                      dt))
+    elif dt == F32:
+        f0, f1 = bits_to_f32(w0), bits_to_f32(w1)
+        for s in range(1, nsrc):
+            entry = at + s * SOURCE_WIDTH
+            code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
+                                                timeout_ns, abort)
+            if code != 0:
+                return code, seen, unit, entry
+            f0 = combine(f0, bits_to_f32(v0), redop)
+            f1 = combine(f1, bits_to_f32(v1), redop)
+        div = np.float32(divisor)
+        store_u32(dst, f32_to_bits(avg_float(f0, redop, div)))
+        store_u32(dst + 4, f32_to_bits(avg_float(f1, redop, div)))
+    else:  # I32
+        n0, n1 = _signed(w0), _signed(w1)
+        for s in range(1, nsrc):
+            entry = at + s * SOURCE_WIDTH
+            code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
+                                                timeout_ns, abort)
+            if code != 0:
+                return code, seen, unit, entry
+            n0 = combine(n0, _signed(v0), redop)
+            n1 = combine(n1, _signed(v1), redop)
+        store_u32(dst, avg_int(n0, redop, divisor))
+        store_u32(dst + 4, avg_int(n1, redop, divisor))
+    return 0, seen, unit, at
+
+
+@device
 def _fold4(a, b, op):
     return combine(a[0], b[0], op), combine(a[1], b[1], op), combine(a[2], b[2], op), \
         combine(a[3], b[3], op)
@@ -294,6 +367,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words):
     redop = meta[F_REDOP]
     divisor = meta[F_DIVISOR]
     abort = meta[F_ABORT]
+    unit_bytes = meta[F_UNIT]
     for k in range(meta[F_NOPS]):
         at = F_HEAD + k * OP_WIDTH
         kind = _word(meta, head, at)
@@ -309,18 +383,22 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words):
         elif kind == F_OP_PUT:
             src = _word(meta, head, at + 1)
             dst = _word(meta, head, at + 2 + odd)
-            items = _word(meta, head, at + 4) // 16
+            items = _word(meta, head, at + 4) // unit_bytes
             i = g
             while i < items:
-                w = load_v4_u32(src + i * 16)
-                store_volatile_v4_u32(dst + i * 32, (w[0], tag, w[1], tag))
-                store_volatile_v4_u32(dst + i * 32 + 16, (w[2], tag, w[3], tag))
+                if unit_bytes == 8:
+                    store_volatile_v4_u32(dst + i * 16, (load_u32(src + i * 8), tag,
+                                                         load_u32(src + i * 8 + 4), tag))
+                else:
+                    w = load_v4_u32(src + i * 16)
+                    store_volatile_v4_u32(dst + i * 32, (w[0], tag, w[1], tag))
+                    store_volatile_v4_u32(dst + i * 32 + 16, (w[2], tag, w[3], tag))
                 i += stride
         else:
-            items = _word(meta, head, at + 3) // 16
+            items = _word(meta, head, at + 3) // unit_bytes
             nsrc = _word(meta, head, at + 4)
             first = _word(meta, head, at + 5)
-            plain = True
+            plain = unit_bytes == 16
             for k2 in range(nsrc):
                 if _word(meta, head, first + k2 * SOURCE_WIDTH) != 0:
                     plain = False
@@ -333,8 +411,12 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words):
                 i = _reduce_pairs_half(meta, head, first, nsrc, _word(meta, head, at + 1 + odd),
                                        items, g, stride, odd, dt, redop, divisor)
             while i < items:
-                code, seen, unit, entry = _move_item(meta, head, at, i, odd, tag, dt, redop,
-                                                     divisor, timeout_ns, abort)
+                if unit_bytes == 8:
+                    code, seen, unit, entry = _move_unit(meta, head, at, i, odd, tag, dt, redop,
+                                                         divisor, timeout_ns, abort)
+                else:
+                    code, seen, unit, entry = _move_item(meta, head, at, i, odd, tag, dt, redop,
+                                                         divisor, timeout_ns, abort)
                 if code != 0:
                     _record(meta, head, code, _word(meta, head, entry + 4), unit, tag, seen,
                             _word(meta, head, entry + 3), block)

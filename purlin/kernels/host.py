@@ -288,9 +288,10 @@ def _lane_guard(rows, pool, epoch, mem, rank, errors, block=0, blocks=1, delay=0
 # -- fused programs ---------------------------------------------------------------------------
 
 
-def fused_programs(lowered, buffers: HostBuffers):
-    """The fused programs (``purlin.atom.fused``) of ``lowered`` on ``buffers``, with a flag
-    slot per block (``buffers.block_flags``) and a throw-away error record and abort word."""
+def fused_programs(lowered, buffers: HostBuffers, unit: int = 16):
+    """The fused programs (``purlin.atom.fused``, ``unit`` bytes per thread at a time) of
+    ``lowered`` on ``buffers``, with a flag slot per block (``buffers.block_flags``) and a
+    throw-away error record and abort word."""
     from purlin.atom.fused import program
 
     buffers.block_flags = [np.zeros(f.size * isa.F_MAX_BLOCKS, np.int64) for f in buffers.flags]
@@ -305,13 +306,13 @@ def fused_programs(lowered, buffers: HostBuffers):
         raise ValueError(f"0x{address:x} is no flag of these buffers")
 
     return [program(low, buffers.fused_error.ctypes.data, buffers.fused_abort.ctypes.data,
-                    flag_slot).words for low in lowered]
+                    flag_slot, unit).words for low in lowered]
 
 
-def _items(nbytes: int, block: int, blocks: int, threads: int) -> list[int]:
-    """The 16-byte items block ``block`` takes: item i goes to thread ``i % (blocks *
-    threads)`` of the rank's grid, as in the fused kernel."""
-    return [i for i in range(nbytes // 16) if (i % (blocks * threads)) // threads == block]
+def _items(nbytes: int, unit: int, block: int, blocks: int, threads: int) -> list[int]:
+    """The items (``unit`` bytes each) block ``block`` takes: item i goes to thread ``i %
+    (blocks * threads)`` of the rank's grid, as in the fused kernel."""
+    return [i for i in range(nbytes // unit) if (i % (blocks * threads)) // threads == block]
 
 
 def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: int,
@@ -323,6 +324,7 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
     odd = epoch & 1
     code, redop, divisor = (int(head[isa.F_DTYPE]), int(head[isa.F_REDOP]),
                             int(head[isa.F_DIVISOR]))
+    unit = int(head[isa.F_UNIT])  # bytes per item; an item's LL units start 2 * unit apart
     for k in range(int(head[isa.F_NOPS])):
         op = [int(x) for x in head[isa.F_HEAD + k * isa.OP_WIDTH:][:isa.OP_WIDTH]]
         what = f"rank {rank} block {block} op {k}"
@@ -333,25 +335,26 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
         elif op[0] == isa.F_OP_NOTIFY:
             mem.add(op[1] + 8 * block, op[2])
         elif op[0] == isa.F_OP_PUT:
-            for i in _items(op[4], block, blocks, threads):
-                mem.ll_put(op[2 + odd] + 32 * i, _bytes(op[1] + 16 * i, 16).tobytes(), tag)
+            for i in _items(op[4], unit, block, blocks, threads):
+                mem.ll_put(op[2 + odd] + 2 * unit * i, _bytes(op[1] + unit * i, unit).tobytes(),
+                           tag)
         else:
             if delay:
                 time.sleep(delay)
             dst, nbytes, nsrc, first = op[1 + odd], op[3], op[4], op[5]
             sources = [[int(x) for x in head[first + s * isa.SOURCE_WIDTH:]
                         [:isa.SOURCE_WIDTH]] for s in range(nsrc)]
-            count = 16 // isa.ITEMSIZE[code]
-            for i in _items(nbytes, block, blocks, threads):
+            count = unit // isa.ITEMSIZE[code]
+            for i in _items(nbytes, unit, block, blocks, threads):
                 raw = []
                 for is_ll, even, odd_at, _, _ in sources:
                     at = (odd_at if odd else even)
                     if is_ll:
-                        raw.append(mem.ll_get(at + 32 * i, 16, tag, what))
+                        raw.append(mem.ll_get(at + 2 * unit * i, unit, tag, what))
                     else:
-                        raw.append(_bytes(at + 16 * i, 16).tobytes())
+                        raw.append(_bytes(at + unit * i, unit).tobytes())
                 if nsrc == 1:
-                    _bytes(dst + 16 * i, 16)[:] = np.frombuffer(raw[0], np.uint8)
+                    _bytes(dst + unit * i, unit)[:] = np.frombuffer(raw[0], np.uint8)
                     continue
                 values = [_load(np.frombuffer(r, np.uint8).ctypes.data, count, code)
                           for r in (np.frombuffer(x, np.uint8).copy() for x in raw)]
@@ -360,7 +363,7 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
                 if redop == isa.AVG:
                     out = (np.where(out < 0, -(-out // divisor), out // divisor)
                            if code == isa.I32 else out / divisor)
-                _store(dst + 16 * i, out, code)
+                _store(dst + unit * i, out, code)
 
 
 def run_fused_calls(programs, buffers: HostBuffers, inputs_per_call, blocks: int = 2,

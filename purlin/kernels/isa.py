@@ -85,8 +85,8 @@ TRACE_WIDTH = 4
 #   call counters (F_MAX_BLOCKS, block b's in word b) | header (F_HEAD) | ops | sources
 # with every address in the header and ops counted in words from the header's start.
 F_MAX_BLOCKS = 128
-F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT = range(7)
-F_HEAD = 8
+F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT = range(8)
+F_HEAD = 8                   # F_UNIT: the bytes a thread takes at a time, 16 or 8 (one LL unit)
 F_OP_WAIT, F_OP_NOTIFY, F_OP_PUT, F_OP_MOVE = 1, 2, 3, 4
 OP_WIDTH = 8
 # WAIT:   kind, flag slot of block 0, per call, value, epoch offset, peer, step, lowered flag
