@@ -1,12 +1,12 @@
 """Fuse lowered tables into block-matched programs: the input of :mod:`purlin.kernels.fused`.
 
 Pure numpy, like :mod:`purlin.atom.lowering`, whose one-lane tables (one block per lane) it
-reads for every rank at once. The fused kernel gives every thread the same 16-byte items of
-every row on every rank and gives each flag a slot per block, so block b waits only for block
-b of its peers and no row needs a lane barrier. That is sound when:
+reads for every rank at once. The fused kernel gives every thread the same items (16 bytes, or
+8: one LL unit) of every row on every rank and gives each flag a slot per block, so block b
+waits only for block b of its peers and no row needs a lane barrier. That is sound when:
 
 * each rank has one lane, and its rows are WAIT, NOTIFY, LL_PUT, LL_GET, COPY and REDUCE;
-* every row moves a multiple of 16 bytes between 16-byte aligned addresses;
+* every row moves whole items between addresses aligned to the item;
 * two rows (of any ranks) that touch the same bytes, one of them writing, cover exactly the
   same bytes: item i is then block b's on both sides, so the block's flags order them;
 * rows of one rank between two flag operations touch common bytes only as the same span
@@ -16,9 +16,10 @@ b of its peers and no row needs a lane barrier. That is sound when:
 * a rank that sends LL units to a peer hears from that peer in the same call (an LL unit or
   a flag), so the peer cannot run two calls ahead into the LL parity still being read.
 
-Direct-push all-reduce, reduce-scatter, all-gather, all-to-all, broadcast and reduce fuse at
-any rank count, with LL transfers or plain pushes and flags; a table that does not is run by
-the interpreter.
+Every standard collective's one-lane plans fuse at any rank count (direct-push, direct-pull,
+two-phase, ring; with flags, or with LL transfers -- except a ring broadcast that relays LL
+data it received), at sizes of whole items; a table that does not fuse is run by the
+interpreter.
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan

@@ -5,20 +5,21 @@ runs the programs :mod:`purlin.atom.fused` builds (layout in ``isa``: call count
 ops, sources). Rank slot ``s`` of a launch reads its program at ``desc_ptr + s * stride_words
 * 8`` (``stride_words``: a program's length); its ``blocks_per_rank`` blocks share the work.
 
-Every thread of a rank takes items (16 data bytes) ``g, g + stride, ...`` of every row, where
-``g`` is its index in the rank's grid -- the same items on every rank, since every rank runs
-the same grid. So a block only ever meets the items its own threads and the same block of
+Every thread of a rank takes items (the program's unit: 16 data bytes, or 8 -- one LL unit)
+``g, g + stride, ...`` of every row, where ``g`` is its index in the rank's grid -- the same
+items on every rank, since every rank runs the same grid. So a block only ever meets the items its own threads and the same block of
 its peers touch, and flags have one slot per block:
 
 * WAIT: thread 0 spins (acquire, system scope) on its block's slot until it reaches
   ``(epoch + offset) * per_call + value``; then the block synchronizes;
 * NOTIFY: the block synchronizes, then thread 0 adds to its block's slot on the peer with a
   system-scope release (cumulative over the block's writes);
-* PUT (LL): each item as two LL units ({data, tag, data, tag}, tag = ``epoch % LL_TAG_MOD +
-  1``) into a peer's LL area -- the tags are the flag;
+* PUT (LL): each item as LL units ({data, tag, data, tag} per 8 bytes, tag = ``epoch %
+  LL_TAG_MOD + 1``) into a peer's LL area -- the tags are the flag;
 * MOVE: each item of the destination from its sources in order (a copy for one source, else
   the reduction, bfloat16 / float16 accumulated in float32 as the interpreter does); an LL
-  source is polled until both tags of its two units are this call's.
+  source is polled until both tags of its units are this call's. With 16-byte items, plain
+  copies keep four items in flight per thread and plain bfloat16 / float16 reductions two.
 
 Data rows run back to back with no barrier (the builder refuses tables where one could meet
 another's items). A rank's program is read into shared memory once at block start, with the
