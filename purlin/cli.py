@@ -199,8 +199,19 @@ def plan_command(args: argparse.Namespace) -> int:
         summary = schedule.summary()
         print(f"summary: {summary['steps']}, {summary['remote_hops']} remote hops, "
               f"{summary['total_link_bytes']} bytes over links")
+        print(fused_line(schedule))
         print(report)
     return 0 if report.ok else 1
+
+
+def fused_line(schedule) -> str:
+    """Whether the sm datapath's fused kernel can run ``schedule`` (protocols "fused" and
+    "fused-ll"), or why not."""
+    from purlin.atom.fused import fused_problems
+
+    parts = [f"{p}: " + ("yes" if why is None else f"no ({why})")
+             for p, why in fused_problems(schedule).items()]
+    return "fused kernel (sm): " + "; ".join(parts)
 
 
 @command("run", *PLAN_ARGS,

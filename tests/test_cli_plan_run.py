@@ -22,6 +22,15 @@ def test_plan_prints_every_rank_and_a_passing_report(capsys):
     assert "remote hops" in out
 
 
+def test_plan_says_whether_the_fused_kernel_runs_it(capsys):
+    code, out, _ = run(capsys, "plan", "all-reduce", "-n", "2", "-s", "direct-push", "-b", "64KiB")
+    assert code == 0 and "fused kernel (sm): fused: yes; fused-ll: yes" in out
+    code, out, _ = run(capsys, "plan", "all-reduce", "-n", "2", "-s", "ring", "-b", "64KiB",
+                       "--chunks", "2", "--lanes", "2")
+    assert code == 0
+    assert "fused: no (rank 0 runs 2 lanes (the fused kernel runs one))" in out
+
+
 def test_plan_json_round_trips_to_a_verified_schedule(capsys):
     code, out, _ = run(capsys, "plan", "all-gather", "-n", "3", "-s", "ring", "-b", "4KiB",
                        "--json")

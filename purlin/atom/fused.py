@@ -43,12 +43,12 @@ from purlin.atom.lowering import LoweredRank
 from purlin.errors import CapabilityError
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
-                                F_OP_MOVE, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK, F_REDOP, F_UNIT,
-                                FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_WIDTH,
+                                F_OP_MOVE, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK, F_REDOP,
+                                F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_WIDTH,
                                 OPCODE_NAMES, PEER, PER_CALL, REDOP, REDUCE, SOURCE_WIDTH, SRC,
                                 STEP, VALUE, WAIT)
 
-__all__ = ["FusedProgram", "fuse_problem", "grid", "program", "rank_ops"]
+__all__ = ["FusedProgram", "fuse_problem", "fused_problems", "grid", "program", "rank_ops"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
@@ -270,3 +270,35 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     blocks = max(1, min(most, -(-items // threads)))
     per_sm = max(1, 65536 // (threads * 128))
     return max(1, min(blocks, sms * per_sm // ranks_in_launch)), threads
+
+
+def fused_problems(schedule) -> dict:
+    """For each fused protocol of the sm datapath, why ``schedule`` cannot run on the fused
+    kernel (a sentence) or None -- decided on the lowered tables with stand-in addresses laid
+    out as the sm datapath lays out its buffers (16-byte aligned, scratch copies rounded up).
+
+    >>> from purlin.spec import collectives
+    >>> from purlin.snac import plan
+    >>> fused_problems(plan(collectives.all_reduce(2), "direct-push", count=64))
+    {'fused': None, 'fused-ll': None}
+    >>> ring = plan(collectives.all_reduce(2), "ring", count=64, chunks=2, lanes=2)
+    >>> fused_problems(ring)["fused"]
+    'rank 0 runs 2 lanes (the fused kernel runs one)'
+    """
+    from purlin.atom.lowering import lower
+
+    item = schedule.sizing.dtype.itemsize
+    n = schedule.nranks
+    scratch = {r: -(-schedule.scratch[r] * item // 16) * 16 for r in range(n)}
+    bases, ll = {}, {}
+    for r in range(n):
+        for k, buffer in enumerate(("input", "output", "scratch", "ll", "flags")):
+            bases[(r, buffer)] = (1 + 8 * r + k) << 40
+        ll[r] = bases[(r, "scratch")] + scratch[r] * schedule.scratch_copies
+    flags = {r: bases[(r, "flags")] for r in range(n)}  # 1 TiB apart: room for any buffer
+    out = {}
+    for protocol, ll_bases, unit in (("fused", None, 16), ("fused-ll", ll, 8)):
+        low = lower(schedule, bases, flags, blocks_per_lane=1, scratch_bytes=scratch,
+                    ll_bases=ll_bases)
+        out[protocol] = fuse_problem(low, unit)
+    return out
