@@ -95,6 +95,17 @@ class _Memory:
         return data.view(np.uint8).ravel().tobytes()[:nbytes]
 
 
+def _reduce(values, redop: int, divisor: int, code: int) -> np.ndarray:
+    """The reduction of the loaded ``values`` (sources in row order); avg divides the sum,
+    int32 truncating toward zero."""
+    out = (np.max(values, axis=0) if redop == isa.MAX else
+           np.min(values, axis=0) if redop == isa.MIN else np.sum(values, axis=0))
+    if redop == isa.AVG:
+        out = (np.where(out < 0, -(-out // divisor), out // divisor) if code == isa.I32
+               else out / divisor)
+    return out
+
+
 def _mine(count: int, item: int, block: int, blocks: int) -> np.ndarray:
     """The element indices block ``block`` of ``blocks`` owns: those of every ``blocks``-th
     16-byte unit of the row (as the executor's grid-stride loops give a unit to one thread),
@@ -137,14 +148,8 @@ def _run_lane(rows, pool, epoch, mem: _Memory, rank: int, block: int = 0, blocks
                 dst[mine] = src[mine]
         elif op == isa.REDUCE:
             srcs = [int(a) for a in pool[row[isa.SRC]: row[isa.SRC] + row[isa.NSRC]]]
-            values = [_load(a, count, code) for a in srcs]
-            redop = int(row[isa.REDOP])
-            out = (np.max(values, axis=0) if redop == isa.MAX else
-                   np.min(values, axis=0) if redop == isa.MIN else np.sum(values, axis=0))
-            if redop == isa.AVG:  # int32: the exact sum divided, truncated toward zero
-                div = int(row[isa.DIVISOR])
-                out = (np.where(out < 0, -(-out // div), out // div) if code == isa.I32
-                       else out / div)
+            out = _reduce([_load(a, count, code) for a in srcs], int(row[isa.REDOP]),
+                          int(row[isa.DIVISOR]), code)
             if blocks == 1:
                 _store(int(row[isa.DST]), out, code)
             else:  # encode all, write only this block's elements
@@ -356,13 +361,9 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
                 if nsrc == 1:
                     _bytes(dst + unit * i, unit)[:] = np.frombuffer(raw[0], np.uint8)
                     continue
-                values = [_load(np.frombuffer(r, np.uint8).ctypes.data, count, code)
-                          for r in (np.frombuffer(x, np.uint8).copy() for x in raw)]
-                out = (np.max(values, axis=0) if redop == isa.MAX else
-                       np.min(values, axis=0) if redop == isa.MIN else np.sum(values, axis=0))
-                if redop == isa.AVG:
-                    out = (np.where(out < 0, -(-out // divisor), out // divisor)
-                           if code == isa.I32 else out / divisor)
+                held = [np.frombuffer(x, np.uint8).copy() for x in raw]
+                out = _reduce([_load(h.ctypes.data, count, code) for h in held], redop,
+                              divisor, code)
                 _store(dst + unit * i, out, code)
 
 
