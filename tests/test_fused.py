@@ -159,12 +159,12 @@ def test_grid_gives_about_one_item_per_thread_within_residency():
 
 @pytest.fixture(scope="module", params=["fused", "fused_pdl"])
 def fused_ptx(request):
-    from purlin.kernels import fused
+    from purlin.kernels import executor, fused
     from purlin.kernels.compat import compile_ptx
 
-    kernel = getattr(fused, request.param)
-    return compile_ptx(kernel.py_func, fused.SIGNATURE, cc=(9, 0),
-                       launch_bounds=fused.MAX_THREADS), request.param
+    kernel = getattr(fused, request.param)  # launched like the executor: its signature
+    return compile_ptx(kernel.py_func, executor.SIGNATURE, cc=(9, 0),
+                       launch_bounds=executor.MAX_THREADS), request.param
 
 
 def test_the_fused_kernel_compiles_to_the_intended_ptx(fused_ptx):

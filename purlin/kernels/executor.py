@@ -36,9 +36,10 @@ import numpy as np
 from numba import cuda
 
 from purlin.kernels.atoms import copy_bytes, itemsize, ll_get, ll_put, ll_tag, reduce_row
-from purlin.kernels.intrinsics import (SIMULATOR, atomic_add, atomic_cas, device, fence_system,
+from purlin.kernels.intrinsics import (atomic_add, atomic_cas, device, fence_system,
                                        globaltimer, griddep_launch_dependents, griddep_wait,
-                                       load_acquire, load_i64, red_release_add, store_i64)
+                                       launch_bounded, load_acquire, load_i64, red_release_add,
+                                       store_i64)
 from purlin.kernels.isa import (COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, D_LANES,
                                 D_NLANES, D_RANK, D_SRCS, D_TABLE, D_TABLE_ODD, D_TRACE,
                                 D_TRACE_ROWS, DESC_WIDTH, DIVISOR, DST, DTYPE, E_BLOCK, E_CODE,
@@ -208,9 +209,7 @@ def _check_out(desc, blocks_per_rank, epoch):
         store_i64(_get(desc, D_EPOCH), epoch + 1)
 
 
-def _kernel(fn):
-    """``cuda.jit`` with the launch bound (the simulator's ``jit`` takes none)."""
-    return cuda.jit(fn) if SIMULATOR else cuda.jit(launch_bounds=MAX_THREADS)(fn)
+_kernel = launch_bounded(MAX_THREADS)
 
 
 @_kernel

@@ -35,20 +35,19 @@ from numba import cuda
 
 from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, ll_tag, pack_half2,
                                   unpack_half2)
-from purlin.kernels.intrinsics import (SIMULATOR, atomic_cas, bits_to_f32, device, f32_to_bits,
+from purlin.kernels.executor import MAX_THREADS  # the executor's bound and signature
+from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
-                                       griddep_wait, load_acquire, load_i64, load_u32,
-                                       load_v4_u32,
-                                       load_volatile_v4_u32, red_release_add, store_i64,
-                                       store_u32, store_v4_u32, store_volatile_v4_u32)
+                                       griddep_wait, launch_bounded, load_acquire, load_i64,
+                                       load_u32, load_v4_u32, load_volatile_v4_u32,
+                                       red_release_add, store_i64, store_u32, store_v4_u32,
+                                       store_volatile_v4_u32)
 from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LANE, E_PEER,
                                 E_RANK, E_SEEN, E_STEP, ERR_ABORTED, ERR_TIMEOUT, F16, F32,
                                 F_ABORT, F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS,
                                 F_NOPS, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK, F_REDOP,
                                 F_UNIT, OP_WIDTH, SOURCE_WIDTH)
 
-SIGNATURE = "void(int64, int64, int64, int64, int64)"  # the executor's, so one Launcher serves
-MAX_THREADS = 512
 SPINS_PER_CHECK = 64
 
 
@@ -431,8 +430,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words):
         store_i64(base + block * 8, epoch + 1)
 
 
-def _kernel(fn):
-    return cuda.jit(fn) if SIMULATOR else cuda.jit(launch_bounds=MAX_THREADS)(fn)
+_kernel = launch_bounded(MAX_THREADS)
 
 
 @_kernel

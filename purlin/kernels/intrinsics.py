@@ -473,6 +473,17 @@ def device(fn):
     return cuda.jit(device=True, forceinline=True)(fn)
 
 
+def launch_bounded(max_threads: int):
+    """Mark a kernel: ``cuda.jit`` with a launch bound of ``max_threads`` threads per block
+    (the simulator's ``jit`` takes none)."""
+    def jit(fn):
+        from numba import cuda
+
+        return cuda.jit(fn) if SIMULATOR else cuda.jit(launch_bounds=max_threads)(fn)
+
+    return jit
+
+
 _impl = _simulated() if SIMULATOR else _compiled()
 
 griddep_launch_dependents = _impl.griddep_launch_dependents
