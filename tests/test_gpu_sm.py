@@ -103,13 +103,17 @@ def test_two_gpus_every_collective(torch, name, strategy, dtype):
             _check(torch, bound, sizing, gen)
 
 
+def _ops(dtype: str) -> tuple:
+    """The reductions checked for ``dtype`` (no avg for int32 here)."""
+    return ("sum", "max", "min") + (("avg",) if dtype != "int32" else ())
+
+
 @pytest.mark.parametrize("dtype", ["float16", "int32"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_two_gpus_all_reduce_dtypes_and_ops(torch, strategy, dtype):
     cluster = _cluster("local", 2)
     gen = np.random.default_rng(2)
-    ops = ("sum", "max", "min") + (("avg",) if dtype != "int32" else ())
-    for op in ops:
+    for op in _ops(dtype):
         coll = standard("all-reduce", 2, op=op)
         sizing = _sizing(coll, 4096 + 6, dtype, True)
         _check(torch, cluster.bind(coll, strategy, sizing=sizing), sizing, gen)
@@ -386,8 +390,7 @@ def test_fused_virtual_ranks(torch, n):
 def test_fused_all_reduce_dtypes_and_ops(torch, dtype, protocol):
     cluster = _cluster("local", 2)
     gen = np.random.default_rng(12)
-    ops = ("sum", "max", "min") + (("avg",) if dtype != "int32" else ())
-    for op in ops:
+    for op in _ops(dtype):
         coll = standard("all-reduce", 2, op=op)
         sizing = _items_sizing(coll, 64 << 10, dtype)
         _check(torch, cluster.bind(coll, "direct-push", sizing=sizing, protocol=protocol),

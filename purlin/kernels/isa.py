@@ -83,7 +83,7 @@ TRACE_WIDTH = 4
 # run block-matched -- every thread moves the same 16-byte items of every row, and each flag has
 # a slot per block, so block b of one rank waits only for block b of its peer. int64 words:
 #   call counters (F_MAX_BLOCKS, block b's in word b) | header (F_HEAD) | ops | sources
-# with every address in the header and ops counted in words from the header's start.
+# where the word indices the header and ops hold (a move's first source) count from the header.
 F_MAX_BLOCKS = 128
 F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT = range(8)
 F_HEAD = 8                   # F_UNIT: the bytes a thread takes at a time, 16 or 8 (one LL unit)
