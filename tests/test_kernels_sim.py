@@ -547,12 +547,14 @@ def _run_fused(low, blocks: int = 3, threads: int = 4, timeout_ns: int = 10_000_
     prog = program(low, error=err.ctypes.data, abort=abort.ctypes.data,
                    flag_slot=flag_slot or (lambda a: a), unit=unit)
     words = prog.words.copy()
+    counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
 
     def launch():  # the program holds the addresses of err and abort: keep them alive here
-        fused.fused[blocks, threads](words.ctypes.data, 1, blocks, timeout_ns, words.size)
-        return err, abort
+        fused.fused[blocks, threads](words.ctypes.data, 1, blocks, timeout_ns, words.size,
+                                     counters.ctypes.data)
+        return err, abort, words
 
-    return words, err, abort, launch
+    return counters, err, abort, launch
 
 
 @case
@@ -565,7 +567,7 @@ def fused_all_reduce_equals_the_interpreter_bit_for_bit():
 
     for dtype, unit in (("bfloat16", 16), ("bfloat16", 8), ("float32", 8)):
         s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_reduce(3), dtype, 24)
-        words, err, abort, launch = _run_fused(lowered[0], unit=unit)
+        counters, err, abort, launch = _run_fused(lowered[0], unit=unit)
         for call in range(2):
             _peer_units(lowered, ll, 0, call)
             launch()
@@ -580,7 +582,7 @@ def fused_all_reduce_equals_the_interpreter_bit_for_bit():
             if dtype == "bfloat16":
                 want = _bf16_bits(sum(_bf16_to_f32(x).astype(np.float64) for x in xs))
                 assert (np.abs(fused_out.astype(np.int32) - want.astype(np.int32)) <= 1).all()
-        assert (words[:3] == 2).all() and words[3] == 0, words[:4]  # block call counters
+        assert (counters[:3] == 2).all() and counters[3] == 0, counters[:4]  # per block
         for q in (1, 2):  # rank 0's units of the odd call sit in rank q's odd parity, tag 2
             row = next(r for r in lowered[0].tables[1] if r[isa.OP] == isa.LL_PUT
                        and r[isa.PEER] == q)
@@ -597,13 +599,13 @@ def fused_all_gather_and_int32_all_to_all():
     from purlin.spec import collectives
 
     s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_gather(3), "float32", 12)
-    words, err, abort, launch = _run_fused(lowered[0], blocks=2, threads=3)
+    _, err, abort, launch = _run_fused(lowered[0], blocks=2, threads=3)
     _peer_units(lowered, ll, 0, 0)
     launch()
     assert err[isa.E_CODE] == 0, err
     assert (outs[0] == np.concatenate(xs)).all(), outs[0]
     s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_to_all(2), "int32", 8, seed=3)
-    words, err, abort, launch = _run_fused(lowered[0], unit=8)
+    _, err, abort, launch = _run_fused(lowered[0], unit=8)
     _peer_units(lowered, ll, 0, 0)
     launch()
     assert err[isa.E_CODE] == 0, err
@@ -633,11 +635,11 @@ def _fused_flags_rank0(dtype: str, count: int, blocks: int, threads: int):
     push = next(row for row in lowered[1].tables[0] if row[isa.OP] == isa.COPY)
     at = int(push[isa.DST]) - scratch[0].ctypes.data
     scratch[0][at: at + xs[1].nbytes] = xs[1].view(np.uint8)  # rank 1's push, landed
-    words, err, abort, launch = _run_fused(lowered[0], blocks=blocks, threads=threads,
+    counters, err, abort, launch = _run_fused(lowered[0], blocks=blocks, threads=threads,
                                            flag_slot=flag_slot)
     launch()
     assert err[isa.E_CODE] == 0, err
-    return s, xs, outs, lowered, scratch, slots, flag_slot, (mine, wait), (words, err, abort,
+    return s, xs, outs, lowered, scratch, slots, flag_slot, (mine, wait), (counters, err, abort,
                                                                            launch)
 
 
@@ -648,7 +650,7 @@ def fused_flags_have_a_slot_per_block():
     notified times out naming the lowered flag."""
     from purlin.kernels import isa
 
-    s, xs, outs, lowered, scratch, slots, flag_slot, (mine, wait), (words, err, abort, launch) = \
+    s, xs, outs, lowered, scratch, slots, flag_slot, (mine, wait), (_, err, abort, launch) = \
         _fused_flags_rank0("float32", 16, blocks=2, threads=2)
     assert (outs[0] == xs[0] + xs[1]).all(), outs[0]
     notify = next(row for row in lowered[0].tables[0] if row[isa.OP] == isa.NOTIFY)
@@ -686,8 +688,8 @@ def fused_times_out_naming_the_units_and_the_peer():
     from purlin.spec import collectives
 
     s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_reduce(2), "float32", 8)
-    words, err, abort, launch = _run_fused(lowered[0], blocks=1, threads=2,
-                                           timeout_ns=20_000_000)
+    _, err, abort, launch = _run_fused(lowered[0], blocks=1, threads=2,
+                                       timeout_ns=20_000_000)
     launch()
     get = next(r for r in lowered[0].tables[0] if r[isa.OP] == isa.LL_GET)
     start = ll[0].ctypes.data

@@ -59,7 +59,7 @@ class _Refused(Exception):
 
 @dataclass(frozen=True)
 class FusedProgram:
-    """One rank's fused program: ``words`` (int64, call counters zero), the number of ops,
+    """One rank's fused program: ``words`` (int64: header, ops, sources), the number of ops,
     and ``items``, its largest row in items of its unit (what the grid is sized for)."""
 
     words: np.ndarray
@@ -228,9 +228,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16)
     how = next((op[6] for op in moves if op[6] is not None), (0, 1))
     sources_at = F_HEAD + OP_WIDTH * len(ops)
     nsources = sum(len(op[4]) for op in moves)
-    words = np.zeros(F_MAX_BLOCKS + sources_at + SOURCE_WIDTH * nsources, dtype=np.int64)
-    head = words[F_MAX_BLOCKS:]
-    head[[F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT]] = \
+    words = np.zeros(sources_at + SOURCE_WIDTH * nsources, dtype=np.int64)
+    words[[F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT]] = \
         [low.rank, len(ops), dt, how[0], how[1], error, abort, unit]
     at = sources_at
     for k, op in enumerate(ops):
@@ -245,9 +244,9 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16)
             _, dst_a, dst_b, nbytes, sources, _, _ = op
             row = (F_OP_MOVE, dst_a, dst_b, nbytes, len(sources), at)
             for src in sources:
-                head[at: at + SOURCE_WIDTH] = src
+                words[at: at + SOURCE_WIDTH] = src
                 at += SOURCE_WIDTH
-        head[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
+        words[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
     items = max([op[4] for op in ops if op[0] == "put"]
                 + [op[3] for op in moves] + [unit]) // unit
     return FusedProgram(words, len(ops), items)
@@ -262,7 +261,7 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     limit).
 
     >>> grid(512), grid(4096), grid(1 << 16), grid(1 << 16, ranks_in_launch=8), grid(1 << 24)
-    ((4, 128), (16, 256), (32, 512), (16, 512), (128, 512))
+    ((4, 128), (16, 256), (32, 512), (16, 512), (132, 512))
     """
     nbytes = items * unit
     threads = 128 if nbytes <= 16 << 10 else 256 if nbytes <= 128 << 10 else 512

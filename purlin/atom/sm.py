@@ -187,7 +187,8 @@ class SmBound:
             blobs.append(blob)
             self.control.append(control)  # epoch, done, error record
         self._keep += blobs
-        self.launches = []  # one per device: (device, launcher, descriptor address, ranks)
+        # one per device: (device, launcher, descriptor address, ranks, call counters or 0)
+        self.launches = []
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(devs):
             groups.setdefault(d, []).append(r)
@@ -218,7 +219,7 @@ class SmBound:
                                 nlanes=self.schedule.lanes, blocks_per_lane=self.blocks_per_lane,
                                 threads=self.threads, head_words=head, pdl=self.pdl)
             _check_resident(torch, d, launcher, self.cluster.kind)
-            self.launches.append((d, launcher, table.data_ptr(), ranks))
+            self.launches.append((d, launcher, table.data_ptr(), ranks, 0))
 
     def _launch_fused(self, groups, blocks, threads) -> None:
         """One fused program per rank (purlin.atom.fused), packed per device at a common
@@ -260,21 +261,23 @@ class SmBound:
             for k, r in enumerate(ranks):
                 words[k * stride: k * stride + progs[r].words.size] = progs[r].words
             table = torch.from_numpy(words).to(torch.device("cuda", d))
-            self._keep.append(table)
+            counters = torch.zeros(len(ranks) * isa.F_MAX_BLOCKS, dtype=torch.int64,
+                                   device=table.device)
+            self._keep += [table, counters]
             launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
                                 blocks_per_lane=self.blocks_per_lane, threads=self.threads,
                                 pdl=self.pdl, kernel="fused", stride_words=stride)
             _check_resident(torch, d, launcher, self.cluster.kind)
-            self.launches.append((d, launcher, table.data_ptr(), ranks))
+            self.launches.append((d, launcher, table.data_ptr(), ranks, counters.data_ptr()))
 
     # -- running -----------------------------------------------------------------------------
     def launch(self, streams=None) -> None:
         """Launch one call on every device (asynchronous; on each device's current stream, or
         on ``streams[device]`` given as raw stream handles)."""
         torch = self.torch
-        for d, launcher, desc, _ in self.launches:
+        for d, launcher, desc, _, counters in self.launches:
             stream = streams[d] if streams else torch.cuda.current_stream(d).cuda_stream
-            launcher(desc, stream, self.timeout_ns)
+            launcher(desc, stream, self.timeout_ns, counters)
         self.calls += 1
 
     def capture(self, ops: int = 1) -> "GraphSet":
@@ -283,7 +286,7 @@ class SmBound:
         torch = self.torch
         graphs = []
         self.synchronize()
-        for d, launcher, desc, _ in self.launches:
+        for d, launcher, desc, _, counters in self.launches:
             with torch.cuda.device(d):
                 graph = torch.cuda.CUDAGraph()
                 # a capture stream of this device: torch's default capture stream is shared by
@@ -292,7 +295,7 @@ class SmBound:
                 with torch.cuda.graph(graph, stream=capture_stream):
                     stream = capture_stream.cuda_stream
                     for _ in range(ops):
-                        launcher(desc, stream, self.timeout_ns)
+                        launcher(desc, stream, self.timeout_ns, counters)
             graphs.append((d, graph))
         return GraphSet(self, graphs, ops)
 

@@ -1,14 +1,17 @@
 """The fused kernel: a rank's one-lane table run block-matched, in one pass per row.
 
-``fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words)``, all int64,
-runs the programs :mod:`purlin.atom.fused` builds (layout in ``isa``: call counters, header,
-ops, sources). Rank slot ``s`` of a launch reads its program at ``desc_ptr + s * stride_words
-* 8`` (``stride_words``: a program's length); its ``blocks_per_rank`` blocks share the work.
+``fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters)``,
+all int64, runs the programs :mod:`purlin.atom.fused` builds (layout in ``isa``: header, ops,
+sources). Rank slot ``s`` of a launch reads its program at ``desc_ptr + s * stride_words * 8``
+(``stride_words``: a program's length) and counts its calls in the ``F_MAX_BLOCKS`` words at
+``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b; zero before the first call); its
+``blocks_per_rank`` blocks share the work.
 
 Every thread of a rank takes items (the program's unit: 16 data bytes, or 8 -- one LL unit)
 ``g, g + stride, ...`` of every row, where ``g`` is its index in the rank's grid -- the same
-items on every rank, since every rank runs the same grid. So a block only ever meets the items its own threads and the same block of
-its peers touch, and flags have one slot per block:
+items on every rank, since every rank runs the same grid. So a block only ever meets the
+items its own threads and the same block of its peers touch, and flags have one slot per
+block:
 
 * WAIT: thread 0 spins (acquire, system scope) on its block's slot until it reaches
   ``(epoch + offset) * per_call + value``; then the block synchronizes;
@@ -35,7 +38,7 @@ from numba import cuda
 
 from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, ll_tag, pack_half2,
                                   unpack_half2)
-from purlin.kernels.executor import MAX_THREADS  # the executor's bound and signature
+from purlin.kernels.executor import MAX_THREADS  # the executor's launch bound
 from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
@@ -342,20 +345,20 @@ def _wait(meta, head, at, epoch, block, timeout_ns, abort):
 
 
 @device
-def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words):
+def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
     slot = cuda.blockIdx.x // blocks_per_rank
     if slot >= nranks_in_launch:
         return
     block = cuda.blockIdx.x - slot * blocks_per_rank
-    base = desc_ptr + slot * stride_words * 8
-    head = base + F_MAX_BLOCKS * 8
+    head = desc_ptr + slot * stride_words * 8
+    counter = counters + (slot * F_MAX_BLOCKS + block) * 8
     tid = cuda.threadIdx.x
     meta = cuda.shared.array(META, np.int64)
     status = cuda.shared.array(2, np.int64)  # [this call's epoch, give up]
-    for k in range(tid, min(META, stride_words - F_MAX_BLOCKS), cuda.blockDim.x):
+    for k in range(tid, min(META, stride_words), cuda.blockDim.x):
         meta[k] = load_i64(head + k * 8)
     if tid == 0:
-        status[0] = load_i64(base + block * 8)
+        status[0] = load_i64(counter)
         status[1] = 0
     cuda.syncthreads()
     epoch = status[0]
@@ -427,21 +430,22 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words):
             break
     cuda.syncthreads()
     if tid == 0:
-        store_i64(base + block * 8, epoch + 1)
+        store_i64(counter, epoch + 1)
 
 
+SIGNATURE = "void(int64, int64, int64, int64, int64, int64)"
 _kernel = launch_bounded(MAX_THREADS)
 
 
 @_kernel
-def fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words):
+def fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
     """Run the fused programs of this launch (see the module docstring)."""
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words)
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters)
 
 
 @_kernel
-def fused_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words):
+def fused_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
     """``fused`` for programmatic dependent launch (as ``executor_pdl``)."""
     griddep_launch_dependents()
     griddep_wait()
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words)
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters)

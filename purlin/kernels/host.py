@@ -324,7 +324,7 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
                      threads: int, delay: float) -> None:
     """One block of a fused program for call ``epoch``: its items of every PUT and MOVE, its
     own slot of every flag."""
-    head = words[isa.F_MAX_BLOCKS:]
+    head = words
     tag = epoch % isa.LL_TAG_MOD + 1
     odd = epoch & 1
     code, redop, divisor = (int(head[isa.F_DTYPE]), int(head[isa.F_REDOP]),

@@ -82,9 +82,12 @@ TRACE_WIDTH = 4
 # The fused program (``purlin.kernels.fused``, built by ``purlin.atom.fused``): a one-lane table
 # run block-matched -- every thread moves the same 16-byte items of every row, and each flag has
 # a slot per block, so block b of one rank waits only for block b of its peer. int64 words:
-#   call counters (F_MAX_BLOCKS, block b's in word b) | header (F_HEAD) | ops | sources
+#   header (F_HEAD) | ops | sources
 # where the word indices the header and ops hold (a move's first source) count from the header.
-F_MAX_BLOCKS = 128
+# Its call counters (F_MAX_BLOCKS per rank, block b's in word b) are not part of it: the launch
+# passes their address, so programs of one collective that differ only in the addresses of the
+# rank's own buffers (relocated for zero-copy calls) count calls together.
+F_MAX_BLOCKS = 256          # blocks per rank a fused launch may run
 F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT = range(8)
 F_HEAD = 8                   # F_UNIT: the bytes a thread takes at a time, 16 or 8 (one LL unit)
 F_OP_WAIT, F_OP_NOTIFY, F_OP_PUT, F_OP_MOVE = 1, 2, 3, 4

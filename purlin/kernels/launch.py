@@ -1,7 +1,7 @@
 """Build once, launch cheaply: the executor on one device with a fixed grid.
 
 A :class:`Launcher` compiles (once per process) and loads the executor for its device when it
-is made; a call then only writes the four int64 arguments into a parameter block made at
+is made; a call then only writes the int64 arguments that change into a parameter block made at
 construction and calls ``cuLaunchKernel`` from ``cuda.bindings`` -- no Numba argument typing,
 no array conversion. The kernel handle is a context-independent ``CUkernel``, so the launch
 runs on whichever device owns the stream; that also makes it capturable into a CUDA graph
@@ -10,9 +10,10 @@ when the stream is capturing.
     launcher = Launcher(device=0, nlanes=4, blocks_per_lane=8, threads=512)
     launcher(desc_ptr, stream=torch.cuda.current_stream(0).cuda_stream)
 
-``Launcher(..., kernel="fused", stride_words=W)`` launches :mod:`purlin.kernels.fused` instead
-(same five arguments; rank slot ``s`` of the launch reads its program ``s * W`` words after
-``desc_ptr``; ``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank).
+``Launcher(..., kernel="fused", stride_words=W)`` launches :mod:`purlin.kernels.fused` instead:
+rank slot ``s`` of the launch reads its program ``s * W`` words after ``desc_ptr`` and counts
+its calls in the ``isa.F_MAX_BLOCKS`` words ``s * F_MAX_BLOCKS`` words after the ``counters``
+address each call passes (``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank).
 
 Under ``NUMBA_ENABLE_CUDASIM=1`` the same object launches through the simulator (the stream is
 ignored there).
@@ -27,7 +28,8 @@ from purlin.kernels import fused
 from purlin.kernels.executor import MAX_THREADS, SIGNATURE, executor, executor_pdl
 from purlin.kernels.intrinsics import SIMULATOR
 
-KERNELS = {"executor": (executor, executor_pdl), "fused": (fused.fused, fused.fused_pdl)}
+KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
+           "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE)}
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 
@@ -76,8 +78,11 @@ class Launcher:
         self._launch = self._launch_driver
 
     def __call__(self, desc_ptr: int, stream: int = 0,
-                 timeout_ns: int = DEFAULT_TIMEOUT_NS) -> None:
-        self._launch(desc_ptr, stream, timeout_ns)
+                 timeout_ns: int = DEFAULT_TIMEOUT_NS, counters: int = 0) -> None:
+        if self.kernel == "fused" and not counters:
+            raise ExecutionError("the fused kernel needs the address of its call counters "
+                                 "(counters=)")
+        self._launch(desc_ptr, stream, timeout_ns, counters)
 
     def __repr__(self) -> str:
         return (f"Launcher(device={self.device}, grid={self.grid}, threads={self.threads}, "
@@ -95,7 +100,7 @@ class Launcher:
                 raise ExecutionError(f"pdl=True needs compute capability 9.0 or newer; GPU "
                                      f"{self.device} has "
                                      f"{cuda.get_current_device().compute_capability}")
-            kernel = KERNELS[self.kernel][self.pdl].compile(SIGNATURE)
+            kernel = KERNELS[self.kernel][self.pdl].compile(KERNELS[self.kernel][2])
             kernel.bind()
             # numba-cuda keeps the loaded function on its code library, one per device
             cufunc = kernel._codelibrary.get_cufunc()
@@ -103,10 +108,11 @@ class Launcher:
         self.registers = cufunc.attrs.regs
         self._driver = driver
         self._function = driver.CUfunction(int(cufunc.handle))
-        self._values = (ctypes.c_int64 * 5)(0, self.nranks_in_launch, self.blocks_per_lane, 0,
-                                            self.head_words)
+        nargs = 6 if self.kernel == "fused" else 5  # the fused kernel: + call counters
+        self._values = (ctypes.c_int64 * nargs)(0, self.nranks_in_launch, self.blocks_per_lane,
+                                                0, self.head_words)
         base = ctypes.addressof(self._values)
-        self._params = (ctypes.c_void_p * 5)(*(base + 8 * i for i in range(5)))
+        self._params = (ctypes.c_void_p * nargs)(*(base + 8 * i for i in range(nargs)))
         self._params_addr = ctypes.addressof(self._params)
         self._streams = {}
         self._config = None
@@ -123,10 +129,12 @@ class Launcher:
             cfg.numAttrs = 1
             self._config = cfg
 
-    def _launch_driver(self, desc_ptr, stream, timeout_ns) -> None:
+    def _launch_driver(self, desc_ptr, stream, timeout_ns, counters) -> None:
         values = self._values
         values[0] = desc_ptr
         values[3] = timeout_ns
+        if self.kernel == "fused":
+            values[5] = counters
         handle = self._streams.get(stream)
         if handle is None:
             handle = self._streams[stream] = self._driver.CUstream(stream)
@@ -152,7 +160,9 @@ class Launcher:
 
     # -- simulator path ------------------------------------------------------------------------
 
-    def _launch_simulated(self, desc_ptr, stream, timeout_ns) -> None:
+    def _launch_simulated(self, desc_ptr, stream, timeout_ns, counters) -> None:
         kernel = KERNELS[self.kernel][self.pdl]
-        kernel[self.grid, self.threads](int(desc_ptr), self.nranks_in_launch,
-                                        self.blocks_per_lane, int(timeout_ns), self.head_words)
+        args = (int(desc_ptr), self.nranks_in_launch, self.blocks_per_lane, int(timeout_ns),
+                self.head_words)
+        kernel[self.grid, self.threads](*args, *((int(counters),) if self.kernel == "fused"
+                                                  else ()))
