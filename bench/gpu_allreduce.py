@@ -43,10 +43,11 @@ def candidates(nbytes: int):
                                                                 "fused+pdl")]
     elif nbytes <= 16 * MiB:
         fused = [("direct-push", 1, 1, b, "fused") for b in (None, 64)]
-        fused += [("two-phase", c, 1, b, "fused") for c in (1, 2) for b in (64, 128)]
-    else:
-        fused = [("direct-pull", 1, 1, 128, "fused"), ("two-phase", 1, 1, 128, "fused"),
-                 ("direct-push", 1, 1, 128, "fused")]
+        fused += [("two-phase", c, 1, b, "fused") for c in (1, 2) for b in (64, 128, 132)]
+    else:  # 132: every SM (None: the default grid, the same above 4 MiB)
+        fused = [("direct-pull", 1, 1, 128, "fused"), ("direct-push", 1, 1, 128, "fused")]
+        fused += [("two-phase", c, 1, b, "fused") for c in (1, 2, 4) for b in (128, 132)]
+        fused += [("direct-pull", 1, 1, 132, "fused")]
     return fused + _candidates(nbytes)
 
 

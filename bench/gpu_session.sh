@@ -11,7 +11,8 @@
 #               1 GiB ce+sm all-reduce that stalled a sweep, with thread stacks)
 #   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL;
 #               processzc: zero_copy, the caller's tensors used in place of staging copies;
-#               processzcll: zero_copy with LL up to 4 MiB)
+#               processzcll: zero_copy with LL up to 4 MiB; processauto: protocol auto with
+#               zero_copy, and fused-ll -- the fused kernel; tp: the decoder layer alone)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   stagetests  the GPU tests of lanes by stage and push-pull alone (cestage: both against
 #               NCCL from 64 MiB)
@@ -119,6 +120,19 @@ for stage in "${stages[@]}"; do
             echo "rc=$?"; tail -15 "$OUT/process.log"
             timeout 240 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1
             echo "rc=$?"; tail -20 "$OUT/tp.log"
+            ;;
+        processauto)  # the fused kernel in process mode: auto + zero-copy, then fused-ll
+            for args in "auto_zc --protocol auto --zero-copy" "fused_ll --protocol fused-ll"; do
+                set -- $args
+                name=$1; shift
+                timeout 200 python3 bench/process_mode_gpu.py "$@" \
+                    --out "$OUT/process_mode_$name.json" > "$OUT/process_$name.log" 2>&1
+                echo "rc=$?"; tail -28 "$OUT/process_$name.log"
+            done
+            ;;
+        tp)  # the TP=2 decoder layer: NCCL against protocol auto, in place, zero-copy
+            timeout 300 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1
+            echo "rc=$?"; tail -16 "$OUT/tp.log"
             ;;
         processll) process_sections ll --protocol ll --max-bytes 4194304 ;;
         processzc) process_sections zc --zero-copy ;;

@@ -16,8 +16,10 @@ size with new data, and notes any fallback. Then:
 * timeout: rank 1 skips a call; rank 0's check() must raise PurlinTimeoutError naming rank 1.
 
 Prints tables and writes ``<out>/process_mode_gpu.json`` (``--out`` may name a .json file).
-``--protocol ll`` runs it all on a communicator that sends messages up to 256 KiB as LL;
-``--zero-copy`` on one that skips the copies in and out where the plan allows.
+``--protocol`` picks the communicator's protocol (``ll``: messages up to 256 KiB as LL;
+``fused`` / ``fused-ll``: the fused kernel where it can run the plan; ``auto``: each size's from
+the tuning table); ``--zero-copy`` runs on one that skips the copies in and out where the plan
+allows. The latency rows name what each size ran (``Communicator.plans``).
 """
 
 from __future__ import annotations
@@ -201,18 +203,22 @@ def latency(torch, dist, comm, rank, n, device, opts):
                  for fn in (lambda: comm.all_reduce(x), lambda: dist.all_reduce(x))]
         t = torch.tensor([purlin_us, nccl_us] + eager, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        ran = next((p for p in comm.plans() if p["function"] == "all-reduce"
+                    and p["count"] == x.numel() and p["dtype"] == "bfloat16"), {})
         rows.append({"nbytes": nbytes, "purlin_us": t[0].item(), "nccl_us": t[1].item(),
-                     "purlin_eager_us": t[2].item(), "nccl_eager_us": t[3].item()})
+                     "purlin_eager_us": t[2].item(), "nccl_eager_us": t[3].item(),
+                     "ran": {k: ran.get(k) for k in ("strategy", "chunks", "lanes", "protocol",
+                                                     "pdl", "blocks_per_lane")}})
     torch.cuda.synchronize()
     comm.check()
     return rows
 
 
-def timeout_check(torch, dist, rank, n, device):
+def timeout_check(torch, dist, rank, n, device, protocol="simple"):
     from purlin.errors import PurlinTimeoutError
     from purlin.torch import Communicator
 
-    comm = Communicator(staging_bytes=16 * MiB, timeout=1.0)
+    comm = Communicator(staging_bytes=16 * MiB, timeout=1.0, protocol=protocol)
     x = torch.ones(1024, device=device)
     comm.all_reduce(x)  # prepared and in step
     torch.cuda.synchronize()
@@ -259,7 +265,8 @@ def worker(rank, n, opts):
                                       if "falls back" in str(w.message)})
     if "timeout" in opts["sections"]:
         try:
-            report["timeout"] = timeout_check(torch, dist, rank, n, device)
+            report["timeout"] = timeout_check(torch, dist, rank, n, device,
+                                              opts.get("protocol", "simple"))
         except Exception:  # noqa: BLE001
             report["timeout"] = {"error": traceback.format_exc(limit=6)}
     return report
@@ -327,11 +334,14 @@ def print_report(reports) -> bool:
         print("\nall_reduce bf16 per op (us; slowest rank): CUDA graph replays, and eager calls "
               "(host cost included)")
         print(f"{'size':>9} {'purlin':>9} {'nccl':>9} {'speedup':>8} {'eager purlin':>13} "
-              f"{'eager nccl':>11}")
+              f"{'eager nccl':>11}  ran")
         for x in lat:
+            ran = x.get("ran", {})
             print(f"{human(x['nbytes']):>9} {x['purlin_us']:9.1f} {x['nccl_us']:9.1f} "
                   f"{x['nccl_us'] / x['purlin_us']:8.2f} {x['purlin_eager_us']:13.1f} "
-                  f"{x['nccl_eager_us']:11.1f}")
+                  f"{x['nccl_eager_us']:11.1f}  {ran.get('strategy')} c{ran.get('chunks')} "
+                  f"l{ran.get('lanes')} b{ran.get('blocks_per_lane')} {ran.get('protocol')}"
+                  f"{' pdl' if ran.get('pdl') else ''}")
     t = r0.get("timeout")
     if t:
         print(f"\ntimeout: {t}")
@@ -352,8 +362,10 @@ def main(argv=None) -> int:
     ap.add_argument("--staging", type=int, default=2560 * MiB)
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--sections", default="correctness,graph,latency,timeout")
-    ap.add_argument("--protocol", default="simple", choices=("simple", "ll"),
-                    help="the communicator's protocol (ll: flags inside the data, <= 256 KiB)")
+    ap.add_argument("--protocol", default="simple",
+                    choices=("simple", "ll", "fused", "fused-ll", "auto"),
+                    help="the communicator's protocol (ll: flags inside the data, <= 256 KiB; "
+                         "fused*: the fused kernel where it can; auto: the tuning table's)")
     ap.add_argument("--zero-copy", action="store_true",
                     help="the communicator reads / writes the caller's tensors where no peer "
                          "needs them (no copy in or out)")

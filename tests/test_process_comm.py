@@ -127,10 +127,11 @@ def _functions_worker(rank, n):
                 _check_functions(torch, dist, comm, rank, n, salt, bad, tag)
     fallbacks = [str(w.message) for w in caught if "falls back" in str(w.message)]
     evicted = comms["small"].evictions
+    plans = comms["ring"].plans()
     for comm in comms.values():
         comm.check()
         comm.close()
-    return {"bad": bad, "fallbacks": fallbacks, "evicted": evicted}
+    return {"bad": bad, "fallbacks": fallbacks, "evicted": evicted, "plans": plans}
 
 
 def _fallback_worker(rank, n):
@@ -287,6 +288,12 @@ def test_every_function_equals_torch_distributed():
         assert res["bad"] == [], f"rank {rank}: {res['bad'][:5]}"
         assert res["fallbacks"] == [], f"rank {rank} fell back: {res['fallbacks']}"
         assert res["evicted"] > 0
+        kinds = {p["function"] for p in res["plans"]}
+        assert kinds == {"all-reduce", "reduce-scatter", "reduce", "all-gather", "all-to-all",
+                         "broadcast"}, kinds
+        ring = [p for p in res["plans"] if p["function"] == "all-reduce" and p["count"] == 1001]
+        assert {(p["strategy"], p["chunks"], p["lanes"], p["dtype"]) for p in ring} == {
+            ("ring", 2, 2, d) for d in DTYPES}, ring
     assert time.monotonic() - t0 < 60
 
 
@@ -344,9 +351,11 @@ def test_killed_peer_makes_survivors_time_out_naming_it(strategy):
     assert own and "flag(r" in own[0] and "saw " in own[0]
 
 
-def test_ll_is_used_for_small_provable_messages_on_gpus_only():
+def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     """protocol="ll": small direct-push messages on the sm datapath get LL areas; large ones,
-    ring plans and the cpu datapath keep the simple protocol."""
+    ring plans and the cpu datapath keep flags. The fused protocols run where the fused kernel
+    can run the plan (LL up to LL_MAX_BYTES), else the interpreter's protocol; "auto" takes a
+    tuning table's protocol and PDL, else the simple protocol."""
     from types import SimpleNamespace
 
     from purlin.runtime.shm import layout
@@ -357,19 +366,36 @@ def test_ll_is_used_for_small_provable_messages_on_gpus_only():
     ar = collectives.all_reduce(2)
     small = plan(ar, "direct-push", nbytes=16 << 10, dtype="bfloat16")
     big = plan(ar, "direct-push", nbytes=2 * LL_MAX_BYTES, dtype="bfloat16")
-    ring = plan(ar, "ring", nbytes=16 << 10, dtype="bfloat16")
-    gpu_ll = SimpleNamespace(protocol="ll", datapath="sm")
-    assert Communicator._uses_ll(gpu_ll, small)
-    assert not Communicator._uses_ll(gpu_ll, big)
-    assert not Communicator._uses_ll(gpu_ll, ring)
-    assert not Communicator._uses_ll(SimpleNamespace(protocol="ll", datapath="cpu"), small)
-    assert not Communicator._uses_ll(SimpleNamespace(protocol="simple", datapath="sm"), small)
+    ring = plan(ar, "ring", nbytes=16 << 10, dtype="bfloat16", chunks=2, lanes=2)
+    odd = plan(ar, "direct-push", count=6, dtype="bfloat16")  # chunks of 6 bytes
+
+    def runs(schedule, protocol, datapath="sm", pdl=None, choice=None):
+        comm = SimpleNamespace(protocol=protocol, datapath=datapath, pdl=pdl)
+        return Communicator._protocol(comm, schedule, choice)
+
+    assert runs(small, "ll") == ("ll", False)
+    assert runs(big, "ll") == runs(ring, "ll") == runs(small, "simple") == ("simple", False)
+    assert runs(small, "ll", datapath="cpu") == runs(small, "fused", "cpu") == ("simple", False)
+    assert runs(small, "fused-ll") == ("fused-ll", True)
+    assert runs(big, "fused-ll") == runs(big, "fused") == ("fused", True)
+    assert runs(small, "fused", pdl=False) == ("fused", False)
+    assert runs(ring, "fused-ll") == ("simple", False)  # two lanes: the interpreter
+    assert runs(odd, "fused-ll") == ("ll", False)
+    table = SimpleNamespace(source="table nvidia-h200", protocol="fused-ll", pdl=True)
+    rules = SimpleNamespace(source="rules", protocol="simple", pdl=False)
+    assert runs(small, "auto", choice=table) == ("fused-ll", True)
+    assert runs(big, "auto", choice=table) == ("fused", True)
+    assert runs(small, "auto", choice=rules) == ("simple", False)
     with_ll, without = layout(small, ll=True), layout(small)
     assert with_ll.has_ll and not without.has_ll and with_ll.size > without.size
+    slots = layout(small, ll=True, block_flags=True)
+    assert with_ll.block_flags == 0 and slots.block_flags > slots.abort
+    assert slots.offset(0, "input") >= slots.control_end > with_ll.control_end
+    assert slots.size > with_ll.size
 
 
-def test_fused_protocols_are_refused_in_process_mode(tmp_path):
-    """Process mode runs the interpreter: a fused protocol is refused, not silently ignored."""
+def test_unknown_protocols_are_refused(tmp_path):
+    """A protocol the datapath does not have is refused with the ones it has."""
     import torch.distributed as dist
 
     from purlin.errors import CapabilityError
@@ -378,8 +404,9 @@ def test_fused_protocols_are_refused_in_process_mode(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
                             world_size=1)
     try:
-        for protocol in ("fused", "fused-ll"):
-            with pytest.raises(CapabilityError, match="fused kernel runs on Cluster.bind only"):
-                Communicator(datapath="cpu", protocol=protocol)
+        with pytest.raises(CapabilityError, match="one of simple, ll, fused, fused-ll, auto, "
+                                                  "got 'lamport'"):
+            Communicator(datapath="cpu", protocol="lamport")
+        assert Communicator(datapath="cpu", protocol="fused-ll").protocol == "fused-ll"
     finally:
         dist.destroy_process_group()

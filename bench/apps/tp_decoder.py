@@ -8,13 +8,15 @@ embeddings, ``scaled_dot_product_attention`` over a KV cache of ``--kv`` tokens 
 causal over the prompt when prefilling, row-parallel output projection) and a SwiGLU MLP
 (column-parallel gate/up, row-parallel down) -- two all-reduces of [tokens, hidden] per layer.
 A step is ``--layers`` layers (32 by default, the same weights each time, like a 32-layer
-model). For hidden 4096 and 8192 it times decode steps at batch 1, 8, 32, 64 and a 2048-token prefill,
-each captured in one CUDA graph per all-reduce provider -- ``torch.distributed.all_reduce`` on
-NCCL; ``purlin.torch.Communicator.all_reduce``; the same with the row-parallel products
-written straight into ``comm.input_buffer`` (no copy in); and that on a communicator with
-``protocol="ll"`` (flags inside the data up to 256 KiB) -- and checks that every provider's
-layer output agrees with NCCL's (bf16 tolerance). Prints a table and writes
-``<out>/tp_decoder.json``.
+model). For hidden 4096 and 8192 it times decode steps at batch 1, 8, 32, 64 and a 2048-token
+prefill, each captured in one CUDA graph per all-reduce provider -- ``torch.distributed.all_reduce`` on
+NCCL; ``purlin.torch.Communicator(protocol="auto").all_reduce`` (each size's strategy and
+protocol from the tuning table: the fused kernel where it was fastest); the same with the
+row-parallel products written straight into ``comm.input_buffer`` (no copy in); and that on a
+``zero_copy=True`` communicator (the kernel writes the result over its input there: no copy out
+either) -- and checks that every provider's layer output agrees with NCCL's (bf16
+tolerance). Prints a table and writes ``<out>/tp_decoder.json``, with what each provider's
+all-reduce ran (``Communicator.plans``).
 """
 
 from __future__ import annotations
@@ -137,9 +139,9 @@ def worker(rank, world, opts):
 
     warnings.simplefilter("ignore", FutureWarning)
     device = torch.device("cuda", torch.cuda.current_device())
-    comm = Communicator(staging_bytes=opts["staging"], timeout=10.0)
-    # LL for messages up to 256 KiB (decode), the simple protocol above (prefill)
-    comm_ll = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="ll")
+    comm = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto")
+    comm_zc = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
+                           zero_copy=True)
 
     def staging(c):  # the all-reduce's input region of communicator c, [tokens, hidden]
         return lambda hidden: (lambda tokens: c.input_buffer(
@@ -148,7 +150,7 @@ def worker(rank, world, opts):
     providers = {"nccl": (lambda t: dist.all_reduce(t), None),
                  "purlin": (comm.all_reduce, None),
                  "purlin-inplace": (comm.all_reduce, staging(comm)),
-                 "purlin-ll-inplace": (comm_ll.all_reduce, staging(comm_ll))}
+                 "purlin-zc-inplace": (comm_zc.all_reduce, staging(comm_zc))}
     rows = []
     for hidden in opts["hidden"]:
         layer = Layer(torch, hidden, world, rank, device)
@@ -180,7 +182,12 @@ def worker(rank, world, opts):
                     row[f"{name}_us"] = us
                     row[f"{name}_tokens_per_s"] = row["tokens"] / (us * 1e-6)
                 comm.check()
-                comm_ll.check()
+                comm_zc.check()
+                count = batch * seq * hidden
+                row["ran"] = [{k: p.get(k) for k in ("strategy", "chunks", "lanes", "protocol",
+                                                     "pdl", "blocks_per_lane")}
+                              for p in comm.plans() if p["function"] == "all-reduce"
+                              and p["count"] == count and p["dtype"] == "bfloat16"][:1]
                 scale = outs["nccl"].abs().max().item()
                 row["output_scale"] = scale
                 row["agree"] = True
@@ -204,11 +211,12 @@ def print_table(rows) -> bool:
     ok = True
     layers = rows[0].get("layers", 1) if rows else 1
     print(f"\nTP=2 decoder layer x{layers}, bf16, CUDA graphs; step latency in us (slowest rank). "
-          "purlin: comm.all_reduce(t); purlin-inplace: the row-parallel matmul writes into "
-          "comm.input_buffer (no copy in)")
+          "purlin: comm.all_reduce(t) (protocol auto); inplace: the row-parallel matmul writes "
+          "into comm.input_buffer (no copy in); zc: that with zero_copy=True (no copy out)")
     print(f"{'hidden':>6} {'phase':>7} {'batch':>5} {'tokens':>6} {'AR size':>9} "
-          f"{'nccl':>8} {'purlin':>8} {'inplace':>8} {'ll':>8} {'speedup':>7} {'inplace':>7} "
-          f"{'ll':>7} {'nccl tok/s':>11} {'purlin tok/s':>12} {'agree':>5} {'max|diff|':>9}")
+          f"{'nccl':>8} {'purlin':>8} {'inplace':>8} {'zc':>8} {'speedup':>7} {'inplace':>7} "
+          f"{'zc':>7} {'nccl tok/s':>11} {'purlin tok/s':>12} {'agree':>5} {'max|diff|':>9}  "
+          "ran")
     for r in rows:
         if "error" in r:
             print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} ERROR\n{r['error']}")
@@ -217,14 +225,16 @@ def print_table(rows) -> bool:
         size = r["allreduce_bytes"]
         size_s = f"{size // 1024} KiB" if size < 1 << 20 else f"{size / (1 << 20):.0f} MiB"
         best = max(r["purlin_tokens_per_s"], r["purlin-inplace_tokens_per_s"],
-                   r["purlin-ll-inplace_tokens_per_s"])
+                   r["purlin-zc-inplace_tokens_per_s"])
+        ran = (r.get("ran") or [{}])[0]
         print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} {r['tokens']:>6} {size_s:>9} "
               f"{r['nccl_us']:8.1f} {r['purlin_us']:8.1f} {r['purlin-inplace_us']:8.1f} "
-              f"{r['purlin-ll-inplace_us']:8.1f} "
+              f"{r['purlin-zc-inplace_us']:8.1f} "
               f"{r['purlin_speedup']:7.2f} {r['purlin-inplace_speedup']:7.2f} "
-              f"{r['purlin-ll-inplace_speedup']:7.2f} "
+              f"{r['purlin-zc-inplace_speedup']:7.2f} "
               f"{r['nccl_tokens_per_s']:11.0f} {best:12.0f} "
-              f"{'yes' if r['agree'] else 'NO':>5} {r['max_abs_diff']:9.2g}")
+              f"{'yes' if r['agree'] else 'NO':>5} {r['max_abs_diff']:9.2g}  "
+              f"{ran.get('strategy')} {ran.get('protocol')}{' pdl' if ran.get('pdl') else ''}")
         ok &= r["agree"]
     return ok
 

@@ -25,10 +25,12 @@ block:
   copies keep four items in flight per thread and plain bfloat16 / float16 reductions two.
 
 Data rows run back to back with no barrier (the builder refuses tables where one could meet
-another's items). A rank's program is read into shared memory once at block start, with the
-block's call counter. Calls alternate between even and odd addresses (two scratch copies, two
-LL parities). A wait or poll that times out writes the rank's error record (the lowered flag,
-or the LL unit polled; the target or tag expected and seen; step and peer) and raises ABORT.
+another's items). A rank's program is read into shared memory once at block start (with PDL
+before waiting for the kernel before it: programs are nobody's output); then every thread
+reads its block's call counter, together with its item of a first PUT. Calls alternate
+between even and odd addresses (two scratch copies, two LL parities). A wait or poll that
+times out writes the rank's error record (the lowered flag, or the LL unit polled; the target
+or tag expected and seen; step and peer) and raises ABORT.
 """
 
 from __future__ import annotations
@@ -345,7 +347,7 @@ def _wait(meta, head, at, epoch, block, timeout_ns, abort):
 
 
 @device
-def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
+def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl):
     slot = cuda.blockIdx.x // blocks_per_rank
     if slot >= nranks_in_launch:
         return
@@ -354,30 +356,42 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     counter = counters + (slot * F_MAX_BLOCKS + block) * 8
     tid = cuda.threadIdx.x
     meta = cuda.shared.array(META, np.int64)
-    status = cuda.shared.array(2, np.int64)  # [this call's epoch, give up]
+    status = cuda.shared.array(1, np.int64)  # give up
     for k in range(tid, min(META, stride_words), cuda.blockDim.x):
         meta[k] = load_i64(head + k * 8)
     if tid == 0:
-        status[0] = load_i64(counter)
-        status[1] = 0
+        status[0] = 0
     cuda.syncthreads()
-    epoch = status[0]
+    if pdl:  # the program is no earlier kernel's output: read while that kernel finishes
+        griddep_wait()
+    g = block * cuda.blockDim.x + tid
+    unit_bytes = meta[F_UNIT]
+    # a first PUT's first item is read with the call counter: one memory round trip, not two,
+    # before the first store (every thread reads its block's counter: no barrier for it)
+    p0, p1, p2, p3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
+    first_put = meta[F_NOPS] > 0 and meta[F_HEAD] == F_OP_PUT
+    if first_put and g < meta[F_HEAD + 4] // unit_bytes:
+        src = meta[F_HEAD + 1]
+        if unit_bytes == 8:
+            p0, p1 = load_u32(src + g * 8), load_u32(src + g * 8 + 4)
+        else:
+            w = load_v4_u32(src + g * 16)
+            p0, p1, p2, p3 = np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
+    epoch = load_i64(counter)
     tag = ll_tag(epoch)
     odd = epoch & 1
-    g = block * cuda.blockDim.x + tid
     stride = blocks_per_rank * cuda.blockDim.x
     dt = meta[F_DTYPE]
     redop = meta[F_REDOP]
     divisor = meta[F_DIVISOR]
     abort = meta[F_ABORT]
-    unit_bytes = meta[F_UNIT]
     for k in range(meta[F_NOPS]):
         at = F_HEAD + k * OP_WIDTH
         kind = _word(meta, head, at)
         if kind == F_OP_WAIT:
             if tid == 0:
                 if _wait(meta, head, at, epoch, block, timeout_ns, abort) != 0:
-                    status[1] = 1
+                    status[0] = 1
             cuda.syncthreads()
         elif kind == F_OP_NOTIFY:
             cuda.syncthreads()
@@ -388,6 +402,13 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             dst = _word(meta, head, at + 2 + odd)
             items = _word(meta, head, at + 4) // unit_bytes
             i = g
+            if k == 0 and i < items:  # the item read with the counter
+                if unit_bytes == 8:
+                    store_volatile_v4_u32(dst + i * 16, (p0, tag, p1, tag))
+                else:
+                    store_volatile_v4_u32(dst + i * 32, (p0, tag, p1, tag))
+                    store_volatile_v4_u32(dst + i * 32 + 16, (p2, tag, p3, tag))
+                i += stride
             while i < items:
                 if unit_bytes == 8:
                     store_volatile_v4_u32(dst + i * 16, (load_u32(src + i * 8), tag,
@@ -423,10 +444,10 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                 if code != 0:
                     _record(meta, head, code, _word(meta, head, entry + 4), unit, tag, seen,
                             _word(meta, head, entry + 3), block)
-                    status[1] = 1
+                    status[0] = 1
                     break
                 i += stride
-        if status[1] != 0:  # read by every thread after a barrier, or by the thread that set it
+        if status[0] != 0:  # read by every thread after a barrier, or by the thread that set it
             break
     cuda.syncthreads()
     if tid == 0:
@@ -440,12 +461,12 @@ _kernel = launch_bounded(MAX_THREADS)
 @_kernel
 def fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
     """Run the fused programs of this launch (see the module docstring)."""
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters)
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False)
 
 
 @_kernel
 def fused_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
-    """``fused`` for programmatic dependent launch (as ``executor_pdl``)."""
+    """``fused`` for programmatic dependent launch (as ``executor_pdl``), reading its program
+    before it waits for the kernel before it."""
     griddep_launch_dependents()
-    griddep_wait()
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters)
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True)

@@ -184,8 +184,11 @@ class Layout:
 
     The slice is the same for every rank (symmetric); inside it rank r has ``flags`` (one
     int64 per (src rank, lane) and one lane-barrier flag per lane, as the GPU lowering needs),
-    an abort record that only rank 0's copy uses, then its input, output and scratch (one copy
-    of ``scratch_bytes[r]``, times the schedule's scratch copies).
+    an abort record that only rank 0's copy uses, for the sm datapath's fused kernel a slot per
+    block of every flag (``block_flags``: ``isa.F_MAX_BLOCKS`` int64 per flag, 0 when there
+    are none), then its input, output and scratch (one copy of ``scratch_bytes[r]``, times the
+    schedule's scratch copies). ``control_end``: the bytes before the input, which hold every
+    counter of the slice (zero them before first use).
     """
 
     size: int
@@ -195,6 +198,8 @@ class Layout:
     offsets: tuple            # per rank: (input, output, scratch[, ll]) byte offsets
     scratch_bytes: tuple      # per rank, bytes of one scratch copy
     ll_bytes: tuple = ()      # per rank, bytes of its LL area (all copies); () without LL
+    block_flags: int = 0      # offset of the flags' slots per block (fused kernel), else 0
+    control_end: int = 0      # end of flags, abort record and slots per block
 
     def offset(self, rank: int, buffer: str) -> int:
         return self.offsets[rank][("input", "output", "scratch", "ll").index(buffer)]
@@ -207,10 +212,11 @@ class Layout:
 ABORT_WORDS = 16
 
 
-def layout(schedule: Schedule, ll: bool = False) -> Layout:
+def layout(schedule: Schedule, ll: bool = False, block_flags: bool = False) -> Layout:
     """The slice layout of ``schedule`` (pure: every rank computes the same). ``ll``: each
     rank also gets an LL area after its scratch (``purlin.atom.lowering.ll_area_bytes`` per
-    scratch copy) for the sm datapath's LL transfers.
+    scratch copy) for the sm datapath's LL transfers; ``block_flags``: a slot per block of each
+    flag after the abort record, for the sm datapath's fused kernel.
 
     >>> from purlin.snac import plan
     >>> from purlin.spec import collectives
@@ -220,8 +226,12 @@ def layout(schedule: Schedule, ll: bool = False) -> Layout:
     >>> lay = layout(plan(collectives.all_gather(2), "direct-push", count=8), ll=True)
     >>> lay.offset(0, "ll"), lay.ll_bytes, lay.size
     (1024, (96, 96), 1280)
+    >>> lay = layout(plan(collectives.all_gather(2), "direct-push", count=8), block_flags=True)
+    >>> lay.block_flags, lay.control_end, lay.offset(0, "input")
+    (256, 6400, 6400)
     """
     from purlin.atom.lowering import flag_slots, ll_area_bytes
+    from purlin.kernels.isa import F_MAX_BLOCKS
     from purlin.spec.dtypes import dtype as as_dtype
 
     item = as_dtype(schedule.dtype).itemsize
@@ -229,7 +239,9 @@ def layout(schedule: Schedule, ll: bool = False) -> Layout:
     n = schedule.nranks
     flag_count = flag_slots(n, schedule.lanes)
     abort = round_up(flag_count * 8, 64)
-    start = round_up(abort + ABORT_WORDS * 8)
+    slots = round_up(abort + ABORT_WORDS * 8) if block_flags else 0
+    control_end = slots + flag_count * F_MAX_BLOCKS * 8 if block_flags else abort + ABORT_WORDS * 8
+    start = round_up(control_end)
     offsets, scratch, ends, lls = [], [], [], []
     for r in range(n):
         one = (schedule.scratch[r] * item + 15) // 16 * 16
@@ -245,7 +257,8 @@ def layout(schedule: Schedule, ll: bool = False) -> Layout:
             offsets.append((at_in, at_out, at_scr))
         ends.append(end)
         scratch.append(one)
-    return Layout(max(ends), 0, flag_count, abort, tuple(offsets), tuple(scratch), tuple(lls))
+    return Layout(max(ends), 0, flag_count, abort, tuple(offsets), tuple(scratch), tuple(lls),
+                  slots, control_end)
 
 
 # -- running one rank ----------------------------------------------------------------------------

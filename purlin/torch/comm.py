@@ -39,9 +39,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from purlin.atom.sm import LL_MAX_BYTES  # protocol="ll" up to this size; larger: simple
-
-PROTOCOLS = ("simple", "ll")  # of the sm datapath, those process mode runs
+from purlin.atom.sm import LL_MAX_BYTES  # LL transfers up to this size; larger: flags
 from purlin.errors import CapabilityError, ExecutionError, PurlinError, PurlinTimeoutError, \
     SpecError
 from purlin.runtime.shm import layout
@@ -57,6 +55,7 @@ DEFAULT_STAGING = 256 << 20
 DEFAULT_TIMEOUT = 10.0
 DATAPATHS = {"cpu": ("purlin.torch.cpu_path", "CpuPath"),
              "sm": ("purlin.torch.sm_path", "SmPath")}
+PROTOCOLS = ("simple", "ll", "fused", "fused-ll", "auto")  # of the sm datapath
 
 
 
@@ -69,9 +68,15 @@ class Communicator:
     per rank that prepared collectives share. ``timeout``: seconds a wait may last (per wait on
     GPUs, per call on the CPU). ``strategy``/``chunks``/``lanes``: as in
     :func:`purlin.snac.plan` (``"auto"`` picks per size). ``ranks_per_node``/``node_of_rank``:
-    which ranks share a node (default: by hostname). ``protocol="ll"`` (sm datapath): for
-    messages up to ``LL_MAX_BYTES`` the Stage+Notify pairs the lowering can prove safe carry
-    their flags inside the data (``purlin.atom.sm.bind``). ``zero_copy=True`` (sm datapath):
+    which ranks share a node (default: by hostname). ``protocol`` (sm datapath): ``"simple"``
+    runs the interpreter with flags; ``"ll"`` does so with the Stage+Notify pairs the lowering
+    can prove safe carrying their flags inside the data, for messages up to ``LL_MAX_BYTES``
+    (``purlin.atom.sm.bind``); ``"fused"`` / ``"fused-ll"`` run the fused kernel
+    (:mod:`purlin.kernels.fused`: one pass per row, flag slots per block; LL up to
+    ``LL_MAX_BYTES``) where it can run the size's plan, else the interpreter; ``"auto"`` takes
+    each size's protocol from the tuning table (``purlin.runtime.auto``), else ``"simple"``.
+    ``pdl``: programmatic dependent launch (default: the table's choice under ``"auto"``, on
+    for the fused protocols, off otherwise). ``zero_copy=True`` (sm datapath):
     where the plan has no peer touch this rank's input (output), the executor reads (writes)
     the caller's tensor itself instead of a copy in (out) of the staging area; each new pair
     of tensor addresses costs a relocated table once (``SmPrepared.launch``).
@@ -82,7 +87,7 @@ class Communicator:
                  chunks: int | None = None, lanes: int | None = None,
                  ranks_per_node: int | None = None, node_of_rank=None,
                  blocks_per_lane: int | None = None, threads: int = 512,
-                 protocol: str = "simple", zero_copy: bool = False):
+                 protocol: str = "simple", zero_copy: bool = False, pdl: bool | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError("purlin.torch.Communicator needs torch.distributed: call "
                                  "dist.init_process_group(...) first")
@@ -93,11 +98,9 @@ class Communicator:
         self.backend = str(dist.get_backend(self.group))
         self.datapath = _choose_datapath(datapath, self.backend)
         if protocol not in PROTOCOLS:
-            fused = " (the fused kernel runs on Cluster.bind only so far)" \
-                if protocol.startswith("fused") else ""
             raise CapabilityError(f"Communicator protocol must be one of {', '.join(PROTOCOLS)}, "
-                                  f"got {protocol!r}{fused}")
-        self.protocol, self.zero_copy = protocol, bool(zero_copy)
+                                  f"got {protocol!r}")
+        self.protocol, self.zero_copy, self.pdl = protocol, bool(zero_copy), pdl
         self.timeout, self.strategy = float(timeout), strategy
         self.chunks, self.lanes = chunks, lanes
         self.staging_bytes = int(staging_bytes)
@@ -274,6 +277,30 @@ class Communicator:
         self.staging.pin(key)
         return prepared.input
 
+    def plans(self) -> list[dict]:
+        """What each collective prepared so far runs: function, elements, dtype, op, root,
+        strategy, chunks, lanes, and on the sm datapath protocol, PDL and blocks (per lane;
+        the fused kernel's per rank). Sizes that could not be prepared say why.
+
+            comm.all_reduce(x); comm.plans()[-1]["protocol"]     # e.g. 'fused-ll'
+        """
+        out = []
+        for key, prepared in self._cache.items():
+            kind, count, dtype, op, root = key if key[0] != "run" else (
+                key[1].name, None, key[3], None, None)
+            row = {"function": kind, "count": count, "dtype": str(dtype).removeprefix("torch."),
+                   "op": op, "root": root}
+            if isinstance(prepared, str):
+                row["unprepared"] = prepared
+            else:
+                s = prepared.schedule
+                row.update(strategy=s.strategy, chunks=s.chunks, lanes=s.lanes)
+                for name in ("protocol", "pdl", "blocks_per_lane"):
+                    if hasattr(prepared, name):
+                        row[name] = getattr(prepared, name)
+            out.append(row)
+        return out
+
     # -- errors ----------------------------------------------------------------------------------
     def check(self) -> None:
         """Raise :class:`PurlinTimeoutError` if a wait of an earlier call timed out (on GPUs this
@@ -400,36 +427,47 @@ class Communicator:
         return coll.sized(chunk_sizes=sizes, dtype=str(dtype).removeprefix("torch."))
 
     def _plan(self, sizing):
-        """(schedule, blocks per lane or None) for a sizing: the communicator's strategy, or
-        ``purlin.runtime.auto``'s choice for this size."""
+        """(schedule, the ``purlin.runtime.auto`` choice or None) for a sizing: the
+        communicator's strategy, or the choice for this size (strategy, chunks, lanes, and
+        blocks, protocol and PDL where a tuning table gives them)."""
         coll = sizing.collective
-        chunks, lanes, blocks = self.chunks or 1, self.lanes or 1, None
+        chunks, lanes, choice = self.chunks or 1, self.lanes or 1, None
         strategy = self.strategy
-        if strategy == "auto":
+        if strategy == "auto" or self.protocol == "auto":
             from purlin.runtime import auto
 
-            shape = Shape(self.datapath)
-            if hasattr(auto, "select"):  # tuning table, cost model or rules, with blocks
-                c = auto.select(coll, shape, dtype=sizing.dtype.name,
-                                chunk_sizes=dict(sizing.chunks))
-                strategy, chosen, blocks = c.strategy, (c.chunks, c.lanes), c.blocks_per_lane
-            else:
-                strategy, *chosen = auto.choose(coll, shape, dtype=sizing.dtype.name,
-                                                chunk_sizes=dict(sizing.chunks))
-            chunks, lanes = self.chunks or chosen[0], self.lanes or chosen[1]
+            choice = auto.select(coll, Shape(self.datapath), dtype=sizing.dtype.name,
+                                 chunk_sizes=dict(sizing.chunks))
+        if strategy == "auto":
+            strategy = choice.strategy
+            chunks, lanes = self.chunks or choice.chunks, self.lanes or choice.lanes
         if strategy == "two-phase" and not coll.op.is_reduce:
             strategy = "direct-push"
-        return plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes), blocks
+        return plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes), choice
 
-    def _uses_ll(self, schedule) -> bool:
-        """LL transfers for this schedule: protocol "ll" on GPUs, a message of at most
-        LL_MAX_BYTES (LL doubles the bytes on the wire), and pairs
-        the lowering can send so."""
+    def _protocol(self, schedule, choice) -> tuple[str, bool]:
+        """(protocol, PDL) this schedule runs with on the sm datapath: the communicator's
+        protocol (under "auto" the table's), LL only up to LL_MAX_BYTES (LL doubles the bytes
+        on the wire) and where the lowering can send pairs so, a fused protocol only where the
+        fused kernel can run the plan (else the interpreter's protocol)."""
+        from purlin.atom.fused import fused_problems
         from purlin.atom.lowering import ll_transfers
 
-        return (self.protocol == "ll" and self.datapath == "sm"
-                and schedule.sizing.message_bytes <= LL_MAX_BYTES
-                and len(ll_transfers(schedule)) > 0)
+        if self.datapath != "sm":
+            return "simple", False
+        protocol, pdl = self.protocol, self.pdl
+        if protocol == "auto":
+            tabled = choice is not None and choice.source.startswith("table")
+            protocol = choice.protocol if tabled else "simple"
+            pdl = (choice.pdl if tabled else False) if pdl is None else pdl
+        if protocol in ("ll", "fused-ll") and not (
+                schedule.sizing.message_bytes <= LL_MAX_BYTES and ll_transfers(schedule)):
+            protocol = {"ll": "simple", "fused-ll": "fused"}[protocol]
+        if protocol.startswith("fused") and fused_problems(schedule)[protocol]:
+            protocol = "ll" if protocol == "fused-ll" else "simple"
+        if pdl is None:
+            pdl = protocol.startswith("fused")
+        return protocol, bool(pdl)
 
     def _prepared(self, key, sizing=None, capturing=None):
         """The prepared collective for ``key``, preparing it on a miss; a string says why it
@@ -442,11 +480,14 @@ class Communicator:
         if _capturing() if capturing is None else capturing:
             return ("first call of this size inside a CUDA graph capture (call each size once "
                     "eagerly before capturing)")
-        schedule, blocks = self._plan(sizing or self._sizing(key))
-        ll = self._uses_ll(schedule)
-        if ll:  # the table's blocks were measured with its own protocol: the default here
-            blocks = None  # (about 16 KiB of message per block, one up to 16 KiB)
-        lay = layout(schedule, ll=ll)  # with LL areas where LL transfers go
+        schedule, choice = self._plan(sizing or self._sizing(key))
+        protocol, pdl = self._protocol(schedule, choice)
+        # a table's blocks were measured with its own protocol: elsewhere the default
+        blocks = choice.blocks_per_lane if choice is not None and (
+            choice.protocol == protocol and choice.strategy == schedule.strategy) else None
+        # with LL areas where LL transfers go, and flag slots per block for the fused kernel
+        lay = layout(schedule, ll=protocol in ("ll", "fused-ll"),
+                     block_flags=protocol.startswith("fused"))
         offset = self.staging.place(key, lay.size)
         if offset is None:
             victims = self.staging.victims(lay.size)
@@ -461,7 +502,9 @@ class Communicator:
                 self.staging.free(victim)
                 self.path.forget(self._cache.pop(victim))
             offset = self.staging.place(key, lay.size)
-        prepared = self.path.prepare(schedule, offset, lay, blocks_per_lane=blocks)
+        prepared = self.path.prepare(schedule, offset, lay, blocks_per_lane=blocks,
+                                     **({"protocol": protocol, "pdl": pdl}
+                                        if self.datapath == "sm" else {}))
         self.path.barrier()  # every rank zeroed its flags before anyone notifies them
         self._cache[key] = prepared
         return prepared

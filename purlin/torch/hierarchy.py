@@ -52,7 +52,8 @@ class Hierarchy:
         if L > 1:
             self.intra = type(comm)(self.node_group, comm.datapath, comm.staging_bytes,
                                     comm.timeout, strategy=comm.strategy, chunks=comm.chunks,
-                                    lanes=comm.lanes, node_of_rank=[0] * L, **options)
+                                    lanes=comm.lanes, node_of_rank=[0] * L,
+                                    protocol=comm.protocol, pdl=comm.pdl, **options)
             self.device = self.intra.device
             self.dtypes = self.intra.path.dtypes
         else:

@@ -4,9 +4,11 @@ The staging area is one ``torch.distributed._symmetric_memory`` allocation per r
 rendezvoused once at construction (before any graph capture); the handle's ``buffer_ptrs`` give
 every peer's address of it. A prepared collective is a slice of that area: the schedule is
 lowered with every rank's addresses (:func:`purlin.atom.lowering.lower`), and only this rank's
-table goes to the device, behind a descriptor built like :mod:`purlin.atom.sm` builds it. A
-call copies the input in, launches this rank's executor on the current stream and copies the
-output out -- all asynchronous and capturable. Waits that time out leave an error record that
+table goes to the device, behind a descriptor built like :mod:`purlin.atom.sm` builds it -- or,
+with a fused protocol, as this rank's fused program (:mod:`purlin.atom.fused`: flag slots per
+block in the slice, call counters kept apart so relocated programs share them). A call copies
+the input in, launches this rank's kernel on the current stream and copies the output out --
+all asynchronous and capturable. Waits that time out leave an error record that
 :meth:`SmPath.check` turns into a :class:`PurlinTimeoutError` after a synchronize.
 """
 
@@ -20,24 +22,29 @@ import torch.distributed as dist
 
 from purlin.errors import CapabilityError
 from purlin.kernels import isa
-from purlin.runtime.shm import ABORT_WORDS
 
 DTYPES = ("bfloat16", "float16", "float32", "int32")  # float64: in the kernels, untested here
 DEFAULT_THREADS = 512
 
 
 class SmPrepared:
-    """One prepared collective on this rank: its table, descriptor and region views."""
+    """One prepared collective on this rank: its table (or fused program), descriptor and
+    region views. ``protocol``: "simple" / "ll" run the interpreter, "fused" / "fused-ll" the
+    fused kernel (the communicator has checked that it can run the schedule)."""
 
-    def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads):
+    def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads,
+                 protocol: str = "simple", pdl: bool = False):
         from purlin.atom.lowering import local_buffers, lower
         from purlin.atom.sm import _check_resident, default_blocks_per_lane, rank_blob
 
         self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
+        self.protocol, self.pdl = protocol, pdl
+        self.fused = protocol.startswith("fused")
         dev, rank, n = path.device, path.rank, schedule.nranks
         sizing = schedule.sizing
         lanes = schedule.lanes
-        bpl = blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes, path.sms)
+        bpl = 1 if self.fused else (
+            blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes, path.sms))
         self.blocks_per_lane = bpl
         ptrs = path.ptrs
         bases = {(q, b): ptrs[q] + offset + lay.offset(q, b)
@@ -47,17 +54,34 @@ class SmPrepared:
         self.ll_bases = ({q: ptrs[q] + offset + lay.offset(q, "ll") for q in range(n)}
                          if lay.has_ll else None)
         self.ll_bytes = lay.ll_bytes
-        low = lower(schedule, bases, self.flag_bases, blocks_per_lane=bpl,
-                    scratch_bytes=dict(enumerate(lay.scratch_bytes)),
-                    ll_bases=self.ll_bases)[rank]
+        self.all_lowered = lower(schedule, bases, self.flag_bases, blocks_per_lane=bpl,
+                                 scratch_bytes=dict(enumerate(lay.scratch_bytes)),
+                                 ll_bases=self.ll_bases)
+        low = self.all_lowered[rank]
         # one abort word for the whole group: rank 0's copy
         self.abort_ptr = ptrs[0] + offset + lay.abort
-        self.desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
-        self.desc_ptr = self.desc.data_ptr()
         self.lowered, self.local = low, local_buffers(schedule, rank)
         self._moved: OrderedDict = OrderedDict()  # (input at, output at) -> relocated block
         self._pinned: set = set()
-        self.launcher = path.launcher(lanes, bpl, threads)
+        self._refused: set = set()  # pairs the fused kernel cannot run relocated
+        self.counters_ptr = 0  # the fused kernel's call counters
+        if self.fused:
+            from purlin.atom.fused import fuse_problem
+
+            self.unit = 8 if protocol == "fused-ll" else 16
+            problem = fuse_problem(self.all_lowered, self.unit)
+            if problem:  # the communicator checked the plan: this is a bug, said on every rank
+                raise CapabilityError(f"protocol={protocol!r} cannot run "
+                                      f"{schedule.title()} here: {problem}")
+            self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
+            self.counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
+            self.counters_ptr = self.counters.data_ptr()
+            self.desc, items = self._program(low)
+            self.launcher = self._fused_launcher(items, blocks_per_lane, threads)
+        else:
+            self.desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
+            self.launcher = path.launcher(lanes, bpl, threads)
+        self.desc_ptr = self.desc.data_ptr()
         _check_resident(torch, dev.index, self.launcher, "process")
         tdt = getattr(torch, schedule.dtype)
         self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
@@ -76,7 +100,35 @@ class SmPrepared:
         if src is not None or dst is not None:
             desc_ptr = self._relocated(src, dst, capturing)
         stream = torch.cuda.current_stream(self.path.device).cuda_stream
-        self.launcher(desc_ptr, stream, self.timeout_ns)
+        self.launcher(desc_ptr, stream, self.timeout_ns, self.counters_ptr)
+
+    def _program(self, low):
+        """This rank's fused program for lowered table ``low`` on the device, and its items
+        (what the grid is sized for)."""
+        from purlin.atom.fused import program
+
+        lay, base = self.layout, self.offset
+
+        def flag_slot(address: int) -> int:  # flag i of rank q -> its block-0 slot
+            q, i = next((q, (address - b) // 8) for q, b in self.flag_bases.items()
+                        if b <= address < b + 8 * lay.flag_count)
+            return self.path.ptrs[q] + base + lay.block_flags + i * isa.F_MAX_BLOCKS * 8
+
+        prog = program(low, error=self.control.data_ptr() + 2 * 8, abort=self.abort_ptr,
+                       flag_slot=flag_slot, unit=self.unit)
+        return torch.from_numpy(prog.words).to(self.path.device), prog.items
+
+    def _fused_launcher(self, items: int, blocks_per_lane, threads):
+        from purlin.atom.fused import grid
+
+        blocks, default_threads = grid(items, 1, self.path.sms, self.unit)
+        self.blocks_per_lane = blocks_per_lane or blocks
+        if self.blocks_per_lane > isa.F_MAX_BLOCKS:
+            raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
+                                  f"rank, got blocks_per_lane={self.blocks_per_lane}")
+        return self.path.launcher(1, self.blocks_per_lane, threads or default_threads,
+                                  kernel="fused", stride_words=int(self.desc.numel()),
+                                  pdl=self.pdl)
 
     MAX_MOVED = 8  # relocated tables kept outside graph captures (least recently used go)
 
@@ -99,9 +151,13 @@ class SmPrepared:
         move_out = fits(dst, self.output, "output")
         if move_in and move_out and _overlap(src, dst):
             move_in = False
-        if capturing and (move_in or move_out) and self._key(
-                src if move_in else None, dst if move_out else None) not in self._moved:
+        if not (move_in or move_out):
             return False, False
+        src, dst = src if move_in else None, dst if move_out else None
+        if capturing and self._key(src, dst) not in self._moved:
+            return False, False
+        if self.fused and not capturing and self._relocated(src, dst, capturing) is None:
+            return False, False  # the fused kernel cannot run the relocated rows
         return move_in, move_out
 
     @staticmethod
@@ -109,11 +165,16 @@ class SmPrepared:
         return (src.data_ptr() if src is not None else 0,
                 dst.data_ptr() if dst is not None else 0)
 
-    def _relocated(self, src, dst, capturing: bool) -> int:
+    def _relocated(self, src, dst, capturing: bool) -> int | None:
+        """The device address of the table (or fused program) that reads ``src`` / writes
+        ``dst``; None where the fused kernel cannot run it."""
+        from purlin.atom.fused import fuse_problem
         from purlin.atom.lowering import relocate
         from purlin.atom.sm import rank_blob
 
         key = self._key(src, dst)
+        if key in self._refused:
+            return None
         found = self._moved.get(key)
         if found is None:
             moves = {}
@@ -122,9 +183,16 @@ class SmPrepared:
                     nbytes = region.numel() * region.element_size()
                     moves[(region.data_ptr(), nbytes)] = t.data_ptr()
             low = relocate(self.lowered, moves)
-            # the relocated block counts calls in this one's control words: one epoch
-            found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
-                                 self.schedule.lanes, control=self.control.data_ptr())
+            if self.fused:  # the same call counters: one epoch
+                everyone = list(self.all_lowered)
+                everyone[self.path.rank] = low
+                if fuse_problem(everyone, self.unit):
+                    self._refused.add(key)
+                    return None
+                found, _ = self._program(low)
+            else:  # the relocated block counts calls in this one's control words: one epoch
+                found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
+                                     self.schedule.lanes, control=self.control.data_ptr())
             self._moved[key] = found
             if len(self._moved) > self.MAX_MOVED + len(self._pinned):
                 # a launch still queued may read the oldest table: let it finish (rare)
@@ -155,7 +223,7 @@ class SmPrepared:
             return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}) gave up waiting on {what} "
                     f"from rank {peer}: another rank timed out first (its own check() names the "
                     "rank it waited for)")
-        bpl = self.blocks_per_lane
+        bpl = 1 if self.fused else self.blocks_per_lane  # the fused kernel: slots per block
         return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}, block {rec[isa.E_BLOCK]}) "
                 f"timed out after {self.path.timeout:.3g} s waiting on {what} >= "
                 f"{rec[isa.E_EXPECTED]} ({rec[isa.E_EXPECTED] // bpl} notifies x {bpl} blocks) "
@@ -224,25 +292,32 @@ class SmPath:
         item = torch.empty((), dtype=dtype).element_size()
         return self.buf[offset: offset + count * item].view(dtype)
 
-    def launcher(self, lanes: int, bpl: int, threads: int | None = None):
+    def launcher(self, lanes: int, bpl: int, threads: int | None = None, *,
+                 kernel: str = "executor", stride_words: int = 0, pdl: bool = False):
+        """A launcher of ``kernel`` for one rank (made once per configuration)."""
         from purlin.atom.lowering import HEAD_WORDS
         from purlin.kernels.launch import Launcher
 
         threads = threads or self.threads
-        key = (lanes, bpl, threads)
+        key = (lanes, bpl, threads, kernel, stride_words, pdl)
         if key not in self._launchers:
-            self._launchers[key] = Launcher(device=self.device.index, nranks_in_launch=1,
-                                            nlanes=lanes, blocks_per_lane=bpl, threads=threads,
-                                            head_words=HEAD_WORDS)
+            self._launchers[key] = Launcher(
+                device=self.device.index, nranks_in_launch=1, nlanes=lanes,
+                blocks_per_lane=bpl, threads=threads, head_words=HEAD_WORDS, pdl=pdl,
+                kernel=kernel, stride_words=stride_words)
         return self._launchers[key]
 
-    def prepare(self, schedule, offset: int, lay, blocks_per_lane=None) -> SmPrepared:
+    def prepare(self, schedule, offset: int, lay, blocks_per_lane=None, *,
+                protocol: str = "simple", pdl: bool = False) -> SmPrepared:
         """Lower ``schedule`` at ``offset`` of the area and zero this rank's flags there (the
         caller then waits for every rank). Blocks per lane: the communicator's setting, else
-        ``blocks_per_lane`` (a tuning table's), else the sm datapath's default for the size."""
+        ``blocks_per_lane`` (a tuning table's), else the datapath's default for the size (the
+        fused kernel's: :func:`purlin.atom.fused.grid`). ``protocol`` / ``pdl``: as
+        :class:`SmPrepared` (a fused protocol needs a layout with ``block_flags``)."""
         p = SmPrepared(self, schedule, offset, lay, self.blocks_per_lane or blocks_per_lane,
-                       self.threads)
-        self.buf[offset: offset + lay.abort + 8 * ABORT_WORDS].zero_()  # flags, abort record
+                       self.threads if not protocol.startswith("fused") else None,
+                       protocol=protocol, pdl=pdl)
+        self.buf[offset: offset + lay.control_end].zero_()  # flags, abort, slots per block
         if lay.has_ll:  # tags restart at 1: no unit left by an earlier tenant may match
             at = offset + lay.offset(self.rank, "ll")
             self.buf[at: at + lay.ll_bytes[self.rank]].zero_()
