@@ -64,6 +64,39 @@ def test_fused_programs_run_every_standard_plan_on_host_threads(name, strategy, 
                 assert np.array_equal(outs[k][r], want[r]), (chunks, k, r)
 
 
+@pytest.mark.parametrize("unit,ll", [(8, True), (16, False)])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_relocated_programs_run_on_the_callers_memory(unit, ll, in_place):
+    """Process mode's zero-copy calls: an all-reduce whose local buffers moved to fresh
+    memory (``relocate``) still fuses, and its programs put the reference there -- also in
+    place, every rank's output written over its input (the row-parallel product's tensor)."""
+    from purlin.atom.lowering import local_buffers, relocate
+
+    n = 2
+    s = plan(collectives.all_reduce(n), "direct-push", count=64 * n, dtype="float32")
+    bufs = HostBuffers(s, ll=ll)
+    low = bufs.lower()
+    assert local_buffers(s, 0) == {"input", "output"}
+    for r in range(n):
+        new_in = np.zeros_like(bufs.inputs[r])
+        new_out = new_in if in_place else np.zeros_like(bufs.outputs[r])
+        moves = {(bufs.inputs[r].ctypes.data, bufs.inputs[r].nbytes): new_in.ctypes.data,
+                 (bufs.outputs[r].ctypes.data, bufs.outputs[r].nbytes): new_out.ctypes.data}
+        for old in (bufs.inputs[r], bufs.outputs[r]):
+            old[:] = np.nan  # the old regions are never read
+        bufs.inputs[r], bufs.outputs[r] = new_in, new_out
+        low[r] = relocate(low[r], moves)
+    assert fuse_problem(low, unit) is None
+    programs = fused_programs(low, bufs, unit)
+    rng = np.random.default_rng(5)
+    xs = [[rng.integers(-50, 50, s.sizing.input_count(r)).astype(np.float32)
+           for r in range(n)] for _ in range(3)]
+    outs = run_fused_calls(programs, bufs, xs, blocks=2, threads=3)
+    for k in range(3):
+        for r, want in enumerate(reference(s.sizing, xs[k])):
+            np.testing.assert_array_equal(outs[k][r], want, err_msg=f"call {k} rank {r}")
+
+
 @pytest.mark.parametrize("n", [2, 3, 8])
 def test_an_all_reduce_program_puts_to_every_peer_and_reduces_in_row_order(n):
     lows = lowered(collectives.all_reduce(n), count=64 * n)

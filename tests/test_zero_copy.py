@@ -16,6 +16,7 @@ def _prepared(strategy, count=64):
     p.local = local_buffers(plan(collectives.all_reduce(2), strategy, count=count), 0)
     staging = torch.zeros(4 * count, dtype=torch.float32)
     p.input, p.output = staging[:count], staging[2 * count: 3 * count]
+    p.fused = False
     return p
 
 
@@ -25,6 +26,15 @@ def test_push_moves_both_out_of_place_and_only_the_output_in_place():
     assert p.movable(x, y) == (True, True)
     assert p.movable(x, x) == (False, True)  # in place: the input is copied in first
     assert p.movable(None, y) == (False, True)
+
+
+def test_the_fused_kernel_moves_only_what_it_can_run_relocated():
+    p = _prepared("direct-push")
+    x, y = torch.ones(64), torch.zeros(64)
+    p.fused, p._relocated = True, lambda src, dst, capturing: None  # refused
+    assert p.movable(x, y) == (False, False)
+    p._relocated = lambda src, dst, capturing: 1 << 40  # built
+    assert p.movable(x, y) == (True, True)
 
 
 def test_pull_moves_only_the_output_the_peers_do_not_read():

@@ -9,14 +9,17 @@ causal over the prompt when prefilling, row-parallel output projection) and a Sw
 (column-parallel gate/up, row-parallel down) -- two all-reduces of [tokens, hidden] per layer.
 A step is ``--layers`` layers (32 by default, the same weights each time, like a 32-layer
 model). For hidden 4096 and 8192 it times decode steps at batch 1, 8, 32, 64 and a 2048-token
-prefill, each captured in one CUDA graph per all-reduce provider -- ``torch.distributed.all_reduce`` on
-NCCL; ``purlin.torch.Communicator(protocol="auto").all_reduce`` (each size's strategy and
-protocol from the tuning table: the fused kernel where it was fastest); the same with the
+prefill, each captured in one CUDA graph per all-reduce provider --
+``torch.distributed.all_reduce`` on NCCL; ``purlin.torch.Communicator(protocol="auto")``'s
+``all_reduce`` (each size's strategy and protocol from the tuning table: the fused kernel
+where it was fastest); the same with the
 row-parallel products written straight into ``comm.input_buffer`` (no copy in); and that on a
 ``zero_copy=True`` communicator (the kernel writes the result over its input there: no copy out
 either) -- and checks that every provider's layer output agrees with NCCL's (bf16
-tolerance). Prints a table and writes ``<out>/tp_decoder.json``, with what each provider's
-all-reduce ran (``Communicator.plans``).
+tolerance). ``none`` skips the all-reduces (wrong results, not checked): the step without
+communication, so ``nccl / none`` bounds what any all-reduce could gain. Prints a table and
+writes ``<out>/tp_decoder.json``, with what each provider's all-reduce ran
+(``Communicator.plans``).
 """
 
 from __future__ import annotations
@@ -150,7 +153,8 @@ def worker(rank, world, opts):
     providers = {"nccl": (lambda t: dist.all_reduce(t), None),
                  "purlin": (comm.all_reduce, None),
                  "purlin-inplace": (comm.all_reduce, staging(comm)),
-                 "purlin-zc-inplace": (comm_zc.all_reduce, staging(comm_zc))}
+                 "purlin-zc-inplace": (comm_zc.all_reduce, staging(comm_zc)),
+                 "none": (lambda t: None, None)}
     rows = []
     for hidden in opts["hidden"]:
         layer = Layer(torch, hidden, world, rank, device)
@@ -192,13 +196,14 @@ def worker(rank, world, opts):
                 row["output_scale"] = scale
                 row["agree"] = True
                 for name in providers:
-                    if name == "nccl":
+                    if name in ("nccl", "none"):
                         continue
                     diff = (outs[name] - outs["nccl"]).abs().max().item()
                     row["max_abs_diff"] = max(row.get("max_abs_diff", 0.0), diff)
                     row["agree"] &= bool(torch.allclose(outs[name], outs["nccl"], rtol=2e-2,
                                                         atol=2e-2 * max(scale, 1.0)))
                     row[f"{name}_speedup"] = row["nccl_us"] / row[f"{name}_us"]
+                row["bound_speedup"] = row["nccl_us"] / row["none_us"]
             except Exception:  # noqa: BLE001 - keep the other configurations
                 row["error"] = traceback.format_exc(limit=6)
             rows.append(row)
@@ -215,8 +220,8 @@ def print_table(rows) -> bool:
           "into comm.input_buffer (no copy in); zc: that with zero_copy=True (no copy out)")
     print(f"{'hidden':>6} {'phase':>7} {'batch':>5} {'tokens':>6} {'AR size':>9} "
           f"{'nccl':>8} {'purlin':>8} {'inplace':>8} {'zc':>8} {'speedup':>7} {'inplace':>7} "
-          f"{'zc':>7} {'nccl tok/s':>11} {'purlin tok/s':>12} {'agree':>5} {'max|diff|':>9}  "
-          "ran")
+          f"{'zc':>7} {'no AR':>8} {'bound':>6} {'nccl tok/s':>11} {'purlin tok/s':>12} "
+          f"{'agree':>5} {'max|diff|':>9}  ran")
     for r in rows:
         if "error" in r:
             print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} ERROR\n{r['error']}")
@@ -231,8 +236,8 @@ def print_table(rows) -> bool:
               f"{r['nccl_us']:8.1f} {r['purlin_us']:8.1f} {r['purlin-inplace_us']:8.1f} "
               f"{r['purlin-zc-inplace_us']:8.1f} "
               f"{r['purlin_speedup']:7.2f} {r['purlin-inplace_speedup']:7.2f} "
-              f"{r['purlin-zc-inplace_speedup']:7.2f} "
-              f"{r['nccl_tokens_per_s']:11.0f} {best:12.0f} "
+              f"{r['purlin-zc-inplace_speedup']:7.2f} {r['none_us']:8.1f} "
+              f"{r['bound_speedup']:6.2f} {r['nccl_tokens_per_s']:11.0f} {best:12.0f} "
               f"{'yes' if r['agree'] else 'NO':>5} {r['max_abs_diff']:9.2g}  "
               f"{ran.get('strategy')} {ran.get('protocol')}{' pdl' if ran.get('pdl') else ''}")
         ok &= r["agree"]

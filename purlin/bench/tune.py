@@ -5,9 +5,10 @@ A candidate is (strategy, chunks, lanes, blocks per lane), and for small message
 launches and signals: each candidate up to ``PDL_MAX_BYTES`` is also tried with programmatic
 dependent launch (``pdl``), direct-push up to ``LL_MAX_BYTES`` with the LL protocol (flags
 inside the data; ``purlin.atom.sm``) and with the fused kernel's LL transfers (``fused-ll``),
-and the fused kernel with flags for every strategy (one lane) up to ``FUSED_MAX_BYTES``. The
-generator keeps every launch within the SM budget (all blocks of a launch must be resident at once, or a wait could starve
-its producer: lanes x blocks per lane x ranks per launch <= SMs x blocks per SM), gives no
+and the fused kernel with flags for every strategy (one lane) up to ``FUSED_MAX_BYTES``, above
+it for two-phase with pipelined chunks. The generator keeps every launch within the SM budget
+(all blocks of a launch must be resident at once, or a wait could starve its producer:
+lanes x blocks per lane x ranks per launch <= SMs x blocks per SM), gives no
 lane nothing to do (lanes <= pieces), and orders the candidates from the most to the least
 plausible for the size, so that a time limit cuts the least likely ones.
 
@@ -162,13 +163,18 @@ def _fused_configs(sizing, strategy: str, sms: int, budget: int) -> list[Config]
     """Fused-kernel candidates up to FUSED_MAX_BYTES, one lane each: with LL transfers for
     direct-push up to LL_MAX_BYTES, and with flags (a slot per block) for every strategy, at
     the kernel's default blocks per rank (with PDL up to PDL_MAX_BYTES) and twice as many;
-    direct-push also with half as many, and two chunks where the strategy relays."""
+    direct-push also with half as many, and two chunks where the strategy relays. Larger:
+    two-phase with 1, 2, 4 and 8 chunks pipelined through its one lane (the 256 MiB all-reduce's
+    best on 2 x H200, 345.6 GB/s with 4 chunks, in the run that added them)."""
     from purlin.atom.fused import grid
 
     size = sizing.message_bytes
-    if size > FUSED_MAX_BYTES:
-        return []
     blocks = min(budget, grid(max(1, size // 16), sms=sms)[0])
+    if size > FUSED_MAX_BYTES:
+        if strategy != "two-phase":
+            return []
+        return [Config(strategy, c, 1, blocks, "fused") for c in (1, 2, 4, 8)
+                if c == 1 or pieces(sizing, strategy, c) > pieces(sizing, strategy, 1)]
     more = min(budget, 2 * blocks)
     pdl = size <= PDL_MAX_BYTES
     out = []
