@@ -44,7 +44,11 @@ def test_candidates_are_ordered_and_limited_per_strategy():
     cands = candidates(collectives.all_reduce(2), 64 * MiB, limit=3)
     strategies = [c.strategy for c in cands]
     assert strategies[:4] == ["direct-push", "direct-pull", "two-phase", "ring"]
-    assert all(strategies.count(s) == 3 for s in set(strategies))
+    interpreted = [c.strategy for c in cands if not c.protocol.startswith("fused")]
+    assert all(interpreted.count(s) == 3 for s in set(strategies))
+    # above FUSED_MAX_BYTES the fused kernel runs two-phase only, chunks pipelined in its lane
+    assert [c for c in cands if c.protocol == "fused"] == [
+        Config("two-phase", k, 1, 132, "fused") for k in (1, 2, 4, 8)]
     small = candidates(collectives.all_reduce(2), 8 * KiB)
     assert small[0] == Config("direct-push", 1, 1, 8, "fused-ll", True)  # fused LL + PDL first
     pushes = [c for c in small if c.strategy == "direct-push"]
