@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from purlin.atom.fused import fuse_problem, grid, program, rank_ops
+from purlin.atom.fused import fuse_problem, fused_unit, grid, program, rank_ops
 from purlin.atom.lowering import lower
 from purlin.errors import CapabilityError
 from purlin.kernels import isa
@@ -32,14 +32,15 @@ CASES = [(c, s) for c in STANDARD for s in STRATEGIES
          if not (s == "two-phase" and c not in ("all-reduce", "reduce-scatter", "reduce"))]
 
 
-@pytest.mark.parametrize("ll,unit", [(True, 16), (True, 8), (False, 16)])
+@pytest.mark.parametrize("ll,unit", [(True, 16), (True, 8), (True, 4), (False, 16)])
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("name,strategy", CASES)
 def test_fused_programs_run_every_standard_plan_on_host_threads(name, strategy, n, ll, unit):
-    """Every standard collective x strategy, LL (16- or 8-byte items) or flags, 1 and 2
+    """Every standard collective x strategy, LL (16-, 8- or 4-byte items) or flags, 1 and 2
     chunks: the fused programs, run by a thread per (rank, block) with rank 0's last block
-    slow, give the reference on three calls (both parities). The only plans refused forward LL data they
-    received (a relay reads the LL_GET's scratch, which the fused kernel never writes)."""
+    slow, give the reference on three calls (both parities). The only plans refused forward
+    LL data they received (a relay reads the LL_GET's scratch, which the fused kernel never
+    writes)."""
     coll = standard(name, n, root=n - 1)
     widest = max(max(len(r) for r in coll.input), max(len(r) for r in coll.output))
     for chunks in (1, 2):
@@ -147,8 +148,34 @@ def test_eight_byte_items_take_what_sixteen_byte_ones_cannot():
     assert fuse_problem(low, unit=8) is None
     prog = program(low[0], 0, 0, flag_slot=lambda a: a, unit=8)
     assert prog.words[isa.F_UNIT] == 8 and prog.items == 1
-    with pytest.raises(CapabilityError, match="16 or 8 bytes"):
-        program(low[0], 0, 0, flag_slot=lambda a: a, unit=4)
+    with pytest.raises(CapabilityError, match="16, 8 or 4 bytes"):
+        program(low[0], 0, 0, flag_slot=lambda a: a, unit=2)
+
+
+@pytest.mark.parametrize("name", ["all-gather", "reduce-scatter", "all-to-all"])
+def test_eight_byte_messages_fuse_in_four_byte_halves_of_ll_units(name):
+    """An 8-byte message's chunks are 4 bytes here: fused-ll takes half an LL unit per thread,
+    and the programs give the reference on host threads (an 8-byte all-reduce moves whole
+    8-byte units; 16-byte items fit none of them)."""
+    coll = standard(name, 2)
+    s = plan(coll, "direct-push", nbytes=8, dtype="bfloat16")
+    bufs = HostBuffers(s, ll=True)
+    low = bufs.lower()
+    assert fused_unit(low, "fused-ll") == (4, None)
+    assert "not whole 8-byte items" in fuse_problem(low, 8)
+    assert "not whole 16-byte items" in fused_unit(low, "fused")[1]
+    ar = plan(standard("all-reduce", 2), "direct-push", nbytes=8, dtype="bfloat16")
+    assert fused_unit(HostBuffers(ar, ll=True).lower(), "fused-ll") == (8, None)
+    programs = fused_programs(low, bufs, 4)
+    rng = np.random.default_rng(3)
+    xs = [[rng.integers(-50, 50, s.sizing.input_count(r)).astype(np.float32)
+           for r in range(2)] for _ in range(3)]
+    outs = run_fused_calls(programs, bufs, xs, blocks=2, threads=1, slow_block_delay=0.001)
+    for k in range(3):
+        for r, want in enumerate(reference(s.sizing, xs[k])):
+            np.testing.assert_array_equal(np.asarray(outs[k][r], np.float32),
+                                          np.asarray(want, np.float32),
+                                          err_msg=f"{name} call {k} rank {r}")
 
 
 def test_several_lanes_stay_on_the_interpreter():

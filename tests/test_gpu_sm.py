@@ -425,9 +425,34 @@ def test_fused_graph_replays_10000(torch, protocol, pdl):
     assert _wrong_over_replays(torch, bound, 10_000) == 0
 
 
+@pytest.mark.parametrize("kind,n", [("local", 2), ("virtual", 3)])
+def test_fused_ll_moves_eight_byte_messages_in_halves_of_ll_units(torch, kind, n):
+    """8-byte messages of every standard collective (chunks of 4 bytes or fewer): fused-ll
+    runs those of 4-byte multiples with a thread per 4-byte half of an LL unit, against the
+    reference over three calls (bf16 and float32); 2-byte chunks are refused, naming why."""
+    from purlin.errors import CapabilityError
+
+    cluster = _cluster(kind, n)
+    gen = np.random.default_rng(15)
+    ran = set()
+    for name in STANDARD:
+        for dtype in ("bfloat16", "float32"):
+            coll = standard(name, n, root=n - 1)
+            sizing = _sizing(coll, 8 * n // 2, dtype, False)
+            try:
+                bound = cluster.bind(coll, "direct-push", sizing=sizing, protocol="fused-ll")
+            except CapabilityError as exc:
+                assert "not whole 4-byte items" in str(exc) or "LL transfer's" in str(exc), exc
+                continue
+            assert bound.launches[0][1].kernel == "fused"
+            _check(torch, bound, sizing, gen, calls=3)
+            ran.add(name)
+    assert {"all-gather", "reduce-scatter", "all-to-all"} <= ran, ran
+
+
 def test_auto_falls_back_to_the_interpreter_where_it_must(torch):
-    """The tuning table's fused choices hold for nearby sizes; at 8 bytes (half an item) and
-    at odd sizes auto runs the interpreter with the same signalling, and gets it right."""
+    """The tuning table's fused choices hold for nearby sizes; at odd sizes (no whole
+    4-byte items) auto runs the interpreter with the same signalling, and gets it right."""
     cluster = _cluster("local", 2)
     gen = np.random.default_rng(14)
     for nbytes in (8, 1000, 4096):

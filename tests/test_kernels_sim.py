@@ -592,6 +592,36 @@ def fused_all_reduce_equals_the_interpreter_bit_for_bit():
 
 
 @case
+def fused_four_byte_halves_equal_the_interpreter():
+    """8-byte reduce-scatter and all-gather (bf16: 4-byte chunks), rank 0 fused in halves of
+    LL units over two calls: its (data, tag) half in the peer's area (all-gather; the
+    reduce-scatter's rank 0 sends with a flag, and receives LL), then the same bits as the
+    interpreter's rows."""
+    from purlin.kernels import isa, sim
+    from purlin.spec import collectives
+
+    for coll in (collectives.reduce_scatter(2), collectives.all_gather(2)):
+        s, xs, outs, ll, lowered, keep = _fused_setup(coll, "bfloat16", 4)
+        _, err, abort, launch = _run_fused(lowered[0], blocks=2, threads=2, unit=4)
+        for call in range(2):
+            _peer_units(lowered, ll, 0, call)
+            launch()
+            assert err[isa.E_CODE] == 0, (coll.name, err)
+            table = lowered[0].tables[call % len(lowered[0].tables)]
+            for put in (r for r in table if r[isa.OP] == isa.LL_PUT):  # all-gather's
+                word = np.frombuffer(ctypes.string_at(int(lowered[0].srcs[put[isa.SRC]]), 4),
+                                     np.uint32)[0]
+                at = (int(put[isa.DST]) - ll[1].ctypes.data) // 4
+                assert list(ll[1][at: at + 2]) == [word, call + 1], (coll.name, ll[1][at:])
+            fused_out = outs[0].copy()
+            outs[0][:] = 0
+            rank0 = sim.HostRank.from_lowered(lowered[0])
+            rank0.epoch[0] = call
+            sim.run_simulated([rank0], threads=4)
+            assert (fused_out == outs[0]).all(), (coll.name, call, fused_out, outs[0])
+
+
+@case
 def fused_all_gather_and_int32_all_to_all():
     """Copy sinks: a 3-rank all-gather (float32) and an int32 all-to-all, rank 0 fused,
     against numpy."""

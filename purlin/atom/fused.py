@@ -48,7 +48,8 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
                                 OPCODE_NAMES, PEER, PER_CALL, REDOP, REDUCE, SOURCE_WIDTH, SRC,
                                 STEP, VALUE, WAIT)
 
-__all__ = ["FusedProgram", "fuse_problem", "fused_problems", "grid", "program", "rank_ops"]
+__all__ = ["FusedProgram", "UNITS", "fuse_problem", "fused_problems", "fused_unit", "grid",
+           "program", "rank_ops"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
@@ -202,6 +203,21 @@ def _check_ranks(ops_by_rank: list[list[tuple]]) -> None:
                                "bytes: their items would fall to different blocks")
 
 
+UNITS = {"fused": (16,), "fused-ll": (8, 4)}  # bytes a thread takes at a time, largest first
+
+
+def fused_unit(lowered: list[LoweredRank], protocol: str) -> tuple[int, str | None]:
+    """(unit, None) for the largest unit ``protocol``'s fused programs can take on the ranks
+    of ``lowered`` ("fused": 16-byte items; "fused-ll": 8-byte LL units, else 4-byte halves
+    of them for rows of 4-byte multiples -- an 8-byte message's chunks), or (the smallest
+    unit, why not even that)."""
+    for unit in UNITS[protocol]:
+        problem = fuse_problem(lowered, unit)
+        if problem is None:
+            return unit, None
+    return unit, problem
+
+
 def fuse_problem(lowered: list[LoweredRank], unit: int = 16) -> str | None:
     """Why the ranks of ``lowered`` cannot run as fused programs taking ``unit`` bytes per
     thread at a time (a sentence naming the rank and row), or None."""
@@ -217,11 +233,11 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16)
     first): ``error`` is the address of the rank's error record (``isa.ERR_WIDTH`` words),
     ``abort`` that of the cluster's abort word, ``flag_slot(address)`` the address of block
     0's slot for a lowered flag (block b's is ``8 * b`` further); every thread takes ``unit``
-    bytes (16, or 8: one LL unit, twice the threads for LL transfers) of a row at a time --
-    every rank of a cluster the same."""
-    if unit not in (8, 16):
-        raise CapabilityError(f"a fused program moves 16 or 8 bytes per thread at a time, not "
-                              f"{unit}")
+    bytes (16; 8: one LL unit, twice the threads for LL transfers; 4: half an LL unit) of a
+    row at a time -- every rank of a cluster the same (:func:`fused_unit` picks it)."""
+    if unit not in (4, 8, 16):
+        raise CapabilityError(f"a fused program moves 16, 8 or 4 bytes per thread at a time, "
+                              f"not {unit}")
     ops = rank_ops(low, unit)
     moves = [op for op in ops if op[0] == "move"]
     dt = moves[0][5] if moves else 0
@@ -296,8 +312,8 @@ def fused_problems(schedule) -> dict:
         ll[r] = bases[(r, "scratch")] + scratch[r] * schedule.scratch_copies
     flags = {r: bases[(r, "flags")] for r in range(n)}  # 1 TiB apart: room for any buffer
     out = {}
-    for protocol, ll_bases, unit in (("fused", None, 16), ("fused-ll", ll, 8)):
+    for protocol, ll_bases in (("fused", None), ("fused-ll", ll)):
         low = lower(schedule, bases, flags, blocks_per_lane=1, scratch_bytes=scratch,
                     ll_bases=ll_bases)
-        out[protocol] = fuse_problem(low, unit)
+        out[protocol] = fused_unit(low, protocol)[1]
     return out

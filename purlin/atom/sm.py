@@ -103,10 +103,11 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     16-byte items of every row on every rank and each flag has a slot per block, so a block
     waits only for the same block of its peers and nothing needs a lane barrier;
     ``"fused-ll"`` does that with the LL transfers (read in place: no scratch round trip; a
-    thread takes one 8-byte LL unit at a time).
+    thread takes one 8-byte LL unit at a time, or half of one where every row is a 4-byte
+    multiple but not an 8-byte one).
     ``blocks_per_lane`` is then the blocks of each rank (by default about one item per thread,
     :func:`purlin.atom.fused.grid`); a schedule the fused kernel cannot run is refused with
-    the reason (:func:`purlin.atom.fused.fuse_problem`) -- or, with ``fallback=True`` (what
+    the reason (:func:`purlin.atom.fused.fused_unit`) -- or, with ``fallback=True`` (what
     ``strategy="auto"`` asks for: a tuning table's choice for a nearby size), run by the
     interpreter with the same signalling ("ll" or "simple") and its default blocks.
     ``pdl=True`` (sm_90+) launches with programmatic dependent launch, overlapping each call's
@@ -225,14 +226,14 @@ class SmBound:
         """One fused program per rank (purlin.atom.fused), packed per device at a common
         stride, with a flag slot per block; the executor's control words keep the error
         record, so check() reads it."""
-        from purlin.atom.fused import fuse_problem, grid, program
+        from purlin.atom.fused import fused_unit, grid, program
         from purlin.kernels.launch import Launcher
 
         torch = self.torch
         # LL transfers go one 8-byte unit per thread (twice the threads polling at once, as
-        # the hand-written LL kernel of run AE); flags and plain copies 16 bytes
-        unit = 8 if self.protocol == "fused-ll" else 16
-        problem = fuse_problem(self.lowered, unit)
+        # the hand-written LL kernel of run AE), or half of one where rows are 4-byte
+        # multiples; flags and plain copies 16 bytes
+        unit, problem = fused_unit(self.lowered, self.protocol)
         if problem:
             raise CapabilityError(f"protocol={self.protocol!r} cannot run "
                                   f"{self.schedule.title()}: {problem}")

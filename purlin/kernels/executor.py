@@ -17,9 +17,10 @@ Thread 0 reads the rank's EPOCH once at block start; on odd epochs the rows come
 its lane's rows in order, with a ``syncthreads`` after every row. COPY and REDUCE split the
 elements over the lane's blocks x threads. NOTIFY: after that barrier, thread 0
 adds VALUE with a system-scope release, which is cumulative over the block's
-writes (each block of the lane adds separately). WAIT: thread 0 spins with acquire loads; on expiry it writes the error record, raises the shared ABORT word and the
-block leaves its rows; a block that sees ABORT while waiting leaves too, recording
-``ERR_ABORTED`` if its rank has no record yet.
+writes (each block of the lane adds separately). WAIT: thread 0 spins with acquire loads; on
+expiry it writes the error record, raises the shared ABORT word and the block leaves its
+rows; a block that sees ABORT while waiting leaves too, recording ``ERR_ABORTED`` if its rank
+has no record yet.
 
 LL_PUT / LL_GET (``isa``: flags inside the data): every thread of the lane stores, or polls
 and unpacks, its own 16-byte units; the tag is this call's ``epoch % LL_TAG_MOD + 1``; an LL_GET

@@ -7,7 +7,8 @@ sources). Rank slot ``s`` of a launch reads its program at ``desc_ptr + s * stri
 ``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b; zero before the first call); its
 ``blocks_per_rank`` blocks share the work.
 
-Every thread of a rank takes items (the program's unit: 16 data bytes, or 8 -- one LL unit)
+Every thread of a rank takes items (the program's unit: 16 data bytes, 8 -- one LL unit -- or
+4, half an LL unit, for rows of 4-byte multiples)
 ``g, g + stride, ...`` of every row, where ``g`` is its index in the rank's grid -- the same
 items on every rank, since every rank runs the same grid. So a block only ever meets the
 items its own threads and the same block of its peers touch, and flags have one slot per
@@ -18,7 +19,8 @@ block:
 * NOTIFY: the block synchronizes, then thread 0 adds to its block's slot on the peer with a
   system-scope release (cumulative over the block's writes);
 * PUT (LL): each item as LL units ({data, tag, data, tag} per 8 bytes, tag = ``epoch %
-  LL_TAG_MOD + 1``) into a peer's LL area -- the tags are the flag;
+  LL_TAG_MOD + 1``; a 4-byte item as one 8-byte {data, tag} half) into a peer's LL area --
+  the tags are the flag;
 * MOVE: each item of the destination from its sources in order (a copy for one source, else
   the reduction, bfloat16 / float16 accumulated in float32 as the interpreter does); an LL
   source is polled until both tags of its units are this call's. With 16-byte items, plain
@@ -46,7 +48,7 @@ from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_b
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
                                        load_u32, load_v4_u32, load_volatile_v4_u32,
                                        red_release_add, store_i64, store_u32, store_v4_u32,
-                                       store_volatile_v4_u32)
+                                       store_volatile_v2_u32, store_volatile_v4_u32)
 from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LANE, E_PEER,
                                 E_RANK, E_SEEN, E_STEP, ERR_ABORTED, ERR_TIMEOUT, F16, F32,
                                 F_ABORT, F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS,
@@ -57,20 +59,32 @@ SPINS_PER_CHECK = 64
 
 
 @device
-def _poll(unit, tag, timeout_ns, abort):
-    """Spin on one LL unit: (0 | ERR_TIMEOUT | ERR_ABORTED, tag seen, data lo, data hi)."""
+def _ready(v, tag, half):
+    """Does LL unit ``v`` carry ``tag`` in both halves (``half`` -1), or in half 0 / 1?"""
+    if half < 0:
+        return v[1] == tag and v[3] == tag
+    if half == 0:
+        return v[1] == tag
+    return v[3] == tag
+
+
+@device
+def _poll(unit, tag, timeout_ns, abort, half):
+    """Spin on one LL unit until :func:`_ready`: (0 | ERR_TIMEOUT | ERR_ABORTED, tag seen, data
+    lo, data hi)."""
     v = load_volatile_v4_u32(unit)
-    if v[1] == tag and v[3] == tag:
+    if _ready(v, tag, half):
         return 0, np.int64(tag), np.int64(v[0]), np.int64(v[2])
     deadline = globaltimer() + timeout_ns
     spins = 0
-    while v[1] != tag or v[3] != tag:
+    while not _ready(v, tag, half):
         spins += 1
         if spins % SPINS_PER_CHECK == 0:
+            seen = np.int64(v[3] if half == 1 else v[1])
             if load_acquire(abort) != 0:
-                return ERR_ABORTED, np.int64(v[1]), np.int64(0), np.int64(0)
+                return ERR_ABORTED, seen, np.int64(0), np.int64(0)
             if globaltimer() > deadline:
-                return ERR_TIMEOUT, np.int64(v[1]), np.int64(0), np.int64(0)
+                return ERR_TIMEOUT, seen, np.int64(0), np.int64(0)
         v = load_volatile_v4_u32(unit)
     return 0, np.int64(tag), np.int64(v[0]), np.int64(v[2])
 
@@ -109,10 +123,10 @@ def _source(meta, head, at, item, odd, tag, timeout_ns, abort):
         return (0, np.int64(0), addr, np.int64(w[0]), np.int64(w[1]), np.int64(w[2]),
                 np.int64(w[3]))
     unit = addr + item * 32
-    code, seen, w0, w1 = _poll(unit, tag, timeout_ns, abort)
+    code, seen, w0, w1 = _poll(unit, tag, timeout_ns, abort, -1)
     if code != 0:
         return code, seen, unit, w0, w1, w0, w1
-    code, seen, w2, w3 = _poll(unit + 16, tag, timeout_ns, abort)
+    code, seen, w2, w3 = _poll(unit + 16, tag, timeout_ns, abort, -1)
     return code, seen, unit + 16, w0, w1, w2, w3
 
 
@@ -223,8 +237,65 @@ def _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort):
         return (0, np.int64(0), addr, np.int64(load_u32(addr + unit_i * 8)),
                 np.int64(load_u32(addr + unit_i * 8 + 4)))
     unit = addr + unit_i * 16
-    code, seen, w0, w1 = _poll(unit, tag, timeout_ns, abort)
+    code, seen, w0, w1 = _poll(unit, tag, timeout_ns, abort, -1)
     return code, seen, unit, w0, w1
+
+
+@device
+def _source4(meta, head, at, i, odd, tag, timeout_ns, abort):
+    """4-byte item ``i`` of a source (half of an LL unit): (code, tag seen, address polled,
+    word)."""
+    addr = _word(meta, head, at + 1 + odd)
+    if _word(meta, head, at) == 0:
+        return 0, np.int64(0), addr, np.int64(load_u32(addr + i * 4))
+    unit = addr + (i >> 1) * 16
+    code, seen, lo, hi = _poll(unit, tag, timeout_ns, abort, i & 1)
+    return code, seen, unit, hi if i & 1 else lo
+
+
+@device
+def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, abort):
+    """:func:`_move_unit` for 4 bytes (half an LL unit: rows of 4-byte multiples, 4-byte
+    aligned): two 16-bit or one 32-bit element."""
+    dst = _word(meta, head, op_at + 1 + odd) + i * 4
+    nsrc = _word(meta, head, op_at + 4)
+    at = _word(meta, head, op_at + 5)
+    code, seen, unit, w = _source4(meta, head, at, i, odd, tag, timeout_ns, abort)
+    if code != 0:
+        return code, seen, unit, at
+    if nsrc == 1:
+        store_u32(dst, w)
+        return 0, seen, unit, at
+    div = np.float32(divisor)
+    if dt == BF16 or dt == F16:
+        a0, a1 = unpack_half2(w, dt)
+        for s in range(1, nsrc):
+            entry = at + s * SOURCE_WIDTH
+            code, seen, unit, v = _source4(meta, head, entry, i, odd, tag, timeout_ns, abort)
+            if code != 0:
+                return code, seen, unit, entry
+            b0, b1 = unpack_half2(v, dt)
+            a0, a1 = combine(a0, b0, redop), combine(a1, b1, redop)
+        store_u32(dst, pack_half2(avg_float(a0, redop, div), avg_float(a1, redop, div), dt))
+    elif dt == F32:
+        f = bits_to_f32(w)
+        for s in range(1, nsrc):
+            entry = at + s * SOURCE_WIDTH
+            code, seen, unit, v = _source4(meta, head, entry, i, odd, tag, timeout_ns, abort)
+            if code != 0:
+                return code, seen, unit, entry
+            f = combine(f, bits_to_f32(v), redop)
+        store_u32(dst, f32_to_bits(avg_float(f, redop, div)))
+    else:  # I32
+        n = _signed(w)
+        for s in range(1, nsrc):
+            entry = at + s * SOURCE_WIDTH
+            code, seen, unit, v = _source4(meta, head, entry, i, odd, tag, timeout_ns, abort)
+            if code != 0:
+                return code, seen, unit, entry
+            n = combine(n, _signed(v), redop)
+        store_u32(dst, avg_int(n, redop, divisor))
+    return 0, seen, unit, at
 
 
 @device
@@ -372,7 +443,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     first_put = meta[F_NOPS] > 0 and meta[F_HEAD] == F_OP_PUT
     if first_put and g < meta[F_HEAD + 4] // unit_bytes:
         src = meta[F_HEAD + 1]
-        if unit_bytes == 8:
+        if unit_bytes == 4:
+            p0 = load_u32(src + g * 4)
+        elif unit_bytes == 8:
             p0, p1 = load_u32(src + g * 8), load_u32(src + g * 8 + 4)
         else:
             w = load_v4_u32(src + g * 16)
@@ -403,14 +476,18 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             items = _word(meta, head, at + 4) // unit_bytes
             i = g
             if k == 0 and i < items:  # the item read with the counter
-                if unit_bytes == 8:
+                if unit_bytes == 4:
+                    store_volatile_v2_u32(dst + i * 8, (p0, tag))
+                elif unit_bytes == 8:
                     store_volatile_v4_u32(dst + i * 16, (p0, tag, p1, tag))
                 else:
                     store_volatile_v4_u32(dst + i * 32, (p0, tag, p1, tag))
                     store_volatile_v4_u32(dst + i * 32 + 16, (p2, tag, p3, tag))
                 i += stride
             while i < items:
-                if unit_bytes == 8:
+                if unit_bytes == 4:
+                    store_volatile_v2_u32(dst + i * 8, (load_u32(src + i * 4), tag))
+                elif unit_bytes == 8:
                     store_volatile_v4_u32(dst + i * 16, (load_u32(src + i * 8), tag,
                                                          load_u32(src + i * 8 + 4), tag))
                 else:
@@ -435,7 +512,10 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                 i = _reduce_pairs_half(meta, head, first, nsrc, _word(meta, head, at + 1 + odd),
                                        items, g, stride, odd, dt, redop, divisor)
             while i < items:
-                if unit_bytes == 8:
+                if unit_bytes == 4:
+                    code, seen, unit, entry = _move_four(meta, head, at, i, odd, tag, dt, redop,
+                                                         divisor, timeout_ns, abort)
+                elif unit_bytes == 8:
                     code, seen, unit, entry = _move_unit(meta, head, at, i, odd, tag, dt, redop,
                                                          divisor, timeout_ns, abort)
                 else:

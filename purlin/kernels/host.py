@@ -84,6 +84,21 @@ class _Memory:
             _bytes(dst, units.nbytes)[:] = units.view(np.uint8).ravel()
             self.cond.notify_all()
 
+    def ll_put_half(self, dst: int, data: bytes, tag: int) -> None:
+        """4 data bytes as one 8-byte (data, tag) half of an LL unit (the other half is
+        another item's)."""
+        with self.cond:
+            _bytes(dst, 8)[:] = np.array([int.from_bytes(data, "little"), tag],
+                                         np.uint32).view(np.uint8)
+            self.cond.notify_all()
+
+    def ll_get_half(self, src: int, tag: int, what: str) -> bytes:
+        view = _bytes(src, 8).view(np.uint32)
+        with self.cond:
+            if not self.cond.wait_for(lambda: bool(view[1] == tag), self.timeout):
+                raise PurlinTimeoutError(f"{what}: an LL half never carried tag {tag}")
+            return view[:1].tobytes()
+
     def ll_get(self, src: int, nbytes: int, tag: int, what: str) -> bytes:
         n = (nbytes + isa.LL_DATA - 1) // isa.LL_DATA
         view = _bytes(src, n * isa.LL_UNIT).view(np.uint32).reshape(n, 4)
@@ -340,9 +355,9 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
         elif op[0] == isa.F_OP_NOTIFY:
             mem.add(op[1] + 8 * block, op[2])
         elif op[0] == isa.F_OP_PUT:
+            put = mem.ll_put_half if unit == 4 else mem.ll_put  # 4 bytes: half an LL unit
             for i in _items(op[4], unit, block, blocks, threads):
-                mem.ll_put(op[2 + odd] + 2 * unit * i, _bytes(op[1] + unit * i, unit).tobytes(),
-                           tag)
+                put(op[2 + odd] + 2 * unit * i, _bytes(op[1] + unit * i, unit).tobytes(), tag)
         else:
             if delay:
                 time.sleep(delay)
@@ -354,7 +369,9 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
                 raw = []
                 for is_ll, even, odd_at, _, _ in sources:
                     at = (odd_at if odd else even)
-                    if is_ll:
+                    if is_ll and unit == 4:
+                        raw.append(mem.ll_get_half(at + 8 * i, tag, what))
+                    elif is_ll:
                         raw.append(mem.ll_get(at + 2 * unit * i, unit, tag, what))
                     else:
                         raw.append(_bytes(at + unit * i, unit).tobytes())

@@ -18,7 +18,8 @@ serves every collective. Each helper below exists twice, with the same name and 
 ``load_u8/u16/u32(a)``      zero-extended to int64; ``load_i32``, ``load_i64``, ``load_f32/f64``
 ``store_u8/u16/u32(a, v)``  truncating stores; ``store_i64``, ``store_f32``, ``store_f64``
 ``load_volatile_v4_u32(a)`` ``ld.volatile.global.v4.u32`` (LL receivers poll with it)
-``store_volatile_v4_u32``   ``st.volatile.global.v4.u32`` (LL senders: two (data, tag) pairs)
+``store_volatile_v4_u32``   ``st.volatile.global.v4.u32`` (LL senders: two (data, tag) pairs;
+                            ``_v2``: one)
 ``load_acquire(a)``         ``ld.acquire.sys.global.u64``
 ``red_release_add(a, v)``   ``red.release.sys.global.add.u64``
 ``atomic_add(a, v)``        ``atom.acq_rel.gpu.global.add.u64``, returns the old value
@@ -255,47 +256,61 @@ def _compiled() -> SimpleNamespace:
 
         return pack
 
-    u32x4 = types.UniTuple(types.uint32, 4)
+    def volatile_load(n: int):
+        """``ld.volatile.global.v{n}.u32`` as an n-tuple of uint32: polled by LL receivers
+        (never cached in a register)."""
+        tup = types.UniTuple(types.uint32, n)
+        outs = ", ".join(f"${k}" for k in range(n))
+        text = f"ld.volatile.global.v{n}.u32 {{{outs}}}, [${n}];"
 
-    @intrinsic
-    def load_volatile_v4_u32(typingctx, addr):
-        """``ld.volatile.global.v4.u32``: polled by LL receivers (never cached in a register)."""
-        if not isinstance(addr, types.Integer):
-            return None
+        @intrinsic
+        def load_volatile(typingctx, addr):
+            if not isinstance(addr, types.Integer):
+                return None
 
-        def codegen(context, builder, sig, args):
-            a = address(context, builder, sig.args[0], args[0])
-            ret = ir.LiteralStructType([i32] * 4)
-            out = asm(builder, ret, [i64], "ld.volatile.global.v4.u32 {$0, $1, $2, $3}, [$4];",
-                      "=r,=r,=r,=r,l,~{memory}", [a])
-            items = [builder.extract_value(out, i) for i in range(4)]
-            return context.make_tuple(builder, u32x4, items)
+            def codegen(context, builder, sig, args):
+                a = address(context, builder, sig.args[0], args[0])
+                ret = ir.LiteralStructType([i32] * n)
+                out = asm(builder, ret, [i64], text, "=r," * n + "l,~{memory}", [a])
+                items = [builder.extract_value(out, i) for i in range(n)]
+                return context.make_tuple(builder, tup, items)
 
-        return u32x4(addr), codegen
+            return tup(addr), codegen
 
-    @intrinsic
-    def store_volatile_v4_u32(typingctx, addr, values):
-        """``st.volatile.global.v4.u32``: one 16-byte store of two (data, tag) pairs (LL)."""
-        if not (isinstance(addr, types.Integer) and isinstance(values, types.BaseTuple)
-                and len(values) == 4):
-            return None
+        return load_volatile
 
-        def codegen(context, builder, sig, args):
-            a = address(context, builder, sig.args[0], args[0])
-            items = [context.cast(builder, item, ty, types.uint32) for item, ty in
-                     zip(cgutils.unpack_tuple(builder, args[1], 4), sig.args[1].types)]
-            asm(builder, ir.VoidType(), [i64] + [i32] * 4,
-                "st.volatile.global.v4.u32 [$0], {$1, $2, $3, $4};", "l,r,r,r,r,~{memory}",
-                [a] + items)
-            return context.get_dummy_value()
+    def volatile_store(n: int):
+        """``st.volatile.global.v{n}.u32`` of an n-tuple: LL senders' (data, tag) pairs."""
+        ins = ", ".join(f"${k + 1}" for k in range(n))
+        text = f"st.volatile.global.v{n}.u32 [$0], {{{ins}}};"
 
-        return types.void(addr, values), codegen
+        @intrinsic
+        def store_volatile(typingctx, addr, values):
+            if not (isinstance(addr, types.Integer) and isinstance(values, types.BaseTuple)
+                    and len(values) == n):
+                return None
+
+            def codegen(context, builder, sig, args):
+                a = address(context, builder, sig.args[0], args[0])
+                items = [context.cast(builder, item, ty, types.uint32) for item, ty in
+                         zip(cgutils.unpack_tuple(builder, args[1], n), sig.args[1].types)]
+                asm(builder, ir.VoidType(), [i64] + [i32] * n, text,
+                    "l" + ",r" * n + ",~{memory}", [a] + items)
+                return context.get_dummy_value()
+
+            return types.void(addr, values), codegen
+
+        return store_volatile
+
+    load_volatile_v4_u32, store_volatile_v4_u32 = volatile_load(4), volatile_store(4)
+    store_volatile_v2_u32 = volatile_store(2)
 
     return SimpleNamespace(
         griddep_launch_dependents=griddep_launch_dependents,
         griddep_wait=griddep_wait,
         load_volatile_v4_u32=load_volatile_v4_u32,
         store_volatile_v4_u32=store_volatile_v4_u32,
+        store_volatile_v2_u32=store_volatile_v2_u32,
         load_v4_u32=vector_load(types.uint32, 4),
         load_v4_f32=vector_load(types.float32, 4),
         load_v4_i32=vector_load(types.int32, 4),
@@ -415,19 +430,26 @@ def _simulated() -> SimpleNamespace:
     def f32x2_to_bf16x2(lo, hi):
         return to_bf16(lo) | (to_bf16(hi) << 16)
 
-    def load_volatile_v4_u32(addr):
-        with lock:  # one 16-byte unit at a time, as the GPU's 8-byte halves are
-            return load("<4I", scalar=False)(addr)
+    def volatile(fmt):  # one LL unit (or half) at a time, as the GPU's 8-byte halves are
+        def load_volatile(addr):
+            with lock:
+                return load(fmt, scalar=False)(addr)
 
-    def store_volatile_v4_u32(addr, values):
-        with lock:
-            store("<4I", bits=32, scalar=False)(addr, values)
+        def store_volatile(addr, values):
+            with lock:
+                store(fmt, bits=32, scalar=False)(addr, values)
+
+        return load_volatile, store_volatile
+
+    load_volatile_v4_u32, store_volatile_v4_u32 = volatile("<4I")
+    store_volatile_v2_u32 = volatile("<2I")[1]
 
     return SimpleNamespace(
         griddep_launch_dependents=lambda: None,  # one launch at a time in the simulator
         griddep_wait=lambda: None,
         load_volatile_v4_u32=load_volatile_v4_u32,
         store_volatile_v4_u32=store_volatile_v4_u32,
+        store_volatile_v2_u32=store_volatile_v2_u32,
         load_v4_u32=load("<4I", scalar=False),
         load_v4_f32=load("<4f", scalar=False, convert=np.float32),
         load_v4_i32=load("<4i", scalar=False),
@@ -490,6 +512,7 @@ griddep_launch_dependents = _impl.griddep_launch_dependents
 griddep_wait = _impl.griddep_wait
 load_volatile_v4_u32 = _impl.load_volatile_v4_u32
 store_volatile_v4_u32 = _impl.store_volatile_v4_u32
+store_volatile_v2_u32 = _impl.store_volatile_v2_u32
 load_v4_u32 = _impl.load_v4_u32
 load_v4_f32 = _impl.load_v4_f32
 load_v4_i32 = _impl.load_v4_i32

@@ -193,7 +193,8 @@ class HostRank:
         host.nlanes = len(host.lanes) - 1
         host.desc[isa.D_TABLE], host.desc[isa.D_TABLE_ODD] = (host.table.ctypes.data,
                                                               host.table_odd.ctypes.data)
-        host.desc[isa.D_LANES], host.desc[isa.D_SRCS] = host.lanes.ctypes.data, host.pool.ctypes.data
+        host.desc[isa.D_LANES] = host.lanes.ctypes.data
+        host.desc[isa.D_SRCS] = host.pool.ctypes.data
         host.desc[isa.D_NLANES] = host.nlanes
         return host
 

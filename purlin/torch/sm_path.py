@@ -66,10 +66,9 @@ class SmPrepared:
         self._refused: set = set()  # pairs the fused kernel cannot run relocated
         self.counters_ptr = 0  # the fused kernel's call counters
         if self.fused:
-            from purlin.atom.fused import fuse_problem
+            from purlin.atom.fused import fused_unit
 
-            self.unit = 8 if protocol == "fused-ll" else 16
-            problem = fuse_problem(self.all_lowered, self.unit)
+            self.unit, problem = fused_unit(self.all_lowered, protocol)
             if problem:  # the communicator checked the plan: this is a bug, said on every rank
                 raise CapabilityError(f"protocol={protocol!r} cannot run "
                                       f"{schedule.title()} here: {problem}")
