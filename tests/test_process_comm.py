@@ -367,7 +367,8 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     small = plan(ar, "direct-push", nbytes=16 << 10, dtype="bfloat16")
     big = plan(ar, "direct-push", nbytes=2 * LL_MAX_BYTES, dtype="bfloat16")
     ring = plan(ar, "ring", nbytes=16 << 10, dtype="bfloat16", chunks=2, lanes=2)
-    odd = plan(ar, "direct-push", count=6, dtype="bfloat16")  # chunks of 6 bytes
+    odd = plan(ar, "direct-push", dtype="bfloat16",  # 6 bytes: no whole 4-byte items
+               sizing=ar.sized(chunk_sizes={0: 1, 1: 2}, dtype="bfloat16"))
 
     def runs(schedule, protocol, datapath="sm", pdl=None, choice=None):
         comm = SimpleNamespace(protocol=protocol, datapath=datapath, pdl=pdl)

@@ -73,8 +73,9 @@ class Communicator:
     can prove safe carrying their flags inside the data, for messages up to ``LL_MAX_BYTES``
     (``purlin.atom.sm.bind``); ``"fused"`` / ``"fused-ll"`` run the fused kernel
     (:mod:`purlin.kernels.fused`: one pass per row, flag slots per block; LL up to
-    ``LL_MAX_BYTES``) where it can run the size's plan, else the interpreter; ``"auto"`` takes
-    each size's protocol from the tuning table (``purlin.runtime.auto``), else ``"simple"``.
+    ``LL_MAX_BYTES``) where it can run the size's plan, else the interpreter; ``"auto"`` (the
+    default) takes each size's protocol from the tuning table (``purlin.runtime.auto``), else
+    ``"simple"``.
     ``pdl``: programmatic dependent launch (default: the table's choice under ``"auto"``, on
     for the fused protocols, off otherwise). ``zero_copy=True`` (sm datapath):
     where the plan has no peer touch this rank's input (output), the executor reads (writes)
@@ -87,7 +88,7 @@ class Communicator:
                  chunks: int | None = None, lanes: int | None = None,
                  ranks_per_node: int | None = None, node_of_rank=None,
                  blocks_per_lane: int | None = None, threads: int = 512,
-                 protocol: str = "simple", zero_copy: bool = False, pdl: bool | None = None):
+                 protocol: str = "auto", zero_copy: bool = False, pdl: bool | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError("purlin.torch.Communicator needs torch.distributed: call "
                                  "dist.init_process_group(...) first")
