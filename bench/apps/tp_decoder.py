@@ -17,7 +17,10 @@ row-parallel products written straight into ``comm.input_buffer`` (no copy in); 
 ``zero_copy=True`` communicator (the kernel writes the result over its input there: no copy out
 either) -- and checks that every provider's layer output agrees with NCCL's (bf16
 tolerance). ``none`` skips the all-reduces (wrong results, not checked): the step without
-communication, so ``nccl / none`` bounds what any all-reduce could gain. Prints a table and
+communication, so ``nccl / none`` bounds what any all-reduce could gain; ``one-kernel`` puts
+an in-place elementwise kernel of the same size where the all-reduce was (what a kernel there
+costs, whatever it does); ``purlin-zc-nopdl`` is the zero-copy provider without programmatic
+dependent launch. Prints a table and
 writes ``<out>/tp_decoder.json``, with what each provider's all-reduce ran
 (``Communicator.plans``).
 """
@@ -145,6 +148,8 @@ def worker(rank, world, opts):
     comm = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto")
     comm_zc = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
                            zero_copy=True)
+    comm_nopdl = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
+                              zero_copy=True, pdl=False)
 
     def staging(c):  # the all-reduce's input region of communicator c, [tokens, hidden]
         return lambda hidden: (lambda tokens: c.input_buffer(
@@ -154,7 +159,9 @@ def worker(rank, world, opts):
                  "purlin": (comm.all_reduce, None),
                  "purlin-inplace": (comm.all_reduce, staging(comm)),
                  "purlin-zc-inplace": (comm_zc.all_reduce, staging(comm_zc)),
-                 "none": (lambda t: None, None)}
+                 "purlin-zc-nopdl": (comm_nopdl.all_reduce, staging(comm_nopdl)),
+                 "none": (lambda t: None, None),
+                 "one-kernel": (lambda t: t.mul_(1), None)}
     rows = []
     for hidden in opts["hidden"]:
         layer = Layer(torch, hidden, world, rank, device)
@@ -187,6 +194,7 @@ def worker(rank, world, opts):
                     row[f"{name}_tokens_per_s"] = row["tokens"] / (us * 1e-6)
                 comm.check()
                 comm_zc.check()
+                comm_nopdl.check()
                 count = batch * seq * hidden
                 row["ran"] = [{k: p.get(k) for k in ("strategy", "chunks", "lanes", "protocol",
                                                      "pdl", "blocks_per_lane")}
@@ -196,7 +204,7 @@ def worker(rank, world, opts):
                 row["output_scale"] = scale
                 row["agree"] = True
                 for name in providers:
-                    if name in ("nccl", "none"):
+                    if name in ("nccl", "none", "one-kernel"):
                         continue
                     diff = (outs[name] - outs["nccl"]).abs().max().item()
                     row["max_abs_diff"] = max(row.get("max_abs_diff", 0.0), diff)
@@ -204,6 +212,10 @@ def worker(rank, world, opts):
                                                         atol=2e-2 * max(scale, 1.0)))
                     row[f"{name}_speedup"] = row["nccl_us"] / row[f"{name}_us"]
                 row["bound_speedup"] = row["nccl_us"] / row["none_us"]
+                for name in ("nccl", "purlin-zc-inplace", "purlin-zc-nopdl", "one-kernel"):
+                    # what one all-reduce (or kernel) costs inside the layer: 2 per layer
+                    row[f"{name}_per_call_us"] = (row[f"{name}_us"] - row["none_us"]) / (
+                        2 * opts["layers"])
             except Exception:  # noqa: BLE001 - keep the other configurations
                 row["error"] = traceback.format_exc(limit=6)
             rows.append(row)
@@ -221,7 +233,8 @@ def print_table(rows) -> bool:
     print(f"{'hidden':>6} {'phase':>7} {'batch':>5} {'tokens':>6} {'AR size':>9} "
           f"{'nccl':>8} {'purlin':>8} {'inplace':>8} {'zc':>8} {'speedup':>7} {'inplace':>7} "
           f"{'zc':>7} {'no AR':>8} {'bound':>6} {'nccl tok/s':>11} {'purlin tok/s':>12} "
-          f"{'agree':>5} {'max|diff|':>9}  ran")
+          f"{'agree':>5} {'max|diff|':>9}  ran; per call in the layer: nccl / zc / zc no PDL "
+          "/ one kernel (us)")
     for r in rows:
         if "error" in r:
             print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} ERROR\n{r['error']}")
@@ -239,7 +252,9 @@ def print_table(rows) -> bool:
               f"{r['purlin-zc-inplace_speedup']:7.2f} {r['none_us']:8.1f} "
               f"{r['bound_speedup']:6.2f} {r['nccl_tokens_per_s']:11.0f} {best:12.0f} "
               f"{'yes' if r['agree'] else 'NO':>5} {r['max_abs_diff']:9.2g}  "
-              f"{ran.get('strategy')} {ran.get('protocol')}{' pdl' if ran.get('pdl') else ''}")
+              f"{ran.get('strategy')} {ran.get('protocol')}{' pdl' if ran.get('pdl') else ''}; "
+              + " / ".join(f"{r[f'{n}_per_call_us']:.1f}" for n in (
+                  "nccl", "purlin-zc-inplace", "purlin-zc-nopdl", "one-kernel")))
         ok &= r["agree"]
     return ok
 
