@@ -91,10 +91,11 @@ class SmPrepared:
 
     def launch(self, src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
                capturing: bool = False) -> None:
-        """Launch this rank's executor. With ``src`` / ``dst`` (tensors :meth:`movable` said
-        the executor may use in place of the staging regions) it reads its input from ``src``
+        """Launch this rank's kernel. With ``src`` / ``dst`` (tensors :meth:`movable` said
+        the kernel may use in place of the staging regions) it reads its input from ``src``
         and writes its output into ``dst``: no copy in or out. Each pair of addresses gets a
-        relocated copy of the table (kept; the ones used in a graph capture for ever)."""
+        relocated copy of the table or fused program (kept; the ones used in a graph capture
+        for ever)."""
         desc_ptr = self.desc_ptr
         if src is not None or dst is not None:
             desc_ptr = self._relocated(src, dst, capturing)
