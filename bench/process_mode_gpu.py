@@ -16,9 +16,9 @@ size with new data, and notes any fallback. Then:
 * timeout: rank 1 skips a call; rank 0's check() must raise PurlinTimeoutError naming rank 1.
 
 Prints tables and writes ``<out>/process_mode_gpu.json`` (``--out`` may name a .json file).
-``--protocol`` picks the communicator's protocol (``ll``: messages up to 256 KiB as LL;
-``fused`` / ``fused-ll``: the fused kernel where it can run the plan; ``auto``: each size's from
-the tuning table); ``--zero-copy`` runs on one that skips the copies in and out where the plan
+``--protocol`` picks the communicator's protocol (its default ``auto``: each size's from the
+tuning table; ``simple``: the interpreter with flags; ``ll``: messages up to 256 KiB as LL;
+``fused`` / ``fused-ll``: the fused kernel where it can run the plan); ``--zero-copy`` runs on one that skips the copies in and out where the plan
 allows. The latency rows name what each size ran (``Communicator.plans``).
 """
 
@@ -214,7 +214,7 @@ def latency(torch, dist, comm, rank, n, device, opts):
     return rows
 
 
-def timeout_check(torch, dist, rank, n, device, protocol="simple"):
+def timeout_check(torch, dist, rank, n, device, protocol="auto"):
     from purlin.errors import PurlinTimeoutError
     from purlin.torch import Communicator
 
@@ -249,7 +249,7 @@ def worker(rank, n, opts):
         warnings.simplefilter("always", RuntimeWarning)
         t0 = time.perf_counter()
         comm = Communicator(staging_bytes=opts["staging"], timeout=10.0,
-                            protocol=opts.get("protocol", "simple"),
+                            protocol=opts.get("protocol", "auto"),
                             zero_copy=opts.get("zero_copy", False))
         report["setup_s"] = time.perf_counter() - t0
         for section, fn in (("correctness", correctness), ("graph", graph_check),
@@ -266,7 +266,7 @@ def worker(rank, n, opts):
     if "timeout" in opts["sections"]:
         try:
             report["timeout"] = timeout_check(torch, dist, rank, n, device,
-                                              opts.get("protocol", "simple"))
+                                              opts.get("protocol", "auto"))
         except Exception:  # noqa: BLE001
             report["timeout"] = {"error": traceback.format_exc(limit=6)}
     return report
@@ -362,7 +362,7 @@ def main(argv=None) -> int:
     ap.add_argument("--staging", type=int, default=2560 * MiB)
     ap.add_argument("--replays", type=int, default=100)
     ap.add_argument("--sections", default="correctness,graph,latency,timeout")
-    ap.add_argument("--protocol", default="simple",
+    ap.add_argument("--protocol", default="auto",
                     choices=("simple", "ll", "fused", "fused-ll", "auto"),
                     help="the communicator's protocol (ll: flags inside the data, <= 256 KiB; "
                          "fused*: the fused kernel where it can; auto: the tuning table's)")
