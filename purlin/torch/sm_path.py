@@ -76,7 +76,7 @@ class SmPrepared:
             self.counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
             self.counters_ptr = self.counters.data_ptr()
             self.desc, items = self._program(low)
-            self.launcher = self._fused_launcher(items, blocks_per_lane, threads)
+            self.launcher = self._fused_launcher(items, blocks_per_lane)
         else:
             self.desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
             self.launcher = path.launcher(lanes, bpl, threads)
@@ -118,17 +118,19 @@ class SmPrepared:
                        flag_slot=flag_slot, unit=self.unit)
         return torch.from_numpy(prog.words).to(self.path.device), prog.items
 
-    def _fused_launcher(self, items: int, blocks_per_lane, threads):
+    def _fused_launcher(self, items: int, blocks_per_lane):
+        """The fused kernel's launcher: ``blocks_per_lane`` blocks (else the kernel's default
+        grid for ``items``) of the grid's threads -- the communicator's ``threads`` are the
+        interpreter's."""
         from purlin.atom.fused import grid
 
-        blocks, default_threads = grid(items, 1, self.path.sms, self.unit)
+        blocks, threads = grid(items, 1, self.path.sms, self.unit)
         self.blocks_per_lane = blocks_per_lane or blocks
         if self.blocks_per_lane > isa.F_MAX_BLOCKS:
             raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
                                   f"rank, got blocks_per_lane={self.blocks_per_lane}")
-        return self.path.launcher(1, self.blocks_per_lane, threads or default_threads,
-                                  kernel="fused", stride_words=int(self.desc.numel()),
-                                  pdl=self.pdl)
+        return self.path.launcher(1, self.blocks_per_lane, threads, kernel="fused",
+                                  stride_words=int(self.desc.numel()), pdl=self.pdl)
 
     MAX_MOVED = 8  # relocated tables kept outside graph captures (least recently used go)
 
@@ -315,8 +317,7 @@ class SmPath:
         fused kernel's: :func:`purlin.atom.fused.grid`). ``protocol`` / ``pdl``: as
         :class:`SmPrepared` (a fused protocol needs a layout with ``block_flags``)."""
         p = SmPrepared(self, schedule, offset, lay, self.blocks_per_lane or blocks_per_lane,
-                       self.threads if not protocol.startswith("fused") else None,
-                       protocol=protocol, pdl=pdl)
+                       self.threads, protocol=protocol, pdl=pdl)
         self.buf[offset: offset + lay.control_end].zero_()  # flags, abort, slots per block
         if lay.has_ll:  # tags restart at 1: no unit left by an earlier tenant may match
             at = offset + lay.offset(self.rank, "ll")
