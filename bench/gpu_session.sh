@@ -12,7 +12,8 @@
 #   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL;
 #               processzc: zero_copy, the caller's tensors used in place of staging copies;
 #               processzcll: zero_copy with LL up to 4 MiB; processauto: protocol auto with
-#               zero_copy, and fused-ll -- the fused kernel; tp: the decoder layer alone)
+#               zero_copy, and fused-ll -- the fused kernel; tp: the decoder layer alone;
+#               norm: all_reduce_add_rms_norm, the RMSNorm epilogue, test and checks)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   stagetests  the GPU tests of lanes by stage and push-pull alone (cestage: both against
 #               NCCL from 64 MiB)
@@ -129,6 +130,14 @@ for stage in "${stages[@]}"; do
                     --out "$OUT/process_mode_$name.json" > "$OUT/process_$name.log" 2>&1
                 echo "rc=$?"; tail -28 "$OUT/process_$name.log"
             done
+            ;;
+        norm)  # all_reduce_add_rms_norm: the GPU test, then the norm section (auto, zero-copy)
+            timeout 200 python3 -m pytest -q tests/test_gpu_process.py -p no:cacheprovider \
+                -o addopts="" --timeout 180 > "$OUT/gpu_process_tests.log" 2>&1
+            echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_process_tests.log" | tail -20
+            timeout 200 python3 bench/process_mode_gpu.py --zero-copy --sections norm \
+                --out "$OUT/process_mode_norm.json" > "$OUT/process_norm.log" 2>&1
+            echo "rc=$?"; tail -28 "$OUT/process_norm.log"
             ;;
         tp)  # the TP=2 decoder layer: NCCL against protocol auto, in place, zero-copy
             timeout 300 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1

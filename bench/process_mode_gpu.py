@@ -13,6 +13,9 @@ size with new data, and notes any fallback. Then:
            with new inputs copied in before each replay; every result compared with NCCL's;
 * latency: all_reduce bf16 per op from CUDA-graph replays (20 ops per graph), Purlin vs NCCL,
            and the wall time per eager call up to 1 MiB;
+* norm:    all_reduce_add_rms_norm against NCCL + the same add and norm in PyTorch, per dtype
+           and [rows, hidden] (fused where the kernel can end with the epilogue), under a
+           graph, and timed against its unfused equivalents;
 * timeout: rank 1 skips a call; rank 0's check() must raise PurlinTimeoutError naming rank 1.
 
 Prints tables and writes ``<out>/process_mode_gpu.json`` (``--out`` may name a .json file).
@@ -214,6 +217,109 @@ def latency(torch, dist, comm, rank, n, device, opts):
     return rows
 
 
+NORM_SHAPES = ((1, 4096), (8, 4096), (64, 4096), (1, 8192), (32, 8192), (2048, 4096), (3, 1000))
+
+
+def norm_check(torch, dist, comm, rank, n, device, opts):
+    """``comm.all_reduce_add_rms_norm`` against NCCL's all-reduce and then the same add and
+    norm in PyTorch (``purlin.torch.comm.add_rms_norm``), per dtype and [rows, hidden]: the
+    residual must be equal, the norm within a rounding, and the same bits on every rank;
+    then captured in a CUDA graph and replayed with new inputs; and timed (graph replays)
+    against NCCL + add + ``torch.rms_norm`` and Purlin's plain all-reduce + the same."""
+    from purlin.torch.comm import add_rms_norm
+
+    out = []
+    eps = 1e-5
+    for dtype_name in DTYPES:
+        dtype = getattr(torch, dtype_name)
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        for rows, hidden in NORM_SHAPES:
+            row = {"dtype": dtype_name, "rows": rows, "hidden": hidden}
+            try:
+                gen = torch.Generator(device=device).manual_seed(rows * 7 + hidden)
+                weight = (torch.rand(hidden, generator=gen, device=device) + 0.5).to(dtype)
+                residual = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
+                wrong_r = wrong_y = 0
+                same = True
+                for salt in range(2):
+                    g = torch.Generator(device=device).manual_seed(salt * 100 + rank)
+                    x = torch.randn(rows, hidden, generator=g, device=device).to(dtype)
+                    ref, ref_r = x.clone(), residual.clone()
+                    dist.all_reduce(ref)
+                    add_rms_norm(ref, ref_r, weight, eps)
+                    t, r = x.clone(), residual.clone()
+                    comm.all_reduce_add_rms_norm(t, r, weight, eps)
+                    wrong_r += int((r != ref_r).sum())
+                    far = (t.float() - ref.float()).abs() > tol * (1 + ref.float().abs())
+                    wrong_y += int(far.sum())
+                    theirs = t.clone()
+                    dist.broadcast(theirs, src=0)
+                    same &= bool(torch.equal(theirs, t))
+                torch.cuda.synchronize()
+                comm.check()
+                ran = next((p for p in comm.plans() if p["function"] == "all-reduce"
+                            and p["count"] == rows * hidden and p["dtype"] == dtype_name), {})
+                row.update(wrong_residual=wrong_r, wrong_norm=wrong_y, ranks_equal=same,
+                           fused=bool(ran.get("epilogues")), protocol=ran.get("protocol"))
+                if dtype == torch.bfloat16 and rows * hidden <= 1 << 20:
+                    row.update(_norm_graph(torch, dist, comm, rank, rows, hidden, weight, eps,
+                                           tol, device, opts))
+            except Exception:  # noqa: BLE001 - record and go on
+                row["error"] = traceback.format_exc(limit=6)
+            out.append(row)
+    return out
+
+
+def _norm_graph(torch, dist, comm, rank, rows, hidden, weight, eps, tol, device, opts):
+    """Replays of a captured all_reduce_add_rms_norm (new inputs each time, checked), then
+    per-op graph times of it and of its unfused equivalents."""
+    from purlin.torch.comm import add_rms_norm
+
+    t = torch.zeros(rows, hidden, dtype=weight.dtype, device=device)
+    r = torch.zeros_like(t)
+    comm.all_reduce_add_rms_norm(t, r, weight, eps)  # the eager first call: its program
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        comm.all_reduce_add_rms_norm(t, r, weight, eps)
+    wrong = 0
+    for i in range(opts["replays"] // 4):
+        g = torch.Generator(device=device).manual_seed(1000 + i * 10 + rank)
+        x = torch.randn(rows, hidden, generator=g, device=device).to(t.dtype)
+        r0 = torch.randn(rows, hidden, generator=torch.Generator(device=device).manual_seed(i),
+                         device=device).to(t.dtype)
+        ref, ref_r = x.clone(), r0.clone()
+        dist.all_reduce(ref)
+        add_rms_norm(ref, ref_r, weight, eps)
+        t.copy_(x)
+        r.copy_(r0)
+        graph.replay()
+        wrong += int((r != ref_r).sum())
+        wrong += int(((t.float() - ref.float()).abs() > tol * (1 + ref.float().abs())).sum())
+    torch.cuda.synchronize()
+    comm.check()
+    r.zero_()
+    t.normal_()
+
+    def nccl():
+        dist.all_reduce(t)
+        r.add_(t)
+        return torch.rms_norm(r, (hidden,), weight, eps)
+
+    def plain():
+        comm.all_reduce(t)
+        r.add_(t)
+        return torch.rms_norm(r, (hidden,), weight, eps)
+
+    times = [_time_graph(torch, dist, fn, 20, 5) for fn in (
+        lambda: comm.all_reduce_add_rms_norm(t, r, weight, eps), plain, nccl)]
+    peak = torch.tensor(times, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"graph_wrong": wrong, "graph_replays": opts["replays"] // 4,
+            "fused_us": peak[0].item(), "purlin_plain_us": peak[1].item(),
+            "nccl_us": peak[2].item()}
+
+
 def timeout_check(torch, dist, rank, n, device, protocol="auto"):
     from purlin.errors import PurlinTimeoutError
     from purlin.torch import Communicator
@@ -253,7 +359,7 @@ def worker(rank, n, opts):
                             zero_copy=opts.get("zero_copy", False))
         report["setup_s"] = time.perf_counter() - t0
         for section, fn in (("correctness", correctness), ("graph", graph_check),
-                            ("latency", latency)):
+                            ("latency", latency), ("norm", norm_check)):
             if section not in opts["sections"]:
                 continue
             try:
@@ -342,6 +448,7 @@ def print_report(reports) -> bool:
                   f"{x['nccl_eager_us']:11.1f}  {ran.get('strategy')} c{ran.get('chunks')} "
                   f"l{ran.get('lanes')} b{ran.get('blocks_per_lane')} {ran.get('protocol')}"
                   f"{' pdl' if ran.get('pdl') else ''}")
+    ok &= _print_norm(reports)
     t = r0.get("timeout")
     if t:
         print(f"\ntimeout: {t}")
@@ -354,6 +461,40 @@ def print_report(reports) -> bool:
     return ok
 
 
+def _print_norm(reports) -> bool:
+    """The all_reduce_add_rms_norm table (rank 0's rows; wrong counts summed over ranks)."""
+    rows = reports[0].get("norm")
+    if not rows:
+        return True
+    if isinstance(rows, dict):
+        print(f"norm failed:\n{rows['error']}")
+        return False
+    ok = True
+    print("\nall_reduce_add_rms_norm against NCCL + add + RMSNorm in PyTorch (wrong elements "
+          "over 2 calls, both ranks; graph: replays with new inputs); bf16 per op (us, "
+          "slowest rank): fused, Purlin all_reduce + add + torch.rms_norm, NCCL + the same")
+    print(f"{'dtype':>9} {'rows x hidden':>14} {'fused':>5} {'resid':>5} {'norm':>5} "
+          f"{'ranks=':>6} {'graph':>5} {'fused us':>8} {'plain us':>8} {'nccl us':>8} "
+          f"{'x nccl':>6}")
+    for i, row in enumerate(rows):
+        if "error" in row:
+            print(f"{row['dtype']:>9} {row['rows']}x{row['hidden']}: ERROR\n{row['error']}")
+            ok = False
+            continue
+        wrong = [sum(rep["norm"][i].get(k, 0) for rep in reports if isinstance(
+            rep.get("norm"), list)) for k in ("wrong_residual", "wrong_norm", "graph_wrong")]
+        times = ""
+        if "fused_us" in row:
+            times = (f"{row['fused_us']:8.2f} {row['purlin_plain_us']:8.2f} "
+                     f"{row['nccl_us']:8.2f} {row['nccl_us'] / row['fused_us']:6.2f}")
+        graph = str(wrong[2]) if "graph_wrong" in row else "-"
+        print(f"{row['dtype']:>9} {str(row['rows']) + 'x' + str(row['hidden']):>14} "
+              f"{'yes' if row['fused'] else 'no':>5} {wrong[0]:>5} {wrong[1]:>5} "
+              f"{'yes' if row['ranks_equal'] else 'NO':>6} {graph:>5} {times}")
+        ok &= wrong == [0, 0, 0] and row["ranks_equal"]
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
@@ -361,7 +502,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-bytes", type=int, default=256 * MiB)
     ap.add_argument("--staging", type=int, default=2560 * MiB)
     ap.add_argument("--replays", type=int, default=100)
-    ap.add_argument("--sections", default="correctness,graph,latency,timeout")
+    ap.add_argument("--sections", default="correctness,graph,latency,norm,timeout")
     ap.add_argument("--protocol", default="auto",
                     choices=("simple", "ll", "fused", "fused-ll", "auto"),
                     help="the communicator's protocol (ll: flags inside the data, <= 256 KiB; "

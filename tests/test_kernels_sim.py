@@ -673,6 +673,73 @@ def _fused_flags_rank0(dtype: str, count: int, blocks: int, threads: int):
                                                                            launch)
 
 
+def _norm_reference(total, residual, weight, hidden, eps, dtype):
+    """residual + total rounded, then rms_norm(residual) * weight with one rounding: the
+    epilogue's definition, in float64 from the rounded residual."""
+    f32 = (lambda b: _bf16_to_f32(b)) if dtype == "bfloat16" else (lambda x: x)
+    back = _bf16_bits if dtype == "bfloat16" else (lambda x: x.astype(np.float32))
+    r = back(f32(total).astype(np.float32) + f32(residual).astype(np.float32))
+    rows = f32(r).astype(np.float64).reshape(-1, hidden)
+    inv = 1 / np.sqrt((rows ** 2).mean(axis=1, keepdims=True) + eps)
+    y = back((rows * inv * f32(weight).astype(np.float64)).astype(np.float32).ravel())
+    return r, y
+
+
+@case
+def fused_epilogue_adds_the_residual_and_normalizes_rows():
+    """A 2-rank all-reduce ending with the epilogue (rank 0 fused, LL): after each of two
+    calls, the residual holds residual + sum and the output rms_norm(residual) * weight
+    (bfloat16 with 8-byte units and float32 with 16; within a rounding of float64), every
+    chunk's row sum in its slot with the call's tag; a slot that never fills times out
+    naming it. (The simulator runs a grid's blocks one after another, so one block takes
+    every chunk here; with two, block 0 waits for block 1's slot in vain.)"""
+    from purlin.atom.fused import Epilogue, program, row_sums_bytes
+    from purlin.kernels import fused, isa
+    from purlin.spec import collectives
+
+    blocks, threads, hidden, eps = 1, 4, 32, 1e-5
+    for dtype, unit in (("bfloat16", 8), ("float32", 16)):
+        s, xs, outs, ll, lowered, keep = _fused_setup(collectives.all_reduce(2), dtype, 96)
+        rng = np.random.default_rng(7)
+        residual = _random(rng, dtype, 96)
+        weight = _random(rng, dtype, hidden)
+        sums = np.zeros(row_sums_bytes(outs[0].nbytes, unit, threads) // 8, np.int64)
+        err = np.zeros(isa.ERR_WIDTH, dtype=np.int64)
+        abort = np.zeros(1, dtype=np.uint64)
+        e = Epilogue(outs[0].ctypes.data, residual.ctypes.data, weight.ctypes.data,
+                     sums.ctypes.data, hidden, eps)
+        words = program(lowered[0], err.ctypes.data, abort.ctypes.data, lambda a: a, unit,
+                        epilogue=e, threads=threads).words.copy()
+        counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
+        if dtype == "bfloat16":
+            total = _bf16_bits(_bf16_to_f32(xs[0]) + _bf16_to_f32(xs[1]))
+        else:
+            total = xs[0] + xs[1]
+        for call in range(2):
+            _peer_units(lowered, ll, 0, call)
+            want_r, want_y = _norm_reference(total, residual.copy(), weight, hidden, eps, dtype)
+            fused.fused[blocks, threads](words.ctypes.data, 1, blocks, 10_000_000, words.size,
+                                         counters.ctypes.data)
+            assert err[isa.E_CODE] == 0, (dtype, err)
+            if dtype == "bfloat16":
+                assert (residual == want_r).all(), (call, residual, want_r)
+                ulps = np.abs(outs[0].astype(np.int32) - want_y.astype(np.int32))
+                assert ulps.max() <= 1, (call, outs[0], want_y)
+            else:
+                assert np.allclose(residual, want_r, rtol=1e-6, atol=0), call
+                assert np.allclose(outs[0], want_y, rtol=1e-5, atol=1e-6), call
+            tags = sums.reshape(-1, 2)[:, 0] >> 32
+            assert (tags == call + 1).all(), (call, tags)
+        # call 3 on two blocks: block 0's first row needs block 1's slot, still call 2's
+        _peer_units(lowered, ll, 0, 2)
+        counters[1] = 2
+        fused.fused[2, threads](words.ctypes.data, 1, 2, 2_000_000, words.size,
+                                counters.ctypes.data)
+        assert err[isa.E_CODE] == isa.ERR_TIMEOUT, (dtype, err)
+        assert err[isa.E_FLAG] == sums.ctypes.data + 16, (err, sums.ctypes.data)
+        assert err[isa.E_EXPECTED] == 3 and err[isa.E_SEEN] == 2, err  # call 2's tag
+
+
 @case
 def fused_flags_have_a_slot_per_block():
     """The simple protocol fused, float32: rank 0 sums correctly, pushes its input into rank

@@ -246,6 +246,52 @@ def _hierarchical_worker(rank, n, node_of_rank):
             "nodes": comm.hierarchy.plan_nodes}
 
 
+def _norm_worker(rank, n):
+    """all_reduce_add_rms_norm against float64 arithmetic: residual + sum, rounded to the
+    dtype, then the row norm; bad arguments raise naming the rank."""
+    import torch
+    import torch.distributed as dist
+
+    from purlin.errors import SpecError
+    from purlin.torch import Communicator
+
+    comm = Communicator(timeout=10.0)
+    bad, caught = [], []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for dtype, tol in (("float32", 1e-5), ("bfloat16", 1e-2)):
+            dt = getattr(torch, dtype)
+            for rows, hidden in ((1, 8), (3, 16), (5, 7)):
+                gen = torch.Generator().manual_seed(rows * 100 + hidden)
+                parts = [torch.randn(rows, hidden, generator=gen).to(dt) for _ in range(n)]
+                residual = torch.randn(rows, hidden, generator=gen).to(dt)
+                weight = (torch.rand(hidden, generator=gen) + 0.5).to(dt)
+                total = sum(p.double() for p in parts)
+                want_r = (residual.double() + total).to(dt)  # one rounding of the sum
+                x = want_r.double()
+                want = x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+                t, r = parts[rank].clone(), residual.clone()
+                out = comm.all_reduce_add_rms_norm(t, r, weight, 1e-5)
+                what = f"{dtype} {rows}x{hidden}"
+                if out is not t:
+                    bad.append(f"{what}: returned another tensor")
+                if not torch.allclose(r.double(), want_r.double(), rtol=tol, atol=tol):
+                    bad.append(f"{what}: residual {r.tolist()} != {want_r.tolist()}")
+                if not torch.allclose(t.double(), want, rtol=2 * tol, atol=2 * tol):
+                    bad.append(f"{what}: normed {t.tolist()} != {want.tolist()}")
+        for args in ((torch.ones(6), torch.ones(6), torch.ones(4)),      # rows not whole
+                     (torch.ones(8), torch.ones(4), torch.ones(4)),      # residual too short
+                     (torch.ones(8, dtype=torch.int32),) * 2 + (torch.ones(4, dtype=torch.int32),)):
+            try:
+                comm.all_reduce_add_rms_norm(*args)
+            except SpecError as exc:
+                caught.append(str(exc))
+    warned = [str(w.message) for w in seen if "all_reduce_add_rms_norm" in str(w.message)]
+    comm.close()
+    dist.barrier()
+    return bad, caught, warned
+
+
 def _killed_worker(rank, n, strategy, timeout):
     import torch
 
@@ -327,6 +373,18 @@ def test_hierarchical_two_nodes_of_two_equals_flat(node_of_rank):
         assert res["spans"], "broadcast across nodes must warn that it falls back"
         assert res["intra_prepared"] > 0  # the intra-node phases ran on Purlin
     assert results[0]["nodes"] in (((0, 1), (2, 3)), ((0, 2), (1, 3)))
+
+
+def test_all_reduce_add_rms_norm_equals_float64_arithmetic():
+    """On the cpu datapath the all-reduce runs on Purlin (bfloat16: on gloo) and the add and
+    norm in PyTorch, warned once per reason: every rank gets residual + sum and its norm;
+    bad shapes and integer tensors raise SpecError naming the rank."""
+    results = raise_for(run_processes(_norm_worker, 2, timeout=60))
+    for rank, (bad, caught, warned) in enumerate(results):
+        assert not bad, bad[:3]
+        assert len(caught) == 3 and all(f"rank {rank}" in c for c in caught), caught
+        assert len(warned) == 2 and "the cpu datapath has no fused kernel" in warned[0] and \
+            "dtype bfloat16" in warned[1], warned
 
 
 @pytest.mark.parametrize("strategy", ["direct-push", "ring"])

@@ -9,20 +9,19 @@ causal over the prompt when prefilling, row-parallel output projection) and a Sw
 (column-parallel gate/up, row-parallel down) -- two all-reduces of [tokens, hidden] per layer.
 A step is ``--layers`` layers (32 by default, the same weights each time, like a 32-layer
 model). For hidden 4096 and 8192 it times decode steps at batch 1, 8, 32, 64 and a 2048-token
-prefill, each captured in one CUDA graph per all-reduce provider --
-``torch.distributed.all_reduce`` on NCCL; ``purlin.torch.Communicator(protocol="auto")``'s
-``all_reduce`` (each size's strategy and protocol from the tuning table: the fused kernel
-where it was fastest); the same with the
-row-parallel products written straight into ``comm.input_buffer`` (no copy in); and that on a
-``zero_copy=True`` communicator (the kernel writes the result over its input there: no copy out
-either) -- and checks that every provider's layer output agrees with NCCL's (bf16
-tolerance). ``none`` skips the all-reduces (wrong results, not checked): the step without
-communication, so ``nccl / none`` bounds what any all-reduce could gain; ``one-kernel`` puts
-an in-place elementwise kernel of the same size where the all-reduce was (what a kernel there
-costs, whatever it does); ``purlin-zc-nopdl`` is the zero-copy provider without programmatic
-dependent launch. Prints a table and
-writes ``<out>/tp_decoder.json``, with what each provider's all-reduce ran
-(``Communicator.plans``).
+prefill, each captured in one CUDA graph per provider. A provider is how a layer sums its
+row-parallel products and norms the result (``mixes``: ``hf`` -- all-reduce, ``x + o`` and the
+Hugging Face Llama RMSNorm, several PyTorch kernels; ``fn`` -- the same with ``torch.rms_norm``,
+one kernel; ``epi`` -- ``Communicator.all_reduce_add_rms_norm``, the add and the norm inside
+the all-reduce's kernel) and which all-reduce: NCCL through ``torch.distributed``, or a
+``zero_copy=True`` ``purlin.torch.Communicator`` (protocol ``auto``: each size's strategy from
+the tuning table) with the row-parallel products written straight into its input region
+(``comm.input_buffer``; the kernel writes the result over it: no copy in or out). ``none`` /
+``none-fn`` skip the all-reduces (wrong results, not checked): the step without
+communication, so ``nccl / none`` bounds what any all-reduce could gain. Every provider's
+one-layer output must agree with NCCL's (bf16 tolerance). Prints a table and writes
+``<out>/tp_decoder.json``, with what the all-reduce ran (``Communicator.plans``; ``epilogues``:
+the programs with the RMSNorm epilogue).
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 MODELS = {4096: dict(heads=32, kv_heads=8, ffn=14336), 8192: dict(heads=64, kv_heads=8, ffn=28672)}
 HEAD_DIM = 128
+EPS = 1e-5
 
 
 class Layer:
@@ -70,9 +70,10 @@ class Layer:
         self.norm2 = torch.ones(hidden, device=device, dtype=torch.bfloat16)
 
     def rms(self, x, w):
+        """The Hugging Face Llama RMSNorm, as written there."""
         torch = self.torch
         var = x.float().pow(2).mean(-1, keepdim=True)
-        return (x.float() * torch.rsqrt(var + 1e-5)).to(torch.bfloat16) * w
+        return (x.float() * torch.rsqrt(var + EPS)).to(torch.bfloat16) * w
 
     @staticmethod
     def rotary(torch, x, cos, sin):
@@ -80,13 +81,14 @@ class Layer:
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
-    def forward(self, x, state, allreduce, staging=None):
-        """x: [batch, seq, hidden]; state: rotary tables and (decode) the KV cache.
-        ``staging(tokens)``, if given, is where the row-parallel products are written (the
-        all-reduce's own input region: no copy in)."""
+    def forward(self, x, h, state, mix, staging=None):
+        """One layer: ``x`` the residual stream [batch, seq, hidden], ``h`` its norm (the
+        previous layer's last ``mix``, or the step's first norm); returns the next (x, h).
+        ``mix(o, x, w)`` sums the row-parallel product ``o`` over the TP group, adds it to
+        ``x`` and returns (x, rms_norm(x) * w). ``staging(tokens)``, if given, is where the
+        row-parallel products are written (the all-reduce's own input region: no copy in)."""
         torch, F = self.torch, self.torch.nn.functional
         b, s, _ = x.shape
-        h = self.rms(x, self.norm1)
         qkv = h @ self.w_qkv
         q, k, v = qkv.split([self.heads * HEAD_DIM, self.kv_heads * HEAD_DIM,
                              self.kv_heads * HEAD_DIM], dim=-1)
@@ -104,14 +106,40 @@ class Layer:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         attn = attn.transpose(1, 2).reshape(b * s, self.heads * HEAD_DIM)
         o = torch.matmul(attn, self.w_o, out=staging(b * s)) if staging else attn @ self.w_o
-        allreduce(o)
-        x = x + o.view(b, s, -1)
-        h = self.rms(x, self.norm2)
+        x, h = mix(o, x, self.norm2)
         gate, up = (h.view(b * s, -1) @ self.w_gate_up).chunk(2, dim=-1)
         act = F.silu(gate) * up
         mlp = torch.matmul(act, self.w_down, out=staging(b * s)) if staging else act @ self.w_down
-        allreduce(mlp)
-        return x + mlp.view(b, s, -1)
+        return mix(mlp, x, self.norm1)  # the next layer's input norm (same weights)
+
+
+def mixes(torch, layer):
+    """The ways a layer sums its row-parallel products and norms the result: ``hf`` -- the
+    all-reduce, ``x + o`` and the Hugging Face Llama RMSNorm (several PyTorch kernels);
+    ``fn`` -- the all-reduce, ``x + o`` and ``torch.rms_norm`` (one fused kernel); ``epi`` --
+    ``Communicator.all_reduce_add_rms_norm`` (one kernel where the fused kernel runs it; the
+    residual is updated in place)."""
+    def hf(ar):
+        def mix(o, x, w):
+            ar(o)
+            x = x + o.view(x.shape)
+            return x, layer.rms(x, w)
+        return mix
+
+    def fn(ar):
+        def mix(o, x, w):
+            ar(o)
+            x = x + o.view(x.shape)
+            return x, torch.rms_norm(x, (layer.hidden,), w, EPS)
+        return mix
+
+    def epi(comm):
+        def mix(o, x, w):
+            comm.all_reduce_add_rms_norm(o, x, w, EPS)
+            return x, o.view(x.shape)
+        return mix
+
+    return {"hf": hf, "fn": fn, "epi": epi}
 
 
 def make_state(torch, layer, batch, seq, kv, device, decode, gen):
@@ -137,6 +165,17 @@ def time_graph(torch, dist, step, replays):
     return t.item()
 
 
+PROVIDERS = {  # name: (mix, all-reduce, row-parallel products into the staging input)
+    "nccl": ("hf", "nccl", False),
+    "purlin-zc": ("hf", "zc", True),
+    "none": ("hf", "none", False),
+    "nccl-fn": ("fn", "nccl", False),
+    "purlin-zc-fn": ("fn", "zc", True),
+    "none-fn": ("fn", "none", False),
+    "purlin-epi": ("epi", "zc", True),
+}
+
+
 def worker(rank, world, opts):
     import torch
     import torch.distributed as dist
@@ -145,26 +184,19 @@ def worker(rank, world, opts):
 
     warnings.simplefilter("ignore", FutureWarning)
     device = torch.device("cuda", torch.cuda.current_device())
-    comm = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto")
     comm_zc = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
                            zero_copy=True)
-    comm_nopdl = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
-                              zero_copy=True, pdl=False)
-
-    def staging(c):  # the all-reduce's input region of communicator c, [tokens, hidden]
-        return lambda hidden: (lambda tokens: c.input_buffer(
-            "all_reduce", tokens * hidden, torch.bfloat16).view(tokens, hidden))
-
-    providers = {"nccl": (lambda t: dist.all_reduce(t), None),
-                 "purlin": (comm.all_reduce, None),
-                 "purlin-inplace": (comm.all_reduce, staging(comm)),
-                 "purlin-zc-inplace": (comm_zc.all_reduce, staging(comm_zc)),
-                 "purlin-zc-nopdl": (comm_nopdl.all_reduce, staging(comm_nopdl)),
-                 "none": (lambda t: None, None),
-                 "one-kernel": (lambda t: t.mul_(1), None)}
+    ars = {"nccl": lambda t: dist.all_reduce(t), "zc": comm_zc.all_reduce,
+           "none": lambda t: None}
     rows = []
     for hidden in opts["hidden"]:
         layer = Layer(torch, hidden, world, rank, device)
+        mix_of = mixes(torch, layer)
+
+        def staging(tokens, hidden=hidden):  # the all-reduce's input region, [tokens, hidden]
+            return comm_zc.input_buffer("all_reduce", tokens * hidden, torch.bfloat16).view(
+                tokens, hidden)
+
         configs = [("decode", b, 1) for b in opts["batches"]] + [("prefill", 1, opts["prefill"])]
         for phase, batch, seq in configs:
             row = {"hidden": hidden, "phase": phase, "batch": batch, "seq": seq,
@@ -173,49 +205,41 @@ def worker(rank, world, opts):
                 gen = torch.Generator(device=device).manual_seed(42 + batch + seq)
                 state = make_state(torch, layer, batch, seq, opts["kv"], device,
                                    phase == "decode", gen)
-                x = torch.randn(batch, seq, hidden, generator=gen, device=device).to(
+                x0 = torch.randn(batch, seq, hidden, generator=gen, device=device).to(
                     torch.bfloat16)
+                res = torch.empty_like(x0)  # the residual stream a step updates in place
                 outs = {}
-                for name, (ar, stage) in providers.items():
-                    out = torch.empty_like(x)
-                    stage = stage(hidden) if stage else None
+                for name in opts["providers"]:
+                    how, ar, staged = PROVIDERS[name]
+                    mix = mix_of[how](comm_zc if how == "epi" else ars[ar])
+                    first = layer.rms if how == "hf" else (
+                        lambda x, w: torch.rms_norm(x, (hidden,), w, EPS))
+                    stage = staging if staged else None
+                    out = torch.empty_like(x0)
+
+                    def step(mix=mix, first=first, stage=stage, out=out, layers=opts["layers"]):
+                        res.copy_(x0)
+                        x, h = res, first(res, layer.norm1)
+                        for _ in range(layers):
+                            x, h = layer.forward(x, h, state, mix, stage)
+                        out.copy_(h)
+
                     # agreement on one layer: through many layers of random weights, bf16
                     # rounding differences of two correct all-reduces grow without meaning
-                    outs[name] = layer.forward(x, state, ar, stage).float()
-
-                    def step(ar=ar, out=out, stage=stage):
-                        y = x
-                        for _ in range(opts["layers"]):
-                            y = layer.forward(y, state, ar, stage)
-                        out.copy_(y)
-
+                    step(layers=1)
+                    outs[name] = out.float()
                     us = time_graph(torch, dist, step, opts["replays"])
                     row[f"{name}_us"] = us
                     row[f"{name}_tokens_per_s"] = row["tokens"] / (us * 1e-6)
-                comm.check()
                 comm_zc.check()
-                comm_nopdl.check()
                 count = batch * seq * hidden
+                ran = [p for p in comm_zc.plans() if p["function"] == "all-reduce"
+                       and p["count"] == count and p["dtype"] == "bfloat16"][:1]
                 row["ran"] = [{k: p.get(k) for k in ("strategy", "chunks", "lanes", "protocol",
-                                                     "pdl", "blocks_per_lane")}
-                              for p in comm.plans() if p["function"] == "all-reduce"
-                              and p["count"] == count and p["dtype"] == "bfloat16"][:1]
-                scale = outs["nccl"].abs().max().item()
-                row["output_scale"] = scale
-                row["agree"] = True
-                for name in providers:
-                    if name in ("nccl", "none", "one-kernel"):
-                        continue
-                    diff = (outs[name] - outs["nccl"]).abs().max().item()
-                    row["max_abs_diff"] = max(row.get("max_abs_diff", 0.0), diff)
-                    row["agree"] &= bool(torch.allclose(outs[name], outs["nccl"], rtol=2e-2,
-                                                        atol=2e-2 * max(scale, 1.0)))
-                    row[f"{name}_speedup"] = row["nccl_us"] / row[f"{name}_us"]
-                row["bound_speedup"] = row["nccl_us"] / row["none_us"]
-                for name in ("nccl", "purlin-zc-inplace", "purlin-zc-nopdl", "one-kernel"):
-                    # what one all-reduce (or kernel) costs inside the layer: 2 per layer
-                    row[f"{name}_per_call_us"] = (row[f"{name}_us"] - row["none_us"]) / (
-                        2 * opts["layers"])
+                                                     "pdl", "blocks_per_lane", "epilogues")}
+                              for p in ran]
+                _agreement(torch, row, outs)
+                _ratios(row, opts["layers"])
             except Exception:  # noqa: BLE001 - keep the other configurations
                 row["error"] = traceback.format_exc(limit=6)
             rows.append(row)
@@ -224,17 +248,47 @@ def worker(rank, world, opts):
     return rows
 
 
+def _agreement(torch, row, outs):
+    """Every provider that all-reduces agrees with NCCL's layer output (bf16 tolerance)."""
+    want = outs["nccl"]
+    scale = want.abs().max().item()
+    row["output_scale"], row["agree"], row["max_abs_diff"] = scale, True, 0.0
+    for name, got in outs.items():
+        if name.startswith("none") or name == "nccl":
+            continue
+        diff = (got - want).abs().max().item()
+        row["max_abs_diff"] = max(row["max_abs_diff"], diff)
+        ok = bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2 * max(scale, 1.0)))
+        row[f"{name}_agree"] = ok
+        row["agree"] &= ok
+
+
+def _ratios(row, layers):
+    """Speedups over NCCL (same norm, and the epilogue against both), and what one
+    all-reduce (with its add and norm) costs inside the layer: 2 per layer."""
+    for name, base in (("purlin-zc", "nccl"), ("purlin-zc-fn", "nccl-fn"),
+                       ("purlin-epi", "nccl-fn"), ("purlin-epi", "nccl")):
+        if f"{name}_us" in row and f"{base}_us" in row:
+            row[f"{name}_vs_{base}"] = row[f"{base}_us"] / row[f"{name}_us"]
+    for name, base in (("nccl", "none"), ("purlin-zc", "none"), ("nccl-fn", "none-fn"),
+                       ("purlin-zc-fn", "none-fn"), ("purlin-epi", "none-fn")):
+        if f"{name}_us" in row and f"{base}_us" in row:
+            row[f"{name}_per_call_us"] = (row[f"{name}_us"] - row[f"{base}_us"]) / (2 * layers)
+    for name, base in (("nccl", "none"), ("nccl-fn", "none-fn")):
+        if f"{name}_us" in row and f"{base}_us" in row:
+            row[f"{base}_bound"] = row[f"{name}_us"] / row[f"{base}_us"]
+
+
 def print_table(rows) -> bool:
     ok = True
     layers = rows[0].get("layers", 1) if rows else 1
-    print(f"\nTP=2 decoder layer x{layers}, bf16, CUDA graphs; step latency in us (slowest rank). "
-          "purlin: comm.all_reduce(t) (protocol auto); inplace: the row-parallel matmul writes "
-          "into comm.input_buffer (no copy in); zc: that with zero_copy=True (no copy out)")
-    print(f"{'hidden':>6} {'phase':>7} {'batch':>5} {'tokens':>6} {'AR size':>9} "
-          f"{'nccl':>8} {'purlin':>8} {'inplace':>8} {'zc':>8} {'speedup':>7} {'inplace':>7} "
-          f"{'zc':>7} {'no AR':>8} {'bound':>6} {'nccl tok/s':>11} {'purlin tok/s':>12} "
-          f"{'agree':>5} {'max|diff|':>9}  ran; per call in the layer: nccl / zc / zc no PDL "
-          "/ one kernel (us)")
+    print(f"\nTP=2 decoder, {layers} layers per step, bf16, CUDA graphs; step latency in us "
+          "(slowest rank). hf: all-reduce, x + o and the Hugging Face RMSNorm; fn: the same "
+          "with torch.rms_norm; epi: Purlin's all-reduce with the add and the RMSNorm in its "
+          "kernel. Speedups: over NCCL with the same norm, and epi over nccl-fn and nccl.")
+    print(f"{'hidden':>6} {'phase':>7} {'batch':>5} {'AR size':>9} {'nccl':>8} {'zc':>8} "
+          f"{'x':>5} {'nccl-fn':>8} {'zc-fn':>8} {'x':>5} {'epi':>8} {'x fn':>5} {'x hf':>5} "
+          f"{'bound':>5} {'agree':>5}  per call in the layer (us): nccl-fn / zc-fn / epi; ran")
     for r in rows:
         if "error" in r:
             print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} ERROR\n{r['error']}")
@@ -242,19 +296,19 @@ def print_table(rows) -> bool:
             continue
         size = r["allreduce_bytes"]
         size_s = f"{size // 1024} KiB" if size < 1 << 20 else f"{size / (1 << 20):.0f} MiB"
-        best = max(r["purlin_tokens_per_s"], r["purlin-inplace_tokens_per_s"],
-                   r["purlin-zc-inplace_tokens_per_s"])
         ran = (r.get("ran") or [{}])[0]
-        print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} {r['tokens']:>6} {size_s:>9} "
-              f"{r['nccl_us']:8.1f} {r['purlin_us']:8.1f} {r['purlin-inplace_us']:8.1f} "
-              f"{r['purlin-zc-inplace_us']:8.1f} "
-              f"{r['purlin_speedup']:7.2f} {r['purlin-inplace_speedup']:7.2f} "
-              f"{r['purlin-zc-inplace_speedup']:7.2f} {r['none_us']:8.1f} "
-              f"{r['bound_speedup']:6.2f} {r['nccl_tokens_per_s']:11.0f} {best:12.0f} "
-              f"{'yes' if r['agree'] else 'NO':>5} {r['max_abs_diff']:9.2g}  "
-              f"{ran.get('strategy')} {ran.get('protocol')}{' pdl' if ran.get('pdl') else ''}; "
-              + " / ".join(f"{r[f'{n}_per_call_us']:.1f}" for n in (
-                  "nccl", "purlin-zc-inplace", "purlin-zc-nopdl", "one-kernel")))
+        g = r.get
+        print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} {size_s:>9} "
+              f"{g('nccl_us', 0):8.1f} {g('purlin-zc_us', 0):8.1f} "
+              f"{g('purlin-zc_vs_nccl', 0):5.2f} {g('nccl-fn_us', 0):8.1f} "
+              f"{g('purlin-zc-fn_us', 0):8.1f} {g('purlin-zc-fn_vs_nccl-fn', 0):5.2f} "
+              f"{g('purlin-epi_us', 0):8.1f} {g('purlin-epi_vs_nccl-fn', 0):5.2f} "
+              f"{g('purlin-epi_vs_nccl', 0):5.2f} {g('none-fn_bound', 0):5.2f} "
+              f"{'yes' if r['agree'] else 'NO':>5}  "
+              + " / ".join(f"{g(f'{n}_per_call_us', 0):.1f}" for n in (
+                  "nccl-fn", "purlin-zc-fn", "purlin-epi"))
+              + f"; {ran.get('strategy')} {ran.get('protocol')}"
+              f"{' pdl' if ran.get('pdl') else ''} epilogues {ran.get('epilogues')}")
         ok &= r["agree"]
     return ok
 
@@ -272,13 +326,15 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32, help="layers per step (same weights)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--staging", type=int, default=512 << 20)
+    ap.add_argument("--providers", default=",".join(PROVIDERS),
+                    help="of " + ", ".join(PROVIDERS) + " (nccl first)")
     args = ap.parse_args(argv)
     from purlin.torch.testing import run_processes
 
     opts = {"hidden": [int(h) for h in args.hidden.split(",")],
             "batches": [int(b) for b in args.batches.split(",")], "prefill": args.prefill,
             "kv": args.kv, "layers": args.layers, "replays": args.replays,
-            "staging": args.staging}
+            "staging": args.staging, "providers": args.providers.split(",")}
     t0 = time.time()
     outcomes = run_processes(worker, 2, opts, backend="nccl", timeout=230, pg_timeout=120)
     if outcomes[0][0] != "ok":

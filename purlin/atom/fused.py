@@ -31,6 +31,15 @@ interpreter.
 ...             ll_bases={r: bases[(r, "ll")] for r in range(2)})
 >>> fuse_problem(low) is None, [op[0] for op in rank_ops(low[0])]
 (True, ['put', 'move'])
+
+Rank 0's program can end with an epilogue over rows of 16 elements (32 bytes) where its
+blocks' threads take whole rows in chunks:
+
+>>> e = Epilogue(bases[(0, "output")], 1 << 30, 2 << 30, 3 << 30, hidden=16, eps=1e-5)
+>>> epilogue_problem(low[0], e, unit=8, threads=2) is None
+True
+>>> epilogue_problem(low[0], e, unit=8, threads=3)
+'rank 0: a row of 32 bytes is not whole chunks of 3 threads x 8 bytes'
 """
 
 from __future__ import annotations
@@ -43,13 +52,14 @@ from purlin.atom.lowering import LoweredRank
 from purlin.errors import CapabilityError
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
-                                F_OP_MOVE, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK, F_REDOP,
+                                F_OP_MOVE, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
+                                F_REDOP,
                                 F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_WIDTH,
                                 OPCODE_NAMES, PEER, PER_CALL, REDOP, REDUCE, SOURCE_WIDTH, SRC,
                                 STEP, VALUE, WAIT)
 
-__all__ = ["FusedProgram", "UNITS", "fuse_problem", "fused_problems", "fused_unit", "grid",
-           "program", "rank_ops"]
+__all__ = ["Epilogue", "FusedProgram", "UNITS", "epilogue_problem", "fuse_problem",
+           "fused_problems", "fused_unit", "grid", "program", "rank_ops", "row_sums_bytes"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
@@ -66,6 +76,63 @@ class FusedProgram:
     words: np.ndarray
     ops: int
     items: int
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What the fused kernel does after an all-reduce, in the same launch: ``residual +=
+    result`` and then ``result = rms_norm(residual) * weight`` row by row (rows of ``hidden``
+    elements; float32 inside, one rounding to the element type), as a decoder layer does
+    after its row-parallel products are summed. Addresses: ``target`` -- the all-reduce's
+    output (the destination of the rank's last move), ``residual`` (read and written),
+    ``weight`` (``hidden`` elements) and ``sums``, :func:`row_sums_bytes` of device memory for
+    the row sums (zero before the first call)."""
+
+    target: int
+    residual: int
+    weight: int
+    sums: int
+    hidden: int
+    eps: float
+
+
+def row_sums_bytes(nbytes: int, unit: int, threads: int) -> int:
+    """Bytes of the row sums area of an :class:`Epilogue` over ``nbytes`` of output: one
+    16-byte slot per ``threads * unit`` bytes.
+
+    >>> row_sums_bytes(8192, 8, 128)
+    128
+    """
+    return max(1, nbytes // (unit * threads)) * 16
+
+
+def epilogue_problem(low: LoweredRank, epilogue: Epilogue, unit: int,
+                     threads: int) -> str | None:
+    """Why rank ``low``'s fused program cannot end with ``epilogue`` when its blocks have
+    ``threads`` threads taking ``unit`` bytes each (a sentence), or None: the last op must be
+    the move into the target (a float sum), whole rows, and each row whole chunks of
+    ``threads * unit`` bytes, at most ``threads`` of them.
+
+    (The module's example ends with one.)
+    """
+    r = low.rank
+    try:
+        ops = _rank_ops(low, unit)
+    except _Refused as exc:
+        return str(exc)
+    last = ops[-1] if ops else None
+    if last is None or last[0] != "move" or last[1] != epilogue.target or \
+            last[2] != epilogue.target:
+        return f"rank {r}: its last op is not the move into the epilogue's target"
+    if last[5] not in (0, 1, 2) or last[6] is None or last[6][0] != 0:
+        return f"rank {r}: the epilogue follows a float sum, not dtype code {last[5]} / {last[6]}"
+    row = epilogue.hidden * ITEMSIZE[last[5]]
+    if epilogue.hidden < 1 or last[3] % row:
+        return f"rank {r}: {last[3]} bytes are not whole rows of {epilogue.hidden} elements"
+    if row % (threads * unit) or row // (threads * unit) > threads:
+        return (f"rank {r}: a row of {row} bytes is not whole chunks of {threads} threads x "
+                f"{unit} bytes")
+    return None
 
 
 def rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
@@ -228,22 +295,30 @@ def fuse_problem(lowered: list[LoweredRank], unit: int = 16) -> str | None:
     return None
 
 
-def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16) -> FusedProgram:
+def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
+            epilogue: Epilogue | None = None, threads: int = 0) -> FusedProgram:
     """The fused program of rank ``low`` (check the whole cluster with :func:`fuse_problem`
     first): ``error`` is the address of the rank's error record (``isa.ERR_WIDTH`` words),
     ``abort`` that of the cluster's abort word, ``flag_slot(address)`` the address of block
     0's slot for a lowered flag (block b's is ``8 * b`` further); every thread takes ``unit``
     bytes (16; 8: one LL unit, twice the threads for LL transfers; 4: half an LL unit) of a
-    row at a time -- every rank of a cluster the same (:func:`fused_unit` picks it)."""
+    row at a time -- every rank of a cluster the same (:func:`fused_unit` picks it).
+    ``epilogue`` (checked by :func:`epilogue_problem` for blocks of ``threads`` threads):
+    a NORM op after the last move."""
     if unit not in (4, 8, 16):
         raise CapabilityError(f"a fused program moves 16, 8 or 4 bytes per thread at a time, "
                               f"not {unit}")
     ops = rank_ops(low, unit)
+    if epilogue is not None:
+        problem = epilogue_problem(low, epilogue, unit, threads)
+        if problem:
+            raise CapabilityError(f"cannot end with the epilogue: {problem}")
+        ops.append(("norm", epilogue))
     moves = [op for op in ops if op[0] == "move"]
     dt = moves[0][5] if moves else 0
     how = next((op[6] for op in moves if op[6] is not None), (0, 1))
     sources_at = F_HEAD + OP_WIDTH * len(ops)
-    nsources = sum(len(op[4]) for op in moves)
+    nsources = sum(len(op[4]) for op in moves) + (epilogue is not None)
     words = np.zeros(sources_at + SOURCE_WIDTH * nsources, dtype=np.int64)
     words[[F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT]] = \
         [low.rank, len(ops), dt, how[0], how[1], error, abort, unit]
@@ -256,6 +331,12 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16)
             row = (F_OP_NOTIFY, flag_slot(op[1]), op[2])
         elif op[0] == "put":
             row = (F_OP_PUT, *op[1:])
+        elif op[0] == "norm":  # its parameters take one source entry
+            e = op[1]
+            row = (F_OP_NORM, e.target, e.target, moves[-1][3], 1, at)
+            eps = int(np.float32(e.eps).view(np.int32))
+            words[at: at + SOURCE_WIDTH] = (e.residual, e.weight, e.sums, e.hidden, eps)
+            at += SOURCE_WIDTH
         else:
             _, dst_a, dst_b, nbytes, sources, _, _ = op
             row = (F_OP_MOVE, dst_a, dst_b, nbytes, len(sources), at)

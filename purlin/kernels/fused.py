@@ -21,6 +21,13 @@ block:
 * PUT (LL): each item as LL units ({data, tag, data, tag} per 8 bytes, tag = ``epoch %
   LL_TAG_MOD + 1``; a 4-byte item as one 8-byte {data, tag} half) into a peer's LL area --
   the tags are the flag;
+* NORM (the epilogue of an all-reduce; the op after the MOVE into its output): over the
+  MOVE's own items, ``residual += result`` (rounded to the element type), then row by row
+  ``result = rms_norm(residual) * weight`` (float32 inside, one rounding). The threads of a
+  block cover ``threads * unit`` bytes of one row at a time (a chunk); each chunk's sum of
+  squares goes to a 16-byte slot of the row sums area as {float32 bits, tag}, and every
+  block reads the slots of its chunks' rows, in order, before it normalizes: the rank's
+  blocks meet only through those slots, and every rank's result is the same bits;
 * MOVE: each item of the destination from its sources in order (a copy for one source, else
   the reduction, bfloat16 / float16 accumulated in float32 as the interpreter does); an LL
   source is polled until both tags of its units are this call's. With 16-byte items, plain
@@ -37,6 +44,8 @@ or tag expected and seen; step and peer) and raises ABORT.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda
 
@@ -52,8 +61,8 @@ from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_b
 from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LANE, E_PEER,
                                 E_RANK, E_SEEN, E_STEP, ERR_ABORTED, ERR_TIMEOUT, F16, F32,
                                 F_ABORT, F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS,
-                                F_NOPS, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK, F_REDOP,
-                                F_UNIT, OP_WIDTH, SOURCE_WIDTH)
+                                F_NOPS, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
+                                F_REDOP, F_UNIT, OP_WIDTH, SOURCE_WIDTH)
 
 SPINS_PER_CHECK = 64
 
@@ -418,6 +427,100 @@ def _wait(meta, head, at, epoch, block, timeout_ns, abort):
 
 
 @device
+def _sum_block(red, x, tid, nthreads):
+    """The sum of ``x`` over the block's threads, in a fixed order (a tree in shared memory
+    ``red``); thread 0 gets it."""
+    red[tid] = x
+    cuda.syncthreads()
+    width = 1
+    while width < nthreads:
+        width *= 2
+    half = width // 2
+    while half > 0:
+        if tid < half and tid + half < nthreads:
+            red[tid] = red[tid] + red[tid + half]
+        cuda.syncthreads()
+        half //= 2
+    total = red[0]
+    cuda.syncthreads()  # red is free again
+    return total
+
+
+@device
+def _norm(meta, head, at, red, parts, status, block, blocks, odd, tag, dt, unit, timeout_ns,
+          abort):
+    """A NORM op (see the module docstring); returns when the block is done or gave up."""
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    target = _word(meta, head, at + 1 + odd)
+    nbytes = _word(meta, head, at + 3)
+    prm = _word(meta, head, at + 5)
+    residual = _word(meta, head, prm)
+    weight = _word(meta, head, prm + 1)
+    sums = _word(meta, head, prm + 2)
+    hidden = _word(meta, head, prm + 3)
+    eps = bits_to_f32(_word(meta, head, prm + 4))
+    half = dt != F32
+    per_item = unit // 2 if half else unit // 4  # elements per item
+    words = unit // 4
+    chunks = nbytes // (unit * nthreads)
+    per_row = hidden // (per_item * nthreads)  # chunks per row
+    c = block
+    while c < chunks:  # residual += result; each chunk's sum of squares into its slot
+        item = (c * nthreads + tid) * unit
+        ss = np.float32(0)
+        for q in range(words):
+            a = load_u32(target + item + q * 4)
+            b = load_u32(residual + item + q * 4)
+            if half:
+                a0, a1 = unpack_half2(a, dt)
+                b0, b1 = unpack_half2(b, dt)
+                r = pack_half2(a0 + b0, a1 + b1, dt)
+                r0, r1 = unpack_half2(r, dt)
+                ss += r0 * r0 + r1 * r1
+            else:
+                f = bits_to_f32(a) + bits_to_f32(b)
+                r = f32_to_bits(f)
+                ss += f * f
+            store_u32(residual + item + q * 4, r)
+        total = _sum_block(red, ss, tid, nthreads)
+        if tid == 0:
+            store_volatile_v2_u32(sums + c * 16, (f32_to_bits(total), tag))
+        c += blocks
+    c = block
+    while c < chunks:  # the row's sums (every chunk's slot, in order), then the norm
+        first = (c // per_row) * per_row
+        if tid < per_row:
+            slot = sums + (first + tid) * 16
+            code, seen, lo, _ = _poll(slot, tag, timeout_ns, abort, 0)
+            if code != 0:
+                _record(meta, head, code, -1, slot, tag, seen, -1, block)
+                status[0] = 1
+            parts[tid] = bits_to_f32(lo)
+        cuda.syncthreads()
+        if status[0] != 0:
+            return
+        s = np.float32(0)
+        for t in range(per_row):
+            s += parts[t]
+        inv = np.float32(1) / np.float32(math.sqrt(s / np.float32(hidden) + eps))
+        item = (c * nthreads + tid) * unit
+        for q in range(words):
+            r = load_u32(residual + item + q * 4)
+            if half:
+                e = ((c * nthreads + tid) * per_item + 2 * q) % hidden
+                r0, r1 = unpack_half2(r, dt)
+                w0, w1 = unpack_half2(load_u32(weight + e * 2), dt)
+                y = pack_half2(r0 * inv * w0, r1 * inv * w1, dt)
+            else:
+                e = ((c * nthreads + tid) * per_item + q) % hidden
+                y = f32_to_bits(bits_to_f32(r) * inv * bits_to_f32(load_u32(weight + e * 4)))
+            store_u32(target + item + q * 4, y)
+        cuda.syncthreads()  # parts is free again
+        c += blocks
+
+
+@device
 def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl):
     slot = cuda.blockIdx.x // blocks_per_rank
     if slot >= nranks_in_launch:
@@ -428,6 +531,8 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     tid = cuda.threadIdx.x
     meta = cuda.shared.array(META, np.int64)
     status = cuda.shared.array(1, np.int64)  # give up
+    red = cuda.shared.array(MAX_THREADS, np.float32)  # a NORM's block sums
+    parts = cuda.shared.array(MAX_THREADS, np.float32)  # a NORM's row sums
     for k in range(tid, min(META, stride_words), cuda.blockDim.x):
         meta[k] = load_i64(head + k * 8)
     if tid == 0:
@@ -470,6 +575,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             cuda.syncthreads()
             if tid == 0:
                 red_release_add(_word(meta, head, at + 1) + block * 8, _word(meta, head, at + 2))
+        elif kind == F_OP_NORM:
+            _norm(meta, head, at, red, parts, status, block, blocks_per_rank, odd, tag, dt,
+                  unit_bytes, timeout_ns, abort)
         elif kind == F_OP_PUT:
             src = _word(meta, head, at + 1)
             dst = _word(meta, head, at + 2 + odd)

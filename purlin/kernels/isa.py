@@ -90,10 +90,13 @@ TRACE_WIDTH = 4
 F_MAX_BLOCKS = 256          # blocks per rank a fused launch may run
 F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT = range(8)
 F_HEAD = 8                   # F_UNIT: the bytes a thread takes at a time, 16 or 8 (one LL unit)
-F_OP_WAIT, F_OP_NOTIFY, F_OP_PUT, F_OP_MOVE = 1, 2, 3, 4
+F_OP_WAIT, F_OP_NOTIFY, F_OP_PUT, F_OP_MOVE, F_OP_NORM = 1, 2, 3, 4, 5
 OP_WIDTH = 8
 # WAIT:   kind, flag slot of block 0, per call, value, epoch offset, peer, step, lowered flag
 # NOTIFY: kind, flag slot of block 0 (on the peer), value
 # PUT:    kind, source, LL units on even calls, on odd calls, bytes, peer, step (LL_PUT)
 # MOVE:   kind, destination on even calls, on odd calls, bytes, sources, first source word
+# NORM:   kind, target on even calls, on odd calls, bytes, 1, first parameter word -- the
+#         epilogue (residual add and RMSNorm) over a MOVE's destination; its parameters
+#         take one source entry: residual, weight, row sums area, row length, eps (f32 bits)
 SOURCE_WIDTH = 5             # is LL, address on even calls, on odd calls, peer rank, step

@@ -47,7 +47,7 @@ from purlin.snac.planner import plan, split
 from purlin.spec import collectives
 from purlin.spec.collective import Collective
 from purlin.torch.common import Shape, capturing as _capturing, dtype_name as _dtype_name, \
-    op_name as _op_name, torch_op as _torch_op
+    op_name as _op_name, overlap, torch_op as _torch_op
 from purlin.torch.hierarchy import Hierarchy
 from purlin.torch.staging import Staging
 
@@ -143,6 +143,52 @@ class Communicator:
         if why:
             self._fallback("all_reduce", why, lambda t: dist.all_reduce(
                 t, op=_torch_op(op), group=self.group), tensor, written=(0,))
+
+    def all_reduce_add_rms_norm(self, tensor: torch.Tensor, residual: torch.Tensor,
+                                weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+        """A decoder layer's all-reduce and what follows it: ``residual += sum over ranks of
+        tensor``, then ``tensor = rms_norm(residual) * weight`` (rows of ``weight.numel()``
+        elements, float32 inside, one rounding). Both in place; returns ``tensor``.
+
+        On the fused kernel (sm datapath, a fused protocol for this size) it is one launch:
+        the all-reduce's kernel ends with the add and the norm (``purlin.atom.fused.
+        Epilogue``). Elsewhere -- the cpu datapath, the interpreter's sizes, rows the
+        kernel's blocks do not divide -- :meth:`all_reduce` and then the same in PyTorch,
+        with a one-time warning saying why.
+
+            h = comm.all_reduce_add_rms_norm(o, x, norm_weight, 1e-5)  # x += sum(o); h = norm(x)
+        """
+        fn = "all_reduce_add_rms_norm"
+        hidden = weight.numel()
+        if tensor.numel() != residual.numel() or hidden == 0 or tensor.numel() % hidden:
+            raise SpecError(f"rank {self.rank}: {fn} needs a residual of the tensor's "
+                            f"{tensor.numel()} elements and whole rows of the weight's "
+                            f"{hidden}; got a residual of {residual.numel()}")
+        if not tensor.is_floating_point() or residual.dtype != tensor.dtype or \
+                weight.dtype != tensor.dtype:
+            raise SpecError(f"rank {self.rank}: {fn} needs floating tensor, residual and weight "
+                            f"of one dtype; got {tensor.dtype}, {residual.dtype}, "
+                            f"{weight.dtype}")
+        if overlap(tensor, residual):
+            raise SpecError(f"rank {self.rank}: {fn}: the tensor and the residual overlap")
+        why = self._refuse(fn, [tensor, residual, weight], dist.ReduceOp.SUM, "sum")
+        if why is None and tensor.numel():
+            if self.hierarchy is not None:
+                why = "the group spans nodes"
+            elif not (residual.is_contiguous() and weight.is_contiguous()):
+                why = "a strided residual or weight"
+            else:
+                why = self._call(("all-reduce", tensor.numel(), tensor.dtype, "sum", 0),
+                                 tensor, tensor, norm=(residual, weight, float(eps)))
+        if why:
+            key = (fn, why.split(" (")[0])
+            if key not in self._warned:
+                self._warned.add(key)
+                warnings.warn(f"purlin.torch: {fn} runs as all_reduce and then PyTorch: {why}",
+                              RuntimeWarning, stacklevel=2)
+            self.all_reduce(tensor)
+            add_rms_norm(tensor, residual, weight, eps)
+        return tensor
 
     def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """Rank r's ``input`` lands in part r of every rank's ``output``."""
@@ -281,7 +327,9 @@ class Communicator:
     def plans(self) -> list[dict]:
         """What each collective prepared so far runs: function, elements, dtype, op, root,
         strategy, chunks, lanes, and on the sm datapath protocol, PDL and blocks (per lane;
-        the fused kernel's per rank). Sizes that could not be prepared say why.
+        the fused kernel's per rank) and ``epilogues``: how many programs with the RMSNorm
+        epilogue it holds (:meth:`all_reduce_add_rms_norm`). Sizes that could not be
+        prepared say why.
 
             comm.all_reduce(x); comm.plans()[-1]["protocol"]     # e.g. 'fused-ll'
         """
@@ -299,6 +347,8 @@ class Communicator:
                 for name in ("protocol", "pdl", "blocks_per_lane"):
                     if hasattr(prepared, name):
                         row[name] = getattr(prepared, name)
+                if hasattr(prepared, "epilogues"):
+                    row["epilogues"] = prepared.epilogues()
             out.append(row)
         return out
 
@@ -510,23 +560,33 @@ class Communicator:
         self._cache[key] = prepared
         return prepared
 
-    def _call(self, key, src, dst, sizing=None) -> str | None:
+    def _call(self, key, src, dst, sizing=None, norm=None) -> str | None:
+        """Run prepared ``key`` from ``src`` into ``dst`` (ending with the epilogue ``norm``,
+        (residual, weight, eps), where given); a string says why it could not (nothing ran)."""
         capturing = _capturing()
         prepared = self._prepared(key, sizing, capturing)
         if isinstance(prepared, str):
             return prepared
+        if norm is not None and not hasattr(prepared, "norm_problem"):
+            return f"the {self.datapath} datapath has no fused kernel"
         if capturing:
             self.staging.pin(key)  # a captured graph keeps its addresses for ever
         # zero_copy: the executor reads / writes the user's tensors where no peer needs them
         move_in, move_out = (prepared.movable(src, dst, capturing) if self.zero_copy
                              and hasattr(prepared, "movable") else (False, False))
+        if norm is not None:
+            why = prepared.norm_problem(src if move_in else None, dst if move_out else None,
+                                        norm, capturing)
+            if why:
+                return why
         # views of the regions in the user's shapes: strided tensors copy without a temporary
         if src is not None and prepared.input.numel() and not move_in and not (
                 src.data_ptr() == prepared.input.data_ptr() and src.is_contiguous()):
             prepared.input.view(src.shape).copy_(src)
         try:
-            if move_in or move_out:
-                prepared.launch(src if move_in else None, dst if move_out else None, capturing)
+            if move_in or move_out or norm is not None:
+                prepared.launch(src if move_in else None, dst if move_out else None, capturing,
+                                **({"norm": norm} if norm is not None else {}))
             else:
                 prepared.launch()
         except PurlinError as exc:
@@ -585,6 +645,23 @@ class Communicator:
                                 f"{t.dtype} on {t.device}")
         key = ("run", collective, sizing.chunks, sizing.dtype.name)
         return self._call(key, input, output, sizing=sizing)
+
+
+def add_rms_norm(tensor: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """``residual += tensor``; ``tensor = rms_norm(residual) * weight`` in PyTorch (float32
+    inside, one rounding): what :meth:`Communicator.all_reduce_add_rms_norm` does after its
+    all-reduce where the fused kernel does not run it.
+
+    >>> x, r = torch.tensor([[1., 2.]]), torch.tensor([[2., 2.]])
+    >>> add_rms_norm(x, r, torch.ones(2), 0.0), r
+    (tensor([[0.8485, 1.1314]]), tensor([[3., 4.]]))
+    """
+    residual.add_(tensor.reshape(residual.shape))
+    rows = residual.float().reshape(-1, weight.numel())
+    y = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    tensor.copy_(y.reshape(tensor.shape))
+    return tensor
 
 
 def _parts(count: int, parts: int):

@@ -37,3 +37,9 @@ def capturing() -> bool:
 
 def dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
+
+
+def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do the bytes of ``a`` and ``b`` (from the first element, as if contiguous) meet?"""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from purlin.errors import CapabilityError
 from purlin.kernels import isa
+from purlin.torch.common import overlap
 
 DTYPES = ("bfloat16", "float16", "float32", "int32")  # float64: in the kernels, untested here
 DEFAULT_THREADS = 512
@@ -63,8 +64,10 @@ class SmPrepared:
         self.lowered, self.local = low, local_buffers(schedule, rank)
         self._moved: OrderedDict = OrderedDict()  # (input at, output at) -> relocated block
         self._pinned: set = set()
-        self._refused: set = set()  # pairs the fused kernel cannot run relocated
+        self._refused: dict = {}  # keys the fused kernel cannot run relocated: why
         self.counters_ptr = 0  # the fused kernel's call counters
+        self.threads = threads
+        self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         if self.fused:
             from purlin.atom.fused import fused_unit
 
@@ -90,21 +93,23 @@ class SmPrepared:
         self.flag_count = lay.flag_count
 
     def launch(self, src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
-               capturing: bool = False) -> None:
+               capturing: bool = False, norm: tuple | None = None) -> None:
         """Launch this rank's kernel. With ``src`` / ``dst`` (tensors :meth:`movable` said
         the kernel may use in place of the staging regions) it reads its input from ``src``
         and writes its output into ``dst``: no copy in or out. Each pair of addresses gets a
         relocated copy of the table or fused program (kept; the ones used in a graph capture
-        for ever)."""
+        for ever). ``norm``: (residual, weight, eps) of an epilogue :meth:`norm_problem`
+        accepted -- the program ends with it."""
         desc_ptr = self.desc_ptr
-        if src is not None or dst is not None:
-            desc_ptr = self._relocated(src, dst, capturing)
+        if src is not None or dst is not None or norm is not None:
+            desc_ptr = self._relocated(src, dst, capturing, norm)
         stream = torch.cuda.current_stream(self.path.device).cuda_stream
         self.launcher(desc_ptr, stream, self.timeout_ns, self.counters_ptr)
 
-    def _program(self, low):
+    def _program(self, low, epilogue=None):
         """This rank's fused program for lowered table ``low`` on the device, and its items
-        (what the grid is sized for)."""
+        (what the grid is sized for); ``epilogue``: a :class:`purlin.atom.fused.Epilogue`
+        to end with."""
         from purlin.atom.fused import program
 
         lay, base = self.layout, self.offset
@@ -115,7 +120,8 @@ class SmPrepared:
             return self.path.ptrs[q] + base + lay.block_flags + i * isa.F_MAX_BLOCKS * 8
 
         prog = program(low, error=self.control.data_ptr() + 2 * 8, abort=self.abort_ptr,
-                       flag_slot=flag_slot, unit=self.unit)
+                       flag_slot=flag_slot, unit=self.unit, epilogue=epilogue,
+                       threads=self.threads)
         return torch.from_numpy(prog.words).to(self.path.device), prog.items
 
     def _fused_launcher(self, items: int, blocks_per_lane):
@@ -129,10 +135,11 @@ class SmPrepared:
         if self.blocks_per_lane > isa.F_MAX_BLOCKS:
             raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
                                   f"rank, got blocks_per_lane={self.blocks_per_lane}")
+        self.threads = threads
         return self.path.launcher(1, self.blocks_per_lane, threads, kernel="fused",
                                   stride_words=int(self.desc.numel()), pdl=self.pdl)
 
-    MAX_MOVED = 8  # relocated tables kept outside graph captures (least recently used go)
+    MAX_MOVED = 128  # relocated tables kept outside graph captures (least recently used go)
 
     def movable(self, src: torch.Tensor | None, dst: torch.Tensor | None,
                 capturing: bool = False) -> tuple[bool, bool]:
@@ -151,7 +158,7 @@ class SmPrepared:
 
         move_in = fits(src, self.input, "input")
         move_out = fits(dst, self.output, "output")
-        if move_in and move_out and _overlap(src, dst):
+        if move_in and move_out and overlap(src, dst):
             move_in = False
         if not (move_in or move_out):
             return False, False
@@ -162,19 +169,55 @@ class SmPrepared:
             return False, False  # the fused kernel cannot run the relocated rows
         return move_in, move_out
 
-    @staticmethod
-    def _key(src, dst) -> tuple[int, int]:
-        return (src.data_ptr() if src is not None else 0,
-                dst.data_ptr() if dst is not None else 0)
+    def norm_problem(self, src, dst, norm: tuple, capturing: bool = False) -> str | None:
+        """Why this rank's kernel cannot end with the epilogue ``norm`` = (residual, weight,
+        eps) when it reads ``src`` / writes ``dst`` (as :meth:`launch`), or None -- it then
+        has the program (made here, outside a graph capture)."""
+        if not self.fused:
+            return f"the size runs on the interpreter (protocol {self.protocol!r})"
+        if capturing and self._key(src, dst, norm) not in self._moved:
+            return ("first call with these tensors inside a CUDA graph capture (call it once "
+                    "eagerly before capturing)")
+        if self._relocated(src, dst, capturing, norm) is None:
+            return self._refused.get(self._key(src, dst, norm)) or "refused"
+        return None
 
-    def _relocated(self, src, dst, capturing: bool) -> int | None:
+    def epilogues(self) -> int:
+        """How many programs ending with an epilogue this collective holds."""
+        return sum(len(key) > 2 for key in self._moved)
+
+    @staticmethod
+    def _key(src, dst, norm=None) -> tuple:
+        key = (src.data_ptr() if src is not None else 0,
+               dst.data_ptr() if dst is not None else 0)
+        if norm is not None:
+            residual, weight, eps = norm
+            key += (residual.data_ptr(), weight.data_ptr(), weight.numel(), float(eps))
+        return key
+
+    def _epilogue(self, dst, norm):
+        """The :class:`purlin.atom.fused.Epilogue` for ``norm`` over ``dst`` (else the
+        staging output), its row sums area made on first use."""
+        from purlin.atom.fused import Epilogue, row_sums_bytes
+
+        nbytes = self.output.numel() * self.output.element_size()
+        words = row_sums_bytes(nbytes, self.unit, self.threads) // 8
+        if self.sums is None or self.sums.numel() < words:
+            self.sums = torch.zeros(words, dtype=torch.int64, device=self.path.device)
+        residual, weight, eps = norm
+        target = (dst if dst is not None else self.output).data_ptr()
+        return Epilogue(target, residual.data_ptr(), weight.data_ptr(), self.sums.data_ptr(),
+                        weight.numel(), float(eps))
+
+    def _relocated(self, src, dst, capturing: bool, norm=None) -> int | None:
         """The device address of the table (or fused program) that reads ``src`` / writes
-        ``dst``; None where the fused kernel cannot run it."""
-        from purlin.atom.fused import fuse_problem
+        ``dst`` (and ends with the epilogue ``norm``); None where the fused kernel cannot run
+        it."""
+        from purlin.atom.fused import epilogue_problem, fuse_problem
         from purlin.atom.lowering import relocate
         from purlin.atom.sm import rank_blob
 
-        key = self._key(src, dst)
+        key = self._key(src, dst, norm)
         if key in self._refused:
             return None
         found = self._moved.get(key)
@@ -188,10 +231,14 @@ class SmPrepared:
             if self.fused:  # the same call counters: one epoch
                 everyone = list(self.all_lowered)
                 everyone[self.path.rank] = low
-                if fuse_problem(everyone, self.unit):
-                    self._refused.add(key)
+                problem = fuse_problem(everyone, self.unit)
+                epilogue = self._epilogue(dst, norm) if norm is not None else None
+                if problem is None and epilogue is not None:
+                    problem = epilogue_problem(low, epilogue, self.unit, self.threads)
+                if problem:
+                    self._refused[key] = problem
                     return None
-                found, _ = self._program(low)
+                found, _ = self._program(low, epilogue)
             else:  # the relocated block counts calls in this one's control words: one epoch
                 found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
                                      self.schedule.lanes, control=self.control.data_ptr())
@@ -215,6 +262,13 @@ class SmPrepared:
             return None
         rank, step = self.path.rank, rec[isa.E_STEP]
         peer = rec[isa.E_PEER]
+        sums = self.sums
+        if sums is not None and 0 <= rec[isa.E_FLAG] - sums.data_ptr() < sums.numel() * 8:
+            chunk = (rec[isa.E_FLAG] - sums.data_ptr()) // 16
+            return (f"rank {rank} block {rec[isa.E_BLOCK]} gave up after {self.path.timeout:.3g}"
+                    f" s waiting for row sum slot {chunk} of the RMSNorm epilogue (tag "
+                    f"{rec[isa.E_EXPECTED]} expected, saw {rec[isa.E_SEEN]}): another block of "
+                    "this rank did not finish its part of the all-reduce")
         if self._is_ll(rec[isa.E_FLAG]) and code != isa.ERR_ABORTED:
             return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}) timed out after "
                     f"{self.path.timeout:.3g} s waiting for the LL data rank {peer} sends: "
@@ -251,11 +305,6 @@ class SmPrepared:
         self._keep = ()
         self.input = self.output = None
         self._moved.clear()
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 class SmPath:

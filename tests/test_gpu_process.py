@@ -1,0 +1,84 @@
+"""Process mode on 2 GPUs (NCCL + the sm datapath): the RMSNorm epilogue.
+
+``Communicator.all_reduce_add_rms_norm`` with the add and the norm inside the fused kernel
+must give NCCL's all-reduce followed by the same add and norm in PyTorch: the residual equal,
+the norm within a rounding, the same bits on both ranks, over eager calls and graph replays;
+rows the kernel's blocks do not divide run unfused and are right too. The full sweep over
+dtypes and sizes, and the timings, are ``bench/process_mode_gpu.py``'s norm section.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from purlin.torch.testing import raise_for, run_processes
+
+pytestmark = pytest.mark.gpu
+
+
+def _epilogue_worker(rank, n):
+    import torch
+    import torch.distributed as dist
+
+    from purlin.torch import Communicator
+    from purlin.torch.comm import add_rms_norm
+
+    warnings.simplefilter("ignore")
+    device = torch.device("cuda", torch.cuda.current_device())
+    comm = Communicator(staging_bytes=64 << 20, timeout=10.0, zero_copy=True)
+    found = []
+    for rows, hidden in ((1, 4096), (64, 4096), (3, 1000)):
+        gen = torch.Generator(device=device).manual_seed(rows + hidden)
+        weight = (torch.rand(hidden, generator=gen, device=device) + 0.5).to(torch.bfloat16)
+        t = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
+        r = torch.empty_like(t)
+        graph = None
+        for call in range(6):
+            g = torch.Generator(device=device).manual_seed(call * 10 + rank)
+            x = torch.randn(rows, hidden, generator=g, device=device).to(torch.bfloat16)
+            r0 = torch.randn(rows, hidden, generator=torch.Generator(device=device).manual_seed(
+                call), device=device).to(torch.bfloat16)
+            ref, ref_r = x.clone(), r0.clone()
+            dist.all_reduce(ref)
+            add_rms_norm(ref, ref_r, weight, 1e-5)
+            t.copy_(x)
+            r.copy_(r0)
+            if call < 2:  # eager; then captured once and replayed
+                comm.all_reduce_add_rms_norm(t, r, weight, 1e-5)
+            else:
+                if graph is None:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        comm.all_reduce_add_rms_norm(t, r, weight, 1e-5)
+                    t.copy_(x)
+                    r.copy_(r0)
+                graph.replay()
+            theirs = t.clone()
+            dist.broadcast(theirs, src=0)
+            far = (t.float() - ref.float()).abs() > 1.6e-2 * (1 + ref.float().abs())
+            found.append({"shape": (rows, hidden), "call": call,
+                          "residual_wrong": int((r != ref_r).sum()), "norm_wrong": int(far.sum()),
+                          "ranks_equal": bool(torch.equal(theirs, t))})
+        torch.cuda.synchronize()
+        comm.check()
+    fused = {p["count"]: p.get("epilogues", 0) for p in comm.plans()
+             if p["function"] == "all-reduce"}
+    comm.close()
+    return found, fused
+
+
+def test_epilogue_equals_nccl_then_pytorch():
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    results = raise_for(run_processes(_epilogue_worker, 2, backend="nccl", timeout=240,
+                                      pg_timeout=120))
+    for rank, (found, fused) in enumerate(results):
+        bad = [f for f in found if f["residual_wrong"] or f["norm_wrong"]
+               or not f["ranks_equal"]]
+        assert not bad, (rank, bad[:4])
+        assert fused[4096] > 0 and fused[64 * 4096] > 0, fused  # the epilogue ran fused
+        assert fused[3000] == 0, fused                          # 1000-element rows: unfused
