@@ -61,3 +61,40 @@ def test_a_capture_moves_only_a_pair_an_eager_call_used():
     assert p.movable(x, y, capturing=True) == (False, False)
     p._moved[p._key(x, y)] = "relocated before"
     assert p.movable(x, y, capturing=True) == (True, True)
+
+
+def test_every_fused_program_of_a_collective_has_the_launch_s_length():
+    """The launch reads ``stride_words`` words of a program into shared memory: the base
+    program, its relocations and those ending with the RMSNorm epilogue are all that long
+    (zero-padded), so an epilogue's op and parameters are read whole."""
+    import types
+
+    from purlin.atom.fused import epilogue_problem
+    from purlin.atom.lowering import lower
+    from purlin.kernels import isa
+    from purlin.runtime.shm import layout
+
+    s = plan(collectives.all_reduce(2), "direct-push", count=1024, dtype="bfloat16")
+    lay = layout(s, block_flags=True)
+    ptrs = [1 << 40, 2 << 40]
+    bases = {(q, b): ptrs[q] + lay.offset(q, b) for q in range(2)
+             for b in ("input", "output", "scratch")}
+    p = object.__new__(SmPrepared)
+    p.path = types.SimpleNamespace(device=torch.device("cpu"), ptrs=ptrs, rank=0)
+    p.layout, p.offset, p.unit, p.threads, p.program_words = lay, 0, 16, 32, None
+    p.flag_bases = {q: ptrs[q] + lay.flags for q in range(2)}
+    p.control, p.abort_ptr, p.sums = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64), 0, None
+    p.output = torch.zeros(1024, dtype=torch.bfloat16)
+    low = lower(s, bases, p.flag_bases)[0]
+    base, _ = p._program(low)
+    moved_low = lower(s, {**bases, (0, "output"): 3 << 40}, p.flag_bases)[0]
+    norm = (torch.zeros(1024, dtype=torch.bfloat16), torch.ones(512, dtype=torch.bfloat16), 1e-5)
+    epilogue = p._epilogue(types.SimpleNamespace(data_ptr=lambda: 3 << 40), norm)
+    assert epilogue_problem(moved_low, epilogue, 16, 32) is None
+    with_norm, _ = p._program(moved_low, epilogue)
+    assert base.numel() == with_norm.numel() == p.program_words
+    ops = int(with_norm[isa.F_NOPS])
+    assert int(with_norm[isa.F_HEAD + (ops - 1) * isa.OP_WIDTH]) == isa.F_OP_NORM
+    params = int(with_norm[isa.F_HEAD + (ops - 1) * isa.OP_WIDTH + 5])
+    assert with_norm[params: params + 4].tolist() == [norm[0].data_ptr(), norm[1].data_ptr(),
+                                                      p.sums.data_ptr(), 512]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -68,6 +69,7 @@ class SmPrepared:
         self.counters_ptr = 0  # the fused kernel's call counters
         self.threads = threads
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
+        self.program_words = None  # the fused programs' length
         if self.fused:
             from purlin.atom.fused import fused_unit
 
@@ -122,7 +124,13 @@ class SmPrepared:
         prog = program(low, error=self.control.data_ptr() + 2 * 8, abort=self.abort_ptr,
                        flag_slot=flag_slot, unit=self.unit, epilogue=epilogue,
                        threads=self.threads)
-        return torch.from_numpy(prog.words).to(self.path.device), prog.items
+        # the launch reads stride_words words of a program: every program of this collective
+        # (relocated, with an epilogue: one op and one source entry more) is that long
+        if self.program_words is None:
+            self.program_words = prog.words.size + isa.OP_WIDTH + isa.SOURCE_WIDTH
+        words = np.zeros(self.program_words, dtype=np.int64)
+        words[:prog.words.size] = prog.words
+        return torch.from_numpy(words).to(self.path.device), prog.items
 
     def _fused_launcher(self, items: int, blocks_per_lane):
         """The fused kernel's launcher: ``blocks_per_lane`` blocks (else the kernel's default
