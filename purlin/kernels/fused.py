@@ -447,43 +447,92 @@ def _sum_block(red, x, tid, nthreads):
 
 
 @device
+def _load_item(addr, unit):
+    """The ``unit`` bytes (4, 8 or 16) at ``addr`` as four words (those past it 0), every
+    load issued before any is used."""
+    if unit == 16:
+        w = load_v4_u32(addr)
+        return np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
+    if unit == 8:
+        return load_u32(addr), load_u32(addr + 4), np.int64(0), np.int64(0)
+    return load_u32(addr), np.int64(0), np.int64(0), np.int64(0)
+
+
+@device
+def _store_item(addr, w, unit):
+    if unit == 16:
+        store_v4_u32(addr, (w[0], w[1], w[2], w[3]))
+    elif unit == 8:
+        store_u32(addr, w[0])
+        store_u32(addr + 4, w[1])
+    else:
+        store_u32(addr, w[0])
+
+
+@device
+def _add_word(a, b, dt):
+    """One word of ``a + b`` rounded to the element type, and its elements' squares summed."""
+    if dt == F32:
+        f = bits_to_f32(a) + bits_to_f32(b)
+        return np.int64(f32_to_bits(f)), f * f
+    a0, a1 = unpack_half2(a, dt)
+    b0, b1 = unpack_half2(b, dt)
+    r = pack_half2(a0 + b0, a1 + b1, dt)
+    r0, r1 = unpack_half2(r, dt)
+    return np.int64(r), r0 * r0 + r1 * r1
+
+
+@device
+def _scale_word(r, w, inv, dt):
+    """One word of ``r * inv * w`` (one rounding)."""
+    if dt == F32:
+        return np.int64(f32_to_bits(bits_to_f32(r) * inv * bits_to_f32(w)))
+    r0, r1 = unpack_half2(r, dt)
+    w0, w1 = unpack_half2(w, dt)
+    return np.int64(pack_half2(r0 * inv * w0, r1 * inv * w1, dt))
+
+
+@device
+def _norm_item(meta, head, at, c, unit):
+    """(residual address, weight address) of this thread's item of chunk ``c`` of a NORM
+    (an item never spans two rows: rows are whole chunks)."""
+    prm = _word(meta, head, at + 5)
+    row_bytes = _word(meta, head, prm + 3) * (4 if meta[F_DTYPE] == F32 else 2)
+    off = (c * cuda.blockDim.x + cuda.threadIdx.x) * unit
+    return _word(meta, head, prm) + off, _word(meta, head, prm + 1) + off % row_bytes
+
+
+@device
 def _norm(meta, head, at, red, parts, status, block, blocks, odd, tag, dt, unit, timeout_ns,
-          abort):
-    """A NORM op (see the module docstring); returns when the block is done or gave up."""
+          abort, res0, wgt0):
+    """A NORM op (see the module docstring); ``res0`` / ``wgt0``: this thread's residual
+    and weight item of the block's first chunk, read at block start. Returns when the
+    block is done or gave up."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     target = _word(meta, head, at + 1 + odd)
-    nbytes = _word(meta, head, at + 3)
+    chunks = _word(meta, head, at + 3) // (unit * nthreads)
     prm = _word(meta, head, at + 5)
-    residual = _word(meta, head, prm)
-    weight = _word(meta, head, prm + 1)
     sums = _word(meta, head, prm + 2)
     hidden = _word(meta, head, prm + 3)
     eps = bits_to_f32(_word(meta, head, prm + 4))
-    half = dt != F32
-    per_item = unit // 2 if half else unit // 4  # elements per item
-    words = unit // 4
-    chunks = nbytes // (unit * nthreads)
-    per_row = hidden // (per_item * nthreads)  # chunks per row
+    per_row = hidden * (4 if dt == F32 else 2) // (unit * nthreads)  # chunks per row
+    r0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))  # the first chunk's result
     c = block
     while c < chunks:  # residual += result; each chunk's sum of squares into its slot
-        item = (c * nthreads + tid) * unit
-        ss = np.float32(0)
-        for q in range(words):
-            a = load_u32(target + item + q * 4)
-            b = load_u32(residual + item + q * 4)
-            if half:
-                a0, a1 = unpack_half2(a, dt)
-                b0, b1 = unpack_half2(b, dt)
-                r = pack_half2(a0 + b0, a1 + b1, dt)
-                r0, r1 = unpack_half2(r, dt)
-                ss += r0 * r0 + r1 * r1
-            else:
-                f = bits_to_f32(a) + bits_to_f32(b)
-                r = f32_to_bits(f)
-                ss += f * f
-            store_u32(residual + item + q * 4, r)
-        total = _sum_block(red, ss, tid, nthreads)
+        item = target + (c * nthreads + tid) * unit
+        res_at, _ = _norm_item(meta, head, at, c, unit)
+        a = _load_item(item, unit)
+        b = res0 if c == block else _load_item(res_at, unit)
+        x0, s0 = _add_word(a[0], b[0], dt)
+        x1, s1 = _add_word(a[1], b[1], dt)  # words past the item: 0 + 0, squares 0
+        x2, s2 = _add_word(a[2], b[2], dt)
+        x3, s3 = _add_word(a[3], b[3], dt)
+        r = (x0, x1, x2, x3)
+        _store_item(res_at, r, unit)
+        if c == block:
+            r0 = r
+        total = _sum_block(red, (s0 + s1) + (s2 + s3), tid, nthreads)
         if tid == 0:
             store_volatile_v2_u32(sums + c * 16, (f32_to_bits(total), tag))
         c += blocks
@@ -504,18 +553,14 @@ def _norm(meta, head, at, red, parts, status, block, blocks, odd, tag, dt, unit,
         for t in range(per_row):
             s += parts[t]
         inv = np.float32(1) / np.float32(math.sqrt(s / np.float32(hidden) + eps))
-        item = (c * nthreads + tid) * unit
-        for q in range(words):
-            r = load_u32(residual + item + q * 4)
-            if half:
-                e = ((c * nthreads + tid) * per_item + 2 * q) % hidden
-                r0, r1 = unpack_half2(r, dt)
-                w0, w1 = unpack_half2(load_u32(weight + e * 2), dt)
-                y = pack_half2(r0 * inv * w0, r1 * inv * w1, dt)
-            else:
-                e = ((c * nthreads + tid) * per_item + q) % hidden
-                y = f32_to_bits(bits_to_f32(r) * inv * bits_to_f32(load_u32(weight + e * 4)))
-            store_u32(target + item + q * 4, y)
+        res_at, wgt_at = _norm_item(meta, head, at, c, unit)
+        r, w = r0, wgt0
+        if c != block:
+            r, w = _load_item(res_at, unit), _load_item(wgt_at, unit)
+        _store_item(target + (c * nthreads + tid) * unit,
+                    (_scale_word(r[0], w[0], inv, dt), _scale_word(r[1], w[1], inv, dt),
+                     _scale_word(r[2], w[2], inv, dt), _scale_word(r[3], w[3], inv, dt)),
+                    unit)
         cuda.syncthreads()  # parts is free again
         c += blocks
 
@@ -555,6 +600,15 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         else:
             w = load_v4_u32(src + g * 16)
             p0, p1, p2, p3 = np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
+    # a NORM (last op): this thread's residual and weight item of its block's first chunk,
+    # read now so that their latency hides behind the all-reduce's
+    res0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))
+    wgt0 = res0
+    last = F_HEAD + (meta[F_NOPS] - 1) * OP_WIDTH
+    if meta[F_NOPS] > 0 and _word(meta, head, last) == F_OP_NORM and \
+            block < _word(meta, head, last + 3) // (unit_bytes * cuda.blockDim.x):
+        res_at, wgt_at = _norm_item(meta, head, last, block, unit_bytes)
+        res0, wgt0 = _load_item(res_at, unit_bytes), _load_item(wgt_at, unit_bytes)
     epoch = load_i64(counter)
     tag = ll_tag(epoch)
     odd = epoch & 1
@@ -577,7 +631,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                 red_release_add(_word(meta, head, at + 1) + block * 8, _word(meta, head, at + 2))
         elif kind == F_OP_NORM:
             _norm(meta, head, at, red, parts, status, block, blocks_per_rank, odd, tag, dt,
-                  unit_bytes, timeout_ns, abort)
+                  unit_bytes, timeout_ns, abort, res0, wgt0)
         elif kind == F_OP_PUT:
             src = _word(meta, head, at + 1)
             dst = _word(meta, head, at + 2 + odd)

@@ -649,18 +649,18 @@ class Communicator:
 
 def add_rms_norm(tensor: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """``residual += tensor``; ``tensor = rms_norm(residual) * weight`` in PyTorch (float32
-    inside, one rounding): what :meth:`Communicator.all_reduce_add_rms_norm` does after its
-    all-reduce where the fused kernel does not run it.
+    """``residual += tensor``; ``tensor = rms_norm(residual) * weight`` in PyTorch (two
+    kernels: the add and ``torch.rms_norm``): what
+    :meth:`Communicator.all_reduce_add_rms_norm` does after its all-reduce where the fused
+    kernel does not run it.
 
     >>> x, r = torch.tensor([[1., 2.]]), torch.tensor([[2., 2.]])
     >>> add_rms_norm(x, r, torch.ones(2), 0.0), r
     (tensor([[0.8485, 1.1314]]), tensor([[3., 4.]]))
     """
     residual.add_(tensor.reshape(residual.shape))
-    rows = residual.float().reshape(-1, weight.numel())
-    y = rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    tensor.copy_(y.reshape(tensor.shape))
+    rows = residual.reshape(-1, weight.numel())
+    tensor.copy_(torch.rms_norm(rows, (weight.numel(),), weight, eps).reshape(tensor.shape))
     return tensor
 
 
