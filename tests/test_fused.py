@@ -216,7 +216,7 @@ def test_grid_gives_about_one_item_per_thread_within_residency():
     assert grid(1 << 24) == (132, 512)
 
 
-@pytest.fixture(scope="module", params=["fused", "fused_pdl"])
+@pytest.fixture(scope="module", params=["fused", "fused_pdl", "fused_norm", "fused_norm_pdl"])
 def fused_ptx(request):
     from purlin.kernels import executor, fused
     from purlin.kernels.compat import compile_ptx
@@ -236,4 +236,7 @@ def test_the_fused_kernel_compiles_to_the_intended_ptx(fused_ptx):
     assert "%globaltimer" in ptx                       # time-limited waits and polls
     assert ".local" not in ptx                         # no spills to local memory
     assert "bar.sync" in ptx                           # around flags, before the counter
-    assert ("griddepcontrol.wait" in ptx) == (name == "fused_pdl")
+    assert ("griddepcontrol.wait" in ptx) == name.endswith("_pdl")
+    # the RMSNorm epilogue (its square root) only where compiled in: the plain kernels keep
+    # their code and registers
+    assert ("sqrt" in ptx) == ("norm" in name)

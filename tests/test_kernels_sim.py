@@ -718,8 +718,8 @@ def fused_epilogue_adds_the_residual_and_normalizes_rows():
         for call in range(2):
             _peer_units(lowered, ll, 0, call)
             want_r, want_y = _norm_reference(total, residual.copy(), weight, hidden, eps, dtype)
-            fused.fused[blocks, threads](words.ctypes.data, 1, blocks, 10_000_000, words.size,
-                                         counters.ctypes.data)
+            fused.fused_norm[blocks, threads](words.ctypes.data, 1, blocks, 10_000_000,
+                                              words.size, counters.ctypes.data)
             assert err[isa.E_CODE] == 0, (dtype, err)
             if dtype == "bfloat16":
                 assert (residual == want_r).all(), (call, residual, want_r)
@@ -733,8 +733,8 @@ def fused_epilogue_adds_the_residual_and_normalizes_rows():
         # call 3 on two blocks: block 0's first row needs block 1's slot, still call 2's
         _peer_units(lowered, ll, 0, 2)
         counters[1] = 2
-        fused.fused[2, threads](words.ctypes.data, 1, 2, 2_000_000, words.size,
-                                counters.ctypes.data)
+        fused.fused_norm[2, threads](words.ctypes.data, 1, 2, 2_000_000, words.size,
+                                     counters.ctypes.data)
         assert err[isa.E_CODE] == isa.ERR_TIMEOUT, (dtype, err)
         chunk = (int(err[isa.E_FLAG]) - sums.ctypes.data) // 16
         assert chunk in (1, 3), (err, sums.ctypes.data)  # a chunk of block 1 in row 0

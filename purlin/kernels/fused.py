@@ -21,7 +21,8 @@ block:
 * PUT (LL): each item as LL units ({data, tag, data, tag} per 8 bytes, tag = ``epoch %
   LL_TAG_MOD + 1``; a 4-byte item as one 8-byte {data, tag} half) into a peer's LL area --
   the tags are the flag;
-* NORM (the epilogue of an all-reduce; the op after the MOVE into its output): over the
+* NORM (the epilogue of an all-reduce, the op after the MOVE into its output; run by the
+  ``fused_norm`` kernels only, the others are compiled without it): over the
   MOVE's own items, ``residual += result`` (rounded to the element type), then row by row
   ``result = rms_norm(residual) * weight`` (float32 inside, one rounding). The threads of a
   block cover ``threads * unit`` bytes of one row at a time (a chunk); each chunk's sum of
@@ -503,11 +504,13 @@ def _norm_item(meta, head, at, c, unit):
 
 
 @device
-def _norm(meta, head, at, red, parts, status, block, blocks, odd, tag, dt, unit, timeout_ns,
-          abort, res0, wgt0):
+def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns, abort, res0,
+          wgt0):
     """A NORM op (see the module docstring); ``res0`` / ``wgt0``: this thread's residual
     and weight item of the block's first chunk, read at block start. Returns when the
     block is done or gave up."""
+    red = cuda.shared.array(MAX_THREADS, np.float32)  # block sums
+    parts = cuda.shared.array(MAX_THREADS, np.float32)  # a row's sums
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     target = _word(meta, head, at + 1 + odd)
@@ -566,7 +569,8 @@ def _norm(meta, head, at, red, parts, status, block, blocks, odd, tag, dt, unit,
 
 
 @device
-def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl):
+def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl,
+         norm):
     slot = cuda.blockIdx.x // blocks_per_rank
     if slot >= nranks_in_launch:
         return
@@ -576,8 +580,6 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     tid = cuda.threadIdx.x
     meta = cuda.shared.array(META, np.int64)
     status = cuda.shared.array(1, np.int64)  # give up
-    red = cuda.shared.array(MAX_THREADS, np.float32)  # a NORM's block sums
-    parts = cuda.shared.array(MAX_THREADS, np.float32)  # a NORM's row sums
     for k in range(tid, min(META, stride_words), cuda.blockDim.x):
         meta[k] = load_i64(head + k * 8)
     if tid == 0:
@@ -602,10 +604,11 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             p0, p1, p2, p3 = np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
     # a NORM (last op): this thread's residual and weight item of its block's first chunk,
     # read now so that their latency hides behind the all-reduce's
+    # (``norm``: the fused_norm kernels; the others leave this code and its registers out)
     res0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))
     wgt0 = res0
     last = F_HEAD + (meta[F_NOPS] - 1) * OP_WIDTH
-    if meta[F_NOPS] > 0 and _word(meta, head, last) == F_OP_NORM and \
+    if norm and meta[F_NOPS] > 0 and _word(meta, head, last) == F_OP_NORM and \
             block < _word(meta, head, last + 3) // (unit_bytes * cuda.blockDim.x):
         res_at, wgt_at = _norm_item(meta, head, last, block, unit_bytes)
         res0, wgt0 = _load_item(res_at, unit_bytes), _load_item(wgt_at, unit_bytes)
@@ -629,9 +632,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             cuda.syncthreads()
             if tid == 0:
                 red_release_add(_word(meta, head, at + 1) + block * 8, _word(meta, head, at + 2))
-        elif kind == F_OP_NORM:
-            _norm(meta, head, at, red, parts, status, block, blocks_per_rank, odd, tag, dt,
-                  unit_bytes, timeout_ns, abort, res0, wgt0)
+        elif norm and kind == F_OP_NORM:
+            _norm(meta, head, at, status, block, blocks_per_rank, odd, tag, dt, unit_bytes,
+                  timeout_ns, abort, res0, wgt0)
         elif kind == F_OP_PUT:
             src = _word(meta, head, at + 1)
             dst = _word(meta, head, at + 2 + odd)
@@ -702,8 +705,9 @@ _kernel = launch_bounded(MAX_THREADS)
 
 @_kernel
 def fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
-    """Run the fused programs of this launch (see the module docstring)."""
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False)
+    """Run the fused programs of this launch (see the module docstring; no NORM op)."""
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
+         False)
 
 
 @_kernel
@@ -711,4 +715,21 @@ def fused_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_wo
     """``fused`` for programmatic dependent launch (as ``executor_pdl``), reading its program
     before it waits for the kernel before it."""
     griddep_launch_dependents()
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True)
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
+         False)
+
+
+@_kernel
+def fused_norm(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
+    """``fused`` for programs that may end with a NORM op."""
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
+         True)
+
+
+@_kernel
+def fused_norm_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                   counters):
+    """``fused_norm`` for programmatic dependent launch."""
+    griddep_launch_dependents()
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
+         True)

@@ -13,7 +13,9 @@ when the stream is capturing.
 ``Launcher(..., kernel="fused", stride_words=W)`` launches :mod:`purlin.kernels.fused` instead:
 rank slot ``s`` of the launch reads its program ``s * W`` words after ``desc_ptr`` and counts
 its calls in the ``isa.F_MAX_BLOCKS`` words ``s * F_MAX_BLOCKS`` words after the ``counters``
-address each call passes (``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank).
+address each call passes (``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank);
+``kernel="fused-norm"`` is the same kernel compiled with the NORM op (programs that end with
+an epilogue; the plain one leaves that code and its registers out).
 
 Under ``NUMBA_ENABLE_CUDASIM=1`` the same object launches through the simulator (the stream is
 ignored there).
@@ -29,7 +31,8 @@ from purlin.kernels.executor import MAX_THREADS, SIGNATURE, executor, executor_p
 from purlin.kernels.intrinsics import SIMULATOR
 
 KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
-           "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE)}
+           "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE),
+           "fused-norm": (fused.fused_norm, fused.fused_norm_pdl, fused.SIGNATURE)}
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 
@@ -66,7 +69,7 @@ class Launcher:
         # a one-rank launch whose descriptor starts a contiguous block (lowering.build_blob)
         # of at least this many int64 words prefetches them (0: no prefetch)
         self.head_words = int(head_words) if self.nranks_in_launch == 1 else 0
-        if kernel == "fused":  # its fifth argument: the words between two ranks' programs
+        if kernel.startswith("fused"):  # its fifth argument: words between two ranks' programs
             self.head_words = int(stride_words)
         self.grid = self.nranks_in_launch * int(nlanes) * self.blocks_per_lane
         self.pdl = bool(pdl)
@@ -79,7 +82,7 @@ class Launcher:
 
     def __call__(self, desc_ptr: int, stream: int = 0,
                  timeout_ns: int = DEFAULT_TIMEOUT_NS, counters: int = 0) -> None:
-        if self.kernel == "fused" and not counters:
+        if self.kernel.startswith("fused") and not counters:
             raise ExecutionError("the fused kernel needs the address of its call counters "
                                  "(counters=)")
         self._launch(desc_ptr, stream, timeout_ns, counters)
@@ -108,7 +111,7 @@ class Launcher:
         self.registers = cufunc.attrs.regs
         self._driver = driver
         self._function = driver.CUfunction(int(cufunc.handle))
-        nargs = 6 if self.kernel == "fused" else 5  # the fused kernel: + call counters
+        nargs = 6 if self.kernel.startswith("fused") else 5  # the fused kernel: + call counters
         self._values = (ctypes.c_int64 * nargs)(0, self.nranks_in_launch, self.blocks_per_lane,
                                                 0, self.head_words)
         base = ctypes.addressof(self._values)
@@ -133,7 +136,7 @@ class Launcher:
         values = self._values
         values[0] = desc_ptr
         values[3] = timeout_ns
-        if self.kernel == "fused":
+        if self.kernel.startswith("fused"):
             values[5] = counters
         handle = self._streams.get(stream)
         if handle is None:
@@ -164,5 +167,6 @@ class Launcher:
         kernel = KERNELS[self.kernel][self.pdl]
         args = (int(desc_ptr), self.nranks_in_launch, self.blocks_per_lane, int(timeout_ns),
                 self.head_words)
-        kernel[self.grid, self.threads](*args, *((int(counters),) if self.kernel == "fused"
+        fused_kernel = self.kernel.startswith("fused")
+        kernel[self.grid, self.threads](*args, *((int(counters),) if fused_kernel
                                                   else ()))

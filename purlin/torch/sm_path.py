@@ -70,6 +70,7 @@ class SmPrepared:
         self.threads = threads
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         self.program_words = None  # the fused programs' length
+        self.norm_launcher = None  # the fused kernel compiled with the epilogue, on demand
         if self.fused:
             from purlin.atom.fused import fused_unit
 
@@ -106,7 +107,8 @@ class SmPrepared:
         if src is not None or dst is not None or norm is not None:
             desc_ptr = self._relocated(src, dst, capturing, norm)
         stream = torch.cuda.current_stream(self.path.device).cuda_stream
-        self.launcher(desc_ptr, stream, self.timeout_ns, self.counters_ptr)
+        launcher = self.launcher if norm is None else self.norm_launcher
+        launcher(desc_ptr, stream, self.timeout_ns, self.counters_ptr)
 
     def _program(self, low, epilogue=None):
         """This rank's fused program for lowered table ``low`` on the device, and its items
@@ -247,6 +249,10 @@ class SmPrepared:
                     self._refused[key] = problem
                     return None
                 found, _ = self._program(low, epilogue)
+                if epilogue is not None and self.norm_launcher is None:  # not while capturing
+                    self.norm_launcher = self.path.launcher(
+                        1, self.blocks_per_lane, self.threads, kernel="fused-norm",
+                        stride_words=self.program_words, pdl=self.pdl)
             else:  # the relocated block counts calls in this one's control words: one epoch
                 found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
                                      self.schedule.lanes, control=self.control.data_ptr())
