@@ -240,3 +240,89 @@ def test_the_fused_kernel_compiles_to_the_intended_ptx(fused_ptx):
     # the RMSNorm epilogue (its square root) only where compiled in: the plain kernels keep
     # their code and registers
     assert ("sqrt" in ptx) == ("norm" in name)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float -> bfloat16 bits (round to nearest even)."""
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _unbf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype,ll,unit", [("bfloat16", True, 8), ("bfloat16", True, 4),
+                                           ("float32", False, 16)])
+def test_the_rmsnorm_epilogue_trades_row_sums_between_blocks(dtype, ll, unit):
+    """A 2-rank all-reduce ending with the epilogue, on host threads: three blocks of three
+    threads, every row three chunks (one per block), one block slow, two calls -- each
+    rank's residual becomes residual + sum (rounded) and its output rms_norm(residual) *
+    weight, within a rounding of float64 arithmetic and the same on both ranks."""
+    from purlin.atom.fused import Epilogue, epilogue_problem, row_sums_bytes
+
+    n, blocks, threads, rows, eps = 2, 3, 3, 4, 1e-5
+    bf16 = dtype == "bfloat16"
+    item = 2 if bf16 else 4
+    hidden = 3 * threads * unit // item
+    s = plan(collectives.all_reduce(n), "direct-push", count=rows * hidden, dtype=dtype)
+    bufs = HostBuffers(s, ll=ll)
+    low = bufs.lower()
+    rng = np.random.default_rng(11)
+    enc, dec = (_bf16, _unbf16) if bf16 else ((lambda x: np.asarray(x, np.float32)),
+                                              (lambda x: x))
+    start = enc(rng.standard_normal(rows * hidden))
+    residual = [start.copy() for _ in range(n)]  # replicated, as a layer's residual stream
+    weight = enc(rng.random(hidden) + 0.5)
+    weights = [weight.copy() for _ in range(n)]
+    nbytes = rows * hidden * item
+    sums = [np.zeros(row_sums_bytes(nbytes, unit, threads) // 8, np.int64) for _ in range(n)]
+    epilogues = {r: Epilogue(bufs.outputs[r].ctypes.data, residual[r].ctypes.data,
+                             weights[r].ctypes.data, sums[r].ctypes.data, hidden, eps)
+                 for r in range(n)}
+    assert [epilogue_problem(low[r], epilogues[r], unit, threads) for r in range(n)] == [None] * n
+    programs = fused_programs(low, bufs, unit, epilogues, threads)
+    xs = [[rng.integers(-8, 9, rows * hidden).astype(np.float32) for _ in range(n)]
+          for _ in range(2)]
+    outs = run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads,
+                           slow_block_delay=0.001)
+    res = dec(start).astype(np.float64)
+    w = dec(weight).astype(np.float64)
+    for k in range(2):
+        res = dec(enc(res + sum(xs[k]))).astype(np.float64)  # rounded like the kernel's add
+        x = res.reshape(rows, hidden)
+        want = (x / np.sqrt((x ** 2).mean(axis=1, keepdims=True) + eps) * w).ravel()
+        for r in range(n):
+            tol = 1e-2 if bf16 else 1e-5
+            np.testing.assert_allclose(outs[k][r], want, rtol=tol, atol=tol,
+                                       err_msg=f"call {k} rank {r}")
+        np.testing.assert_array_equal(outs[k][0], outs[k][1])
+    for r in range(n):
+        np.testing.assert_array_equal(dec(residual[r]), res.astype(np.float32))
+
+
+def test_the_epilogue_is_refused_where_the_kernel_cannot_end_with_it():
+    """Each refusal names the rank and why: a two-phase plan (its last op is no move into the
+    whole output), integers, rows that are not whole, rows of chunks the blocks do not divide
+    or of more chunks than a block has threads; and a program asked to end with one raises."""
+    from purlin.atom.fused import Epilogue, epilogue_problem
+
+    def problem(strategy="direct-push", dtype="bfloat16", count=4096, hidden=1024, unit=16,
+                threads=64):
+        s = plan(collectives.all_reduce(2), strategy, count=count, dtype=dtype)
+        bufs = HostBuffers(s, ll=False)
+        low = bufs.lower()
+        e = Epilogue(bufs.outputs[0].ctypes.data, 1 << 40, 2 << 40, 3 << 40, hidden, 1e-5)
+        return epilogue_problem(low[0], e, unit, threads)
+
+    assert problem() is None
+    assert "last op is not the move" in problem("two-phase")
+    assert "float sum" in problem(dtype="int32")
+    assert "not whole rows of 1000" in problem(hidden=1000)
+    assert "not whole chunks of 96 threads" in problem(threads=96)
+    assert "16 chunks of 8 threads x 16 bytes, more than 8" in problem(threads=8)
+    s = plan(collectives.all_reduce(2), "two-phase", count=4096, dtype="bfloat16")
+    bufs = HostBuffers(s, ll=False)
+    e = Epilogue(bufs.outputs[0].ctypes.data, 1 << 40, 2 << 40, 3 << 40, 1024, 1e-5)
+    with pytest.raises(CapabilityError, match="rank 0: its last op"):
+        fused_programs(bufs.lower(), bufs, 16, {0: e}, threads=64)

@@ -129,9 +129,12 @@ def epilogue_problem(low: LoweredRank, epilogue: Epilogue, unit: int,
     row = epilogue.hidden * ITEMSIZE[last[5]]
     if epilogue.hidden < 1 or last[3] % row:
         return f"rank {r}: {last[3]} bytes are not whole rows of {epilogue.hidden} elements"
-    if row % (threads * unit) or row // (threads * unit) > threads:
+    if row % (threads * unit):
         return (f"rank {r}: a row of {row} bytes is not whole chunks of {threads} threads x "
                 f"{unit} bytes")
+    if row // (threads * unit) > threads:  # a block's threads read a row's sums at once
+        return (f"rank {r}: a row of {row} bytes is {row // (threads * unit)} chunks of "
+                f"{threads} threads x {unit} bytes, more than {threads}")
     return None
 
 

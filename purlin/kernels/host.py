@@ -308,10 +308,12 @@ def _lane_guard(rows, pool, epoch, mem, rank, errors, block=0, blocks=1, delay=0
 # -- fused programs ---------------------------------------------------------------------------
 
 
-def fused_programs(lowered, buffers: HostBuffers, unit: int = 16):
+def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None,
+                   threads: int = 1):
     """The fused programs (``purlin.atom.fused``, ``unit`` bytes per thread at a time) of
     ``lowered`` on ``buffers``, with a flag slot per block (``buffers.block_flags``) and a
-    throw-away error record and abort word."""
+    throw-away error record and abort word; ``epilogues[r]``: rank r's
+    :class:`purlin.atom.fused.Epilogue` for blocks of ``threads`` threads, if any."""
     from purlin.atom.fused import program
 
     buffers.block_flags = [np.zeros(f.size * isa.F_MAX_BLOCKS, np.int64) for f in buffers.flags]
@@ -326,7 +328,8 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16):
         raise ValueError(f"0x{address:x} is no flag of these buffers")
 
     return [program(low, buffers.fused_error.ctypes.data, buffers.fused_abort.ctypes.data,
-                    flag_slot, unit).words for low in lowered]
+                    flag_slot, unit, epilogue=(epilogues or {}).get(low.rank),
+                    threads=threads).words for low in lowered]
 
 
 def _items(nbytes: int, unit: int, block: int, blocks: int, threads: int) -> list[int]:
@@ -354,6 +357,8 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
                 mem.wait(op[1] + 8 * block, target, what)
         elif op[0] == isa.F_OP_NOTIFY:
             mem.add(op[1] + 8 * block, op[2])
+        elif op[0] == isa.F_OP_NORM:
+            _norm_block(head, op, tag, mem, block, blocks, threads, unit, code, what)
         elif op[0] == isa.F_OP_PUT:
             put = mem.ll_put_half if unit == 4 else mem.ll_put  # 4 bytes: half an LL unit
             for i in _items(op[4], unit, block, blocks, threads):
@@ -382,6 +387,38 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
                 out = _reduce([_load(h.ctypes.data, count, code) for h in held], redop,
                               divisor, code)
                 _store(dst + unit * i, out, code)
+
+
+def _norm_block(head, op, tag, mem: _Memory, block: int, blocks: int, threads: int,
+                unit: int, code: int, what: str) -> None:
+    """One block's share of a NORM op (the epilogue; see ``purlin.kernels.fused``): its chunks
+    of ``threads * unit`` bytes get ``residual += result`` (rounded), each chunk's sum of
+    squares goes to its row sums slot as an LL half with the call's tag; then, once every
+    slot of a chunk's row carries the tag, ``result = rms_norm(residual) * weight``."""
+    residual, weight, sums, hidden, eps_bits = (int(x) for x in head[op[5]: op[5] + 5])
+    eps = np.array([eps_bits], np.uint32).view(np.float32)[0]
+    item = isa.ITEMSIZE[code]
+    chunk = threads * unit
+    count = chunk // item  # elements per chunk
+    per_row = hidden * item // chunk
+    mine = range(block, op[3] // chunk, blocks)
+    for c in mine:
+        r = _load(op[1] + c * chunk, count, code).astype(np.float32) + \
+            _load(residual + c * chunk, count, code).astype(np.float32)
+        _store(residual + c * chunk, r, code)
+        r = _load(residual + c * chunk, count, code).astype(np.float32)  # as rounded
+        total = np.float32(np.sum(r * r, dtype=np.float32))
+        mem.ll_put_half(sums + 16 * c, total.tobytes(), tag)
+    for c in mine:
+        first = c // per_row * per_row
+        parts = [np.frombuffer(mem.ll_get_half(sums + 16 * (first + t), tag,
+                                               f"{what} row sum {first + t}"), np.float32)[0]
+                 for t in range(per_row)]
+        inv = np.float32(1) / np.sqrt(np.float32(sum(parts)) / np.float32(hidden) + eps)
+        r = _load(residual + c * chunk, count, code).astype(np.float32)
+        start = c * chunk % (hidden * item)
+        w = _load(weight + start, count, code).astype(np.float32)
+        _store(op[1] + c * chunk, r * inv * w, code)
 
 
 def run_fused_calls(programs, buffers: HostBuffers, inputs_per_call, blocks: int = 2,
