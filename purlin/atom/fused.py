@@ -115,11 +115,16 @@ def epilogue_problem(low: LoweredRank, epilogue: Epilogue, unit: int,
 
     (The module's example ends with one.)
     """
-    r = low.rank
     try:
         ops = _rank_ops(low, unit)
     except _Refused as exc:
         return str(exc)
+    return _epilogue_problem(low.rank, ops, epilogue, unit, threads)
+
+
+def _epilogue_problem(r: int, ops: list[tuple], epilogue: Epilogue, unit: int,
+                      threads: int) -> str | None:
+    """:func:`epilogue_problem` on rank ``r``'s fused ops."""
     last = ops[-1] if ops else None
     if last is None or last[0] != "move" or last[1] != epilogue.target or \
             last[2] != epilogue.target:
@@ -313,7 +318,7 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
                               f"not {unit}")
     ops = rank_ops(low, unit)
     if epilogue is not None:
-        problem = epilogue_problem(low, epilogue, unit, threads)
+        problem = _epilogue_problem(low.rank, ops, epilogue, unit, threads)
         if problem:
             raise CapabilityError(f"cannot end with the epilogue: {problem}")
         ops.append(("norm", epilogue))

@@ -50,8 +50,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, ll_tag, pack_half2,
-                                  unpack_half2)
+from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, itemsize, ll_tag,
+                                  pack_half2, unpack_half2)
 from purlin.kernels.executor import MAX_THREADS  # the executor's launch bound
 from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
@@ -498,7 +498,7 @@ def _norm_item(meta, head, at, c, unit):
     """(residual address, weight address) of this thread's item of chunk ``c`` of a NORM
     (an item never spans two rows: rows are whole chunks)."""
     prm = _word(meta, head, at + 5)
-    row_bytes = _word(meta, head, prm + 3) * (4 if meta[F_DTYPE] == F32 else 2)
+    row_bytes = _word(meta, head, prm + 3) * itemsize(meta[F_DTYPE])
     off = (c * cuda.blockDim.x + cuda.threadIdx.x) * unit
     return _word(meta, head, prm) + off, _word(meta, head, prm + 1) + off % row_bytes
 
@@ -519,7 +519,7 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
     sums = _word(meta, head, prm + 2)
     hidden = _word(meta, head, prm + 3)
     eps = bits_to_f32(_word(meta, head, prm + 4))
-    per_row = hidden * (4 if dt == F32 else 2) // (unit * nthreads)  # chunks per row
+    per_row = hidden * itemsize(dt) // (unit * nthreads)  # chunks per row
     r0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))  # the first chunk's result
     c = block
     while c < chunks:  # residual += result; each chunk's sum of squares into its slot
