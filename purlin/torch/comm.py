@@ -181,11 +181,7 @@ class Communicator:
                 why = self._call(("all-reduce", tensor.numel(), tensor.dtype, "sum", 0),
                                  tensor, tensor, norm=(residual, weight, float(eps)))
         if why:
-            key = (fn, why.split(" (")[0])
-            if key not in self._warned:
-                self._warned.add(key)
-                warnings.warn(f"purlin.torch: {fn} runs as all_reduce and then PyTorch: {why}",
-                              RuntimeWarning, stacklevel=2)
+            self._warn_once(fn, why, f"runs as all_reduce and then PyTorch: {why}", 2)
             self.all_reduce(tensor)
             add_rms_norm(tensor, residual, weight, eps)
         return tensor
@@ -441,15 +437,21 @@ class Communicator:
             return self.hierarchy.dtypes
         return self.path.dtypes
 
+    def _warn_once(self, fn: str, why: str, text: str, stacklevel: int) -> None:
+        """Warn ``purlin.torch: {fn} {text}`` once per function and reason (``why`` up to a
+        parenthesis: sizes and counts do not make new reasons); ``stacklevel`` as the
+        caller's own ``warnings.warn`` would take it."""
+        key = (fn, why.split(" (")[0])
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"purlin.torch: {fn} {text}", RuntimeWarning,
+                          stacklevel=stacklevel + 1)
+
     def _fallback(self, fn: str, why: str, call, *tensors, written=()) -> None:
         """``call(*tensors)`` on torch.distributed, warning once per function and reason.
         Non-contiguous tensors travel as contiguous copies (gloo reduces a strided view's
         storage, not the view), and those written are copied back."""
-        key = (fn, why.split(" (")[0])
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"purlin.torch: {fn} falls back to torch.distributed "
-                          f"({self.backend}): {why}", RuntimeWarning, stacklevel=3)
+        self._warn_once(fn, why, f"falls back to torch.distributed ({self.backend}): {why}", 3)
         dense = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         call(*dense)
         for i in written:

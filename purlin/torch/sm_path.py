@@ -146,8 +146,13 @@ class SmPrepared:
             raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
                                   f"rank, got blocks_per_lane={self.blocks_per_lane}")
         self.threads = threads
-        return self.path.launcher(1, self.blocks_per_lane, threads, kernel="fused",
-                                  stride_words=int(self.desc.numel()), pdl=self.pdl)
+        return self._grid_launcher("fused")
+
+    def _grid_launcher(self, kernel: str):
+        """A launcher of fused ``kernel`` ("fused", "fused-norm") on this collective's grid,
+        reading programs of this collective's length."""
+        return self.path.launcher(1, self.blocks_per_lane, self.threads, kernel=kernel,
+                                  stride_words=self.program_words, pdl=self.pdl)
 
     MAX_MOVED = 128  # relocated tables kept outside graph captures (least recently used go)
 
@@ -241,7 +246,8 @@ class SmPrepared:
             if self.fused:  # the same call counters: one epoch
                 everyone = list(self.all_lowered)
                 everyone[self.path.rank] = low
-                problem = fuse_problem(everyone, self.unit)
+                # the tables themselves were checked when prepared: only moved ones again
+                problem = fuse_problem(everyone, self.unit) if moves else None
                 epilogue = self._epilogue(dst, norm) if norm is not None else None
                 if problem is None and epilogue is not None:
                     problem = epilogue_problem(low, epilogue, self.unit, self.threads)
@@ -250,9 +256,7 @@ class SmPrepared:
                     return None
                 found, _ = self._program(low, epilogue)
                 if epilogue is not None and self.norm_launcher is None:  # not while capturing
-                    self.norm_launcher = self.path.launcher(
-                        1, self.blocks_per_lane, self.threads, kernel="fused-norm",
-                        stride_words=self.program_words, pdl=self.pdl)
+                    self.norm_launcher = self._grid_launcher("fused-norm")
             else:  # the relocated block counts calls in this one's control words: one epoch
                 found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
                                      self.schedule.lanes, control=self.control.data_ptr())
