@@ -62,6 +62,7 @@ class Launcher:
             raise SpecError(f"Launcher kernel must be one of {', '.join(KERNELS)}, got "
                             f"{kernel!r}")
         self.kernel = kernel
+        self.fused = kernel.startswith("fused")  # fused, fused-norm: + call counters
         self.device = int(device)
         self.nranks_in_launch = int(nranks_in_launch)
         self.blocks_per_lane = int(blocks_per_lane)
@@ -69,7 +70,7 @@ class Launcher:
         # a one-rank launch whose descriptor starts a contiguous block (lowering.build_blob)
         # of at least this many int64 words prefetches them (0: no prefetch)
         self.head_words = int(head_words) if self.nranks_in_launch == 1 else 0
-        if kernel.startswith("fused"):  # its fifth argument: words between two ranks' programs
+        if self.fused:  # its fifth argument: the words between two ranks' programs
             self.head_words = int(stride_words)
         self.grid = self.nranks_in_launch * int(nlanes) * self.blocks_per_lane
         self.pdl = bool(pdl)
@@ -82,7 +83,7 @@ class Launcher:
 
     def __call__(self, desc_ptr: int, stream: int = 0,
                  timeout_ns: int = DEFAULT_TIMEOUT_NS, counters: int = 0) -> None:
-        if self.kernel.startswith("fused") and not counters:
+        if self.fused and not counters:
             raise ExecutionError("the fused kernel needs the address of its call counters "
                                  "(counters=)")
         self._launch(desc_ptr, stream, timeout_ns, counters)
@@ -111,7 +112,7 @@ class Launcher:
         self.registers = cufunc.attrs.regs
         self._driver = driver
         self._function = driver.CUfunction(int(cufunc.handle))
-        nargs = 6 if self.kernel.startswith("fused") else 5  # the fused kernel: + call counters
+        nargs = 6 if self.fused else 5  # the fused kernels: + call counters
         self._values = (ctypes.c_int64 * nargs)(0, self.nranks_in_launch, self.blocks_per_lane,
                                                 0, self.head_words)
         base = ctypes.addressof(self._values)
@@ -136,7 +137,7 @@ class Launcher:
         values = self._values
         values[0] = desc_ptr
         values[3] = timeout_ns
-        if self.kernel.startswith("fused"):
+        if self.fused:
             values[5] = counters
         handle = self._streams.get(stream)
         if handle is None:
@@ -167,6 +168,4 @@ class Launcher:
         kernel = KERNELS[self.kernel][self.pdl]
         args = (int(desc_ptr), self.nranks_in_launch, self.blocks_per_lane, int(timeout_ns),
                 self.head_words)
-        fused_kernel = self.kernel.startswith("fused")
-        kernel[self.grid, self.threads](*args, *((int(counters),) if fused_kernel
-                                                  else ()))
+        kernel[self.grid, self.threads](*args, *((int(counters),) if self.fused else ()))
