@@ -114,24 +114,24 @@ class Layer:
 
 
 def mixes(torch, layer):
-    """The ways a layer sums its row-parallel products and norms the result: ``hf`` -- the
-    all-reduce, ``x + o`` and the Hugging Face Llama RMSNorm (several PyTorch kernels);
-    ``fn`` -- the all-reduce, ``x + o`` and ``torch.rms_norm`` (one fused kernel); ``epi`` --
-    ``Communicator.all_reduce_add_rms_norm`` (one kernel where the fused kernel runs it; the
-    residual is updated in place)."""
-    def hf(ar):
-        def mix(o, x, w):
-            ar(o)
-            x = x + o.view(x.shape)
-            return x, layer.rms(x, w)
-        return mix
+    """The ways a layer sums its row-parallel products and norms the result, as ``{name:
+    (make_mix, first_norm)}``: ``hf`` -- the all-reduce, ``x + o`` and the Hugging Face Llama
+    RMSNorm (several PyTorch kernels); ``fn`` -- the all-reduce, ``x + o`` and
+    ``torch.rms_norm`` (one fused kernel); ``epi`` -- ``Communicator.all_reduce_add_rms_norm``
+    (one kernel where the fused kernel runs it; the residual is updated in place).
+    ``make_mix`` takes the all-reduce (``epi``: the communicator); ``first_norm(x, w)`` is the
+    norm a step starts with."""
+    def fused_norm(x, w):
+        return torch.rms_norm(x, (layer.hidden,), w, EPS)
 
-    def fn(ar):
-        def mix(o, x, w):
-            ar(o)
-            x = x + o.view(x.shape)
-            return x, torch.rms_norm(x, (layer.hidden,), w, EPS)
-        return mix
+    def unfused(norm):
+        def make(ar):
+            def mix(o, x, w):
+                ar(o)
+                x = x + o.view(x.shape)
+                return x, norm(x, w)
+            return mix
+        return make
 
     def epi(comm):
         def mix(o, x, w):
@@ -139,7 +139,8 @@ def mixes(torch, layer):
             return x, o.view(x.shape)
         return mix
 
-    return {"hf": hf, "fn": fn, "epi": epi}
+    return {"hf": (unfused(layer.rms), layer.rms), "fn": (unfused(fused_norm), fused_norm),
+            "epi": (epi, fused_norm)}
 
 
 def make_state(torch, layer, batch, seq, kv, device, decode, gen):
@@ -211,9 +212,8 @@ def worker(rank, world, opts):
                 outs = {}
                 for name in opts["providers"]:
                     how, ar, staged = PROVIDERS[name]
-                    mix = mix_of[how](comm_zc if how == "epi" else ars[ar])
-                    first = layer.rms if how == "hf" else (
-                        lambda x, w: torch.rms_norm(x, (hidden,), w, EPS))
+                    make_mix, first = mix_of[how]
+                    mix = make_mix(comm_zc if how == "epi" else ars[ar])
                     stage = staging if staged else None
                     out = torch.empty_like(x0)
 
