@@ -12,7 +12,8 @@ from purlin.atom.fused import fuse_problem, fused_unit, grid, program, rank_ops
 from purlin.atom.lowering import lower
 from purlin.errors import CapabilityError
 from purlin.kernels import isa
-from purlin.kernels.host import HostBuffers, fused_programs, run_fused_calls
+from purlin.kernels.host import (HostBuffers, bf16_bits, bf16_floats, fused_programs,
+                                 run_fused_calls)
 from purlin.snac import plan
 from purlin.spec import STANDARD, collectives, reference, standard
 
@@ -242,16 +243,6 @@ def test_the_fused_kernel_compiles_to_the_intended_ptx(fused_ptx):
     assert ("sqrt" in ptx) == ("norm" in name)
 
 
-def _bf16(x: np.ndarray) -> np.ndarray:
-    """float -> bfloat16 bits (round to nearest even)."""
-    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _unbf16(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
-
-
 @pytest.mark.parametrize("dtype,ll,unit", [("bfloat16", True, 8), ("bfloat16", True, 4),
                                            ("float32", False, 16)])
 def test_the_rmsnorm_epilogue_trades_row_sums_between_blocks(dtype, ll, unit):
@@ -269,7 +260,7 @@ def test_the_rmsnorm_epilogue_trades_row_sums_between_blocks(dtype, ll, unit):
     bufs = HostBuffers(s, ll=ll)
     low = bufs.lower()
     rng = np.random.default_rng(11)
-    enc, dec = (_bf16, _unbf16) if bf16 else ((lambda x: np.asarray(x, np.float32)),
+    enc, dec = (bf16_bits, bf16_floats) if bf16 else ((lambda x: np.asarray(x, np.float32)),
                                               (lambda x: x))
     start = enc(rng.standard_normal(rows * hidden))
     residual = [start.copy() for _ in range(n)]  # replicated, as a layer's residual stream

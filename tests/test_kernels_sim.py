@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from purlin.kernels.host import bf16_bits, bf16_floats
+
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {}
 
@@ -52,16 +54,6 @@ def _guards_intact(raw: np.ndarray, addr: int, nbytes: int) -> bool:
 def _view(raw: np.ndarray, addr: int, count: int, dtype) -> np.ndarray:
     at = addr - raw.ctypes.data
     return raw[at: at + count * np.dtype(dtype).itemsize].view(dtype)
-
-
-def _bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits, round to nearest even (NaN not used here)."""
-    b = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _bf16_to_f32(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 # ------------------------------------------------------------------------------------ copies
@@ -122,7 +114,7 @@ def copy_rows_aligned_and_misaligned():
 def _expected(srcs: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
     """What the kernel computes: accumulate in order, in float32 for 16-bit floats."""
     if dtype in ("bfloat16", "float16"):
-        vals = [_bf16_to_f32(s) if dtype == "bfloat16" else s.view(np.float16).astype(np.float32)
+        vals = [bf16_floats(s) if dtype == "bfloat16" else s.view(np.float16).astype(np.float32)
                 for s in srcs]
     elif dtype == "int32":
         vals = [s.astype(np.int64) for s in srcs]
@@ -138,7 +130,7 @@ def _expected(srcs: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
         else:
             acc = acc / acc.dtype.type(len(srcs))
     if dtype == "bfloat16":
-        return _bf16_bits(acc)
+        return bf16_bits(acc)
     if dtype == "float16":
         return acc.astype(np.float16).view(np.uint16)
     if dtype == "int32":
@@ -148,7 +140,7 @@ def _expected(srcs: list[np.ndarray], dtype: str, op: str) -> np.ndarray:
 
 def _random(rng, dtype: str, count: int) -> np.ndarray:
     if dtype == "bfloat16":
-        return _bf16_bits(rng.standard_normal(count).astype(np.float32) * 10)
+        return bf16_bits(rng.standard_normal(count).astype(np.float32) * 10)
     if dtype == "float16":
         return (rng.standard_normal(count) * 10).astype(np.float16).view(np.uint16)
     if dtype == "int32":
@@ -210,7 +202,7 @@ def half_conversions_round_to_nearest_even():
                     dtype=np.float32)
     for x in ties:
         word = I.f32x2_to_bf16x2(x, np.float32(0))
-        assert word & 0xFFFF == int(_bf16_bits(np.array([x]))[0]), x
+        assert word & 0xFFFF == int(bf16_bits(np.array([x]))[0]), x
         assert word >> 16 == 0
     nan = I.f32x2_to_bf16x2(np.float32("nan"), np.float32(1))
     assert np.isnan(I.bits_to_f32((nan & 0xFFFF) << 16))
@@ -580,7 +572,7 @@ def fused_all_reduce_equals_the_interpreter_bit_for_bit():
             assert rank0.error_record["code"] == 0, rank0.error_record
             assert (fused_out == outs[0]).all(), (unit, call, fused_out, outs[0])
             if dtype == "bfloat16":
-                want = _bf16_bits(sum(_bf16_to_f32(x).astype(np.float64) for x in xs))
+                want = bf16_bits(sum(bf16_floats(x).astype(np.float64) for x in xs))
                 assert (np.abs(fused_out.astype(np.int32) - want.astype(np.int32)) <= 1).all()
         assert (counters[:3] == 2).all() and counters[3] == 0, counters[:4]  # per block
         for q in (1, 2):  # rank 0's units of the odd call sit in rank q's odd parity, tag 2
@@ -676,8 +668,8 @@ def _fused_flags_rank0(dtype: str, count: int, blocks: int, threads: int):
 def _norm_reference(total, residual, weight, hidden, eps, dtype):
     """residual + total rounded, then rms_norm(residual) * weight with one rounding: the
     epilogue's definition, in float64 from the rounded residual."""
-    f32 = (lambda b: _bf16_to_f32(b)) if dtype == "bfloat16" else (lambda x: x)
-    back = _bf16_bits if dtype == "bfloat16" else (lambda x: x.astype(np.float32))
+    f32 = bf16_floats if dtype == "bfloat16" else (lambda x: x)
+    back = bf16_bits if dtype == "bfloat16" else (lambda x: x.astype(np.float32))
     r = back(f32(total).astype(np.float32) + f32(residual).astype(np.float32))
     rows = f32(r).astype(np.float64).reshape(-1, hidden)
     inv = 1 / np.sqrt((rows ** 2).mean(axis=1, keepdims=True) + eps)
@@ -712,7 +704,7 @@ def fused_epilogue_adds_the_residual_and_normalizes_rows():
                         epilogue=e, threads=threads).words.copy()
         counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
         if dtype == "bfloat16":
-            total = _bf16_bits(_bf16_to_f32(xs[0]) + _bf16_to_f32(xs[1]))
+            total = bf16_bits(bf16_floats(xs[0]) + bf16_floats(xs[1]))
         else:
             total = xs[0] + xs[1]
         for call in range(2):
@@ -772,7 +764,7 @@ def fused_bfloat16_pairs_and_unrolled_copies():
 
     s, xs, outs, lowered, scratch, *_ = _fused_flags_rank0("bfloat16", 8 * 41, blocks=2,
                                                            threads=3)
-    want = _bf16_bits(_bf16_to_f32(xs[0]) + _bf16_to_f32(xs[1]))
+    want = bf16_bits(bf16_floats(xs[0]) + bf16_floats(xs[1]))
     assert (outs[0] == want).all(), np.nonzero(outs[0] != want)
     at = int(lowered[0].tables[0][0][isa.DST]) - scratch[1].ctypes.data
     assert (scratch[1][at: at + xs[0].nbytes] == xs[0].view(np.uint8)).all()

@@ -38,18 +38,32 @@ def _bytes(addr: int, nbytes: int) -> np.ndarray:
         np.zeros(0, np.uint8)
 
 
+def bf16_bits(x) -> np.ndarray:
+    """Values as bfloat16 bits (uint16), rounded to nearest even as the GPU converts.
+
+    >>> bf16_bits([1.0, 1.00390625, -2.0]).tolist()
+    [16256, 16256, 49152]
+    """
+    b = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def bf16_floats(bits: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) as float32 values."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
 def _load(addr: int, count: int, code: int) -> np.ndarray:
     raw = _bytes(addr, count * isa.ITEMSIZE[code])
     if code == isa.BF16:
-        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return bf16_floats(raw.view(np.uint16))
     return raw.view(_NP[code]).astype(np.int64 if code == isa.I32 else np.float64)
 
 
 def _store(addr: int, values: np.ndarray, code: int) -> None:
     raw = _bytes(addr, len(values) * isa.ITEMSIZE[code])
     if code == isa.BF16:
-        b = np.asarray(values, np.float32).view(np.uint32).astype(np.uint64)
-        raw.view(np.uint16)[:] = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+        raw.view(np.uint16)[:] = bf16_bits(values)
     elif code == isa.I32:
         raw.view(np.int32)[:] = (np.asarray(values, np.int64) & 0xFFFFFFFF).astype(
             np.uint32).view(np.int32)
