@@ -13,7 +13,8 @@
 #               processzc: zero_copy, the caller's tensors used in place of staging copies;
 #               processzcll: zero_copy with LL up to 4 MiB; processauto: protocol auto with
 #               zero_copy, and fused-ll -- the fused kernel; tp: the decoder layer alone;
-#               norm: all_reduce_add_rms_norm, the RMSNorm epilogue, test and checks)
+#               norm: all_reduce_add_rms_norm, the RMSNorm epilogue, test and checks;
+#               inlayer: a small all-reduce's cost after the decoder's GEMV, and the floor's)
 #   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
 #   stagetests  the GPU tests of lanes by stage and push-pull alone (cestage: both against
 #               NCCL from 64 MiB)
@@ -138,6 +139,10 @@ for stage in "${stages[@]}"; do
             timeout 200 python3 bench/process_mode_gpu.py --zero-copy --sections norm \
                 --out "$OUT/process_mode_norm.json" > "$OUT/process_norm.log" 2>&1
             echo "rc=$?"; tail -28 "$OUT/process_norm.log"
+            ;;
+        inlayer)  # what a small all-reduce costs after the decoder's GEMV, and why
+            timeout 200 python3 bench/gpu_inlayer.py --out "$OUT" > "$OUT/inlayer.log" 2>&1
+            echo "rc=$?"; tail -20 "$OUT/inlayer.log"
             ;;
         tp)  # the TP=2 decoder layer: NCCL against protocol auto, in place, zero-copy
             timeout 300 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1

@@ -1,0 +1,185 @@
+"""What a small all-reduce costs inside a decoder layer, and why: after a row-parallel GEMV.
+
+    PYTHONPATH=. python3 bench/gpu_inlayer.py --out DIR        # 2 GPUs, ~1 minute
+
+Back to back, Purlin's 8 KiB all-reduce takes ~3.5 µs; inside the TP=2 decoder
+(``bench/apps/tp_decoder.py``) a call costs ~6.5 µs more than the step without it. This
+probe finds where the difference goes. One process per GPU; a CUDA graph holds ``--ops``
+repetitions of ``pre`` then ``op``, and an op's cost is (graph time - the graph of ``pre``
+alone) / ops, slowest rank, median of ``--replays``. ``pre`` is what comes before the
+all-reduce:
+
+* ``copy``   -- an 8 KiB copy into the all-reduce's input (the caches stay warm: the
+  all-reduce's own back-to-back cost);
+* ``gemv``   -- the decoder's down projection at batch 1, hidden 4096 (``[1, 7168] @ [7168,
+  4096]``, 59 MB of weights: every cache line of the all-reduce's state is evicted), written
+  straight into the all-reduce's input, as the decoder does.
+
+``op``: ``elementwise`` (one 8 KiB kernel: what any kernel costs there), ``nccl``
+(``dist.all_reduce``), ``purlin`` (a zero-copy ``Communicator``'s all-reduce), ``epi``
+(``all_reduce_add_rms_norm``) against ``purlin+norm`` / ``nccl+norm`` (the add and
+``torch.rms_norm`` after the all-reduce), and the hand-written one-shot kernels of
+``bench/gpu_floor.py`` (``floor-empty``, ``floor-ll``; ``+pdl`` with programmatic dependent
+launch): the same protocol with no interpreter, no program and no tables. Prints a table and
+writes ``DIR/inlayer.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                   "NVSHMEM_DISABLE_NVLS": "1"})
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+HIDDEN, FFN = 4096, 7168  # the decoder's hidden size and one rank's share of its MLP
+EPS = 1e-5
+OPS = ("none", "elementwise", "nccl", "purlin", "nccl+norm", "purlin+norm", "epi",
+       "floor-empty", "floor-empty+pdl", "floor-ll", "floor-ll+pdl")
+
+
+def _floor_launches(torch, group, rank, nbytes):
+    """The hand-written kernels of bench/gpu_floor.py in process mode: their receive areas
+    in a symmetric-memory allocation; {name: launch(stream)} on ``inp`` / ``out`` later."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    from bench.gpu_floor import RawLaunch, _kernels, area_bytes
+
+    kernels = _kernels()
+    area = symm_mem.empty(area_bytes("ll", nbytes), dtype=torch.uint8, device="cuda")
+    area.zero_()
+    handle = symm_mem.rendezvous(area, group.group_name)
+    shift = area.data_ptr() - int(handle.buffer_ptrs[rank])
+    peer = int(handle.buffer_ptrs[1 - rank]) + shift
+    epochs = torch.zeros(64, dtype=torch.int64, device="cuda")
+    errors = torch.zeros(1, dtype=torch.int64, device="cuda")
+    keep = [area, handle, epochs, errors]
+
+    def make(name, pdl, tensor, blocks=8, threads=128):
+        args = (tensor.data_ptr(), tensor.data_ptr(), area.data_ptr(), peer, nbytes,
+                epochs.data_ptr(), errors.data_ptr())
+        launch = RawLaunch(kernels[(name, pdl)], rank, blocks, threads, args, pdl)
+        return lambda: launch(torch.cuda.current_stream().cuda_stream)
+
+    return make, errors, keep
+
+
+def worker(rank, world, opts):
+    import torch
+    import torch.distributed as dist
+
+    from purlin.bench.torch_dist import graph_per_op_us
+    from purlin.torch import Communicator
+
+    group = dist.group.WORLD
+    comm = Communicator(staging_bytes=64 << 20, timeout=10.0, protocol="auto", zero_copy=True)
+    gen = torch.Generator(device="cuda").manual_seed(7 + rank)
+    act = torch.randn(1, FFN, generator=gen, device="cuda").to(torch.bfloat16)
+    w_down = (torch.randn(FFN, HIDDEN, generator=gen, device="cuda") / FFN ** 0.5).to(
+        torch.bfloat16)
+    src = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    staging = comm.input_buffer("all_reduce", HIDDEN, torch.bfloat16).view(1, HIDDEN)
+    residual = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
+    make_floor, floor_errors, keep = _floor_launches(torch, group, rank, HIDDEN * 2)
+
+    pres = {"copy": lambda: staging.copy_(src),
+            "gemv": lambda: torch.matmul(act, w_down, out=staging)}
+
+    def norm():  # the decoder's unfused add and norm: two kernels
+        return torch.rms_norm(residual.add_(staging), (HIDDEN,), weight, EPS)
+
+    ops = {"none": lambda: None, "elementwise": lambda: staging.mul_(1),
+           "nccl": lambda: dist.all_reduce(staging), "purlin": lambda: comm.all_reduce(staging),
+           "nccl+norm": lambda: (dist.all_reduce(staging), norm()),
+           "purlin+norm": lambda: (comm.all_reduce(staging), norm()),
+           "epi": lambda: comm.all_reduce_add_rms_norm(staging, residual, weight, EPS)}
+    for name in ("empty", "ll"):
+        for pdl in (False, True):
+            ops[f"floor-{name}{'+pdl' if pdl else ''}"] = make_floor(name, pdl, staging)
+
+    rows = []
+    for pre_name, pre in pres.items():
+        base = None
+        for op_name in opts["ops"]:
+            op = ops[op_name]
+
+            def body(pre=pre, op=op):
+                pre()
+                op()
+
+            times = sorted(graph_per_op_us(torch, body, opts["ops_per_graph"],
+                                           opts["replays"], dist))
+            t = torch.tensor([times[len(times) // 2]], device="cuda")
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            us = t.item()
+            if op_name == "none":
+                base = us
+            rows.append({"pre": pre_name, "op": op_name, "us_per_pair": us,
+                         "op_us": None if base is None else us - base})
+    torch.cuda.synchronize()
+    comm.check()
+    # the floor kernels' last call, checked: the sum of both ranks' copies of src
+    staging.copy_(src)
+    torch.cuda.synchronize()
+    dist.barrier()
+    make_floor("ll", False, staging)()
+    torch.cuda.synchronize()
+    want = src.clone()
+    dist.all_reduce(want)
+    wrong = int((staging != want).sum()) + int(floor_errors.item())
+    plans = [{k: p.get(k) for k in ("strategy", "protocol", "pdl", "blocks_per_lane")}
+             for p in comm.plans() if p["count"] == HIDDEN][:1]
+    del keep
+    return {"rows": rows, "floor_ll_wrong": wrong, "ran": plans}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--ops", default=",".join(OPS), help="of " + ", ".join(OPS))
+    ap.add_argument("--ops-per-graph", type=int, default=64)
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args(argv)
+    from purlin.torch.testing import run_processes
+
+    ops = args.ops.split(",")
+    if ops[0] != "none":
+        ops.insert(0, "none")
+    opts = {"ops": ops, "ops_per_graph": args.ops_per_graph, "replays": args.replays}
+    t0 = time.time()
+    outcomes = run_processes(worker, 2, opts, backend="nccl", timeout=200, pg_timeout=120)
+    if any(status != "ok" for status, _ in outcomes):
+        for rank, (status, value) in enumerate(outcomes):
+            print(f"rank {rank} {status}: {value}")
+        return 1
+    result = outcomes[0][1]
+    print(f"\nWhat one op costs after `pre` (µs, (graph - graph of pre alone) / "
+          f"{args.ops_per_graph}, slowest rank); purlin ran {result['ran']}")
+    print(f"{'op':>16} {'after copy':>11} {'after gemv':>11}   (none: the time of pre alone)")
+    by = {(r["pre"], r["op"]): r for r in result["rows"]}
+    for op in ops:
+        cells = []
+        for pre in ("copy", "gemv"):
+            r = by[(pre, op)]
+            cells.append(f"({r['us_per_pair']:.2f})" if op == "none"
+                         else f"{r['op_us']:.2f}")
+        print(f"{op:>16} {cells[0]:>11} {cells[1]:>11}")
+    wrong = sum(v["floor_ll_wrong"] for _, v in outcomes)
+    print(f"floor-ll check: {wrong} wrong elements or lost messages on both ranks")
+    out = Path(args.out)
+    path = out if out.suffix == ".json" else out / "inlayer.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"ok": wrong == 0, "seconds": time.time() - t0,
+                                "options": opts, **result}, indent=1))
+    print(f"wrote {path} ({time.time() - t0:.0f} s)")
+    return 0 if wrong == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
