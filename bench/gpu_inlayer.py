@@ -84,12 +84,14 @@ def worker(rank, world, opts):
         torch.bfloat16)
     src = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     staging = comm.input_buffer("all_reduce", HIDDEN, torch.bfloat16).view(1, HIDDEN)
+    staging_epi = comm.input_buffer("all_reduce_add_rms_norm", HIDDEN, torch.bfloat16,
+                                    hidden=HIDDEN).view(1, HIDDEN)
     residual = torch.randn(1, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
     weight = torch.ones(HIDDEN, device="cuda", dtype=torch.bfloat16)
     make_floor, floor_errors, keep = _floor_launches(torch, group, rank, HIDDEN * 2)
 
-    pres = {"copy": lambda: staging.copy_(src),
-            "gemv": lambda: torch.matmul(act, w_down, out=staging)}
+    pres = {"copy": lambda t: t.copy_(src),
+            "gemv": lambda t: torch.matmul(act, w_down, out=t)}
 
     def norm():  # the decoder's unfused add and norm: two kernels
         return torch.rms_norm(residual.add_(staging), (HIDDEN,), weight, EPS)
@@ -98,7 +100,7 @@ def worker(rank, world, opts):
            "nccl": lambda: dist.all_reduce(staging), "purlin": lambda: comm.all_reduce(staging),
            "nccl+norm": lambda: (dist.all_reduce(staging), norm()),
            "purlin+norm": lambda: (comm.all_reduce(staging), norm()),
-           "epi": lambda: comm.all_reduce_add_rms_norm(staging, residual, weight, EPS)}
+           "epi": lambda: comm.all_reduce_add_rms_norm(staging_epi, residual, weight, EPS)}
     for name in ("empty", "ll"):
         for pdl in (False, True):
             ops[f"floor-{name}{'+pdl' if pdl else ''}"] = make_floor(name, pdl, staging)
@@ -108,9 +110,10 @@ def worker(rank, world, opts):
         base = None
         for op_name in opts["ops"]:
             op = ops[op_name]
+            into = staging_epi if op_name == "epi" else staging  # the op's input region
 
-            def body(pre=pre, op=op):
-                pre()
+            def body(pre=pre, op=op, into=into):
+                pre(into)
                 op()
 
             times = sorted(graph_per_op_us(torch, body, opts["ops_per_graph"],
@@ -133,8 +136,9 @@ def worker(rank, world, opts):
     want = src.clone()
     dist.all_reduce(want)
     wrong = int((staging != want).sum()) + int(floor_errors.item())
-    plans = [{k: p.get(k) for k in ("strategy", "protocol", "pdl", "blocks_per_lane")}
-             for p in comm.plans() if p["count"] == HIDDEN][:1]
+    plans = [{k: p.get(k) for k in ("function", "strategy", "protocol", "pdl",
+                                    "blocks_per_lane", "epilogues")}
+             for p in comm.plans() if p["count"] == HIDDEN]
     del keep
     return {"rows": rows, "floor_ll_wrong": wrong, "ran": plans}
 

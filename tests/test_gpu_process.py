@@ -2,7 +2,8 @@
 
 ``Communicator.all_reduce_add_rms_norm`` with the add and the norm inside the fused kernel
 must give NCCL's all-reduce followed by the same add and norm in PyTorch: the residual equal,
-the norm within a rounding, the same bits on both ranks, over eager calls and graph replays;
+the norm within a rounding, the same bits on both ranks, over eager calls and graph replays,
+on ordinary tensors and on the epilogue's own input region, each size on a block per row;
 rows the kernel's blocks do not divide run unfused and are right too. The full sweep over
 dtypes and sizes, and the timings, are ``bench/process_mode_gpu.py``'s norm section.
 """
@@ -29,10 +30,15 @@ def _epilogue_worker(rank, n):
     device = torch.device("cuda", torch.cuda.current_device())
     comm = Communicator(staging_bytes=64 << 20, timeout=10.0, zero_copy=True)
     found = []
-    for rows, hidden in ((1, 4096), (64, 4096), (3, 1000)):
+    # staged: the tensor is the epilogue's own input region (as a decoder writes its
+    # row-parallel products), else an ordinary tensor (copied in)
+    for rows, hidden, staged in ((1, 4096, False), (64, 4096, False), (3, 1000, False),
+                                 (8, 4096, True)):
         gen = torch.Generator(device=device).manual_seed(rows + hidden)
         weight = (torch.rand(hidden, generator=gen, device=device) + 0.5).to(torch.bfloat16)
-        t = torch.empty(rows, hidden, dtype=torch.bfloat16, device=device)
+        t = comm.input_buffer("all_reduce_add_rms_norm", rows * hidden, torch.bfloat16,
+                              hidden=hidden).view(rows, hidden) if staged else torch.empty(
+            rows, hidden, dtype=torch.bfloat16, device=device)
         r = torch.empty_like(t)
         graph = None
         for call in range(6):
@@ -63,8 +69,8 @@ def _epilogue_worker(rank, n):
                           "ranks_equal": bool(torch.equal(theirs, t))})
         torch.cuda.synchronize()
         comm.check()
-    fused = {p["count"]: p.get("epilogues", 0) for p in comm.plans()
-             if p["function"] == "all-reduce"}
+    fused = {p["count"]: (p.get("epilogues", 0), p.get("blocks_per_lane"))
+             for p in comm.plans() if p["function"] == "all-reduce-add-rms-norm"}
     comm.close()
     return found, fused
 
@@ -80,5 +86,7 @@ def test_epilogue_equals_nccl_then_pytorch():
         bad = [f for f in found if f["residual_wrong"] or f["norm_wrong"]
                or not f["ranks_equal"]]
         assert not bad, (rank, bad[:4])
-        assert fused[4096] > 0 and fused[64 * 4096] > 0, fused  # the epilogue ran fused
-        assert fused[3000] == 0, fused                          # 1000-element rows: unfused
+        # the epilogue ran fused, on a block per row of 4096 (row_grid)
+        got = [fused[rows * 4096] for rows in (1, 8, 64)]
+        assert all(e > 0 for e, _ in got) and [b for _, b in got] == [1, 8, 64], fused
+        assert fused[3000][0] == 0, fused  # 1000-element rows: unfused

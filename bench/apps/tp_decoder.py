@@ -198,6 +198,10 @@ def worker(rank, world, opts):
             return comm_zc.input_buffer("all_reduce", tokens * hidden, torch.bfloat16).view(
                 tokens, hidden)
 
+        def staging_epi(tokens, hidden=hidden):  # all_reduce_add_rms_norm's
+            return comm_zc.input_buffer("all_reduce_add_rms_norm", tokens * hidden,
+                                        torch.bfloat16, hidden=hidden).view(tokens, hidden)
+
         configs = [("decode", b, 1) for b in opts["batches"]] + [("prefill", 1, opts["prefill"])]
         for phase, batch, seq in configs:
             row = {"hidden": hidden, "phase": phase, "batch": batch, "seq": seq,
@@ -214,7 +218,7 @@ def worker(rank, world, opts):
                     how, ar, staged = PROVIDERS[name]
                     make_mix, first = mix_of[how]
                     mix = make_mix(comm_zc if how == "epi" else ars[ar])
-                    stage = staging if staged else None
+                    stage = (staging_epi if how == "epi" else staging) if staged else None
                     out = torch.empty_like(x0)
 
                     def step(mix=mix, first=first, stage=stage, out=out, layers=opts["layers"]):
@@ -233,10 +237,12 @@ def worker(rank, world, opts):
                     row[f"{name}_tokens_per_s"] = row["tokens"] / (us * 1e-6)
                 comm_zc.check()
                 count = batch * seq * hidden
-                ran = [p for p in comm_zc.plans() if p["function"] == "all-reduce"
-                       and p["count"] == count and p["dtype"] == "bfloat16"][:1]
-                row["ran"] = [{k: p.get(k) for k in ("strategy", "chunks", "lanes", "protocol",
-                                                     "pdl", "blocks_per_lane", "epilogues")}
+                ran = [p for p in comm_zc.plans() if p["function"] in (
+                    "all-reduce", "all-reduce-add-rms-norm") and p["count"] == count
+                       and p["dtype"] == "bfloat16"]
+                row["ran"] = [{k: p.get(k) for k in ("function", "strategy", "chunks", "lanes",
+                                                     "protocol", "pdl", "blocks_per_lane",
+                                                     "epilogues")}
                               for p in ran]
                 _agreement(torch, row, outs)
                 _ratios(row, opts["layers"])
@@ -296,7 +302,8 @@ def print_table(rows) -> bool:
             continue
         size = r["allreduce_bytes"]
         size_s = f"{size // 1024} KiB" if size < 1 << 20 else f"{size / (1 << 20):.0f} MiB"
-        ran = (r.get("ran") or [{}])[0]
+        ran = next((p for p in r.get("ran") or [] if p.get("function") == "all-reduce"), {})
+        epi = next((p for p in r.get("ran") or [] if p.get("function") != "all-reduce"), {})
         g = r.get
         print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} {size_s:>9} "
               f"{g('nccl_us', 0):8.1f} {g('purlin-zc_us', 0):8.1f} "
@@ -308,7 +315,9 @@ def print_table(rows) -> bool:
               + " / ".join(f"{g(f'{n}_per_call_us', 0):.1f}" for n in (
                   "nccl-fn", "purlin-zc-fn", "purlin-epi"))
               + f"; {ran.get('strategy')} {ran.get('protocol')}"
-              f"{' pdl' if ran.get('pdl') else ''} epilogues {ran.get('epilogues')}")
+              f"{' pdl' if ran.get('pdl') else ''} b{ran.get('blocks_per_lane')}; epi "
+              f"{epi.get('protocol')} b{epi.get('blocks_per_lane')} epilogues "
+              f"{epi.get('epilogues')}")
         ok &= r["agree"]
     return ok
 

@@ -53,13 +53,14 @@ from purlin.errors import CapabilityError
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
                                 F_OP_MOVE, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
-                                F_REDOP,
+                                F_REDOP, MAX_THREADS,
                                 F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_WIDTH,
                                 OPCODE_NAMES, PEER, PER_CALL, REDOP, REDUCE, SOURCE_WIDTH, SRC,
                                 STEP, VALUE, WAIT)
 
 __all__ = ["Epilogue", "FusedProgram", "UNITS", "epilogue_problem", "fuse_problem",
-           "fused_problems", "fused_unit", "grid", "program", "rank_ops", "row_sums_bytes"]
+           "fused_problems", "fused_unit", "grid", "program", "rank_ops", "row_grid",
+           "row_sums_bytes"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
@@ -374,6 +375,29 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     blocks = max(1, min(most, -(-items // threads)))
     per_sm = max(1, 65536 // (threads * 128))
     return max(1, min(blocks, sms * per_sm // ranks_in_launch)), threads
+
+
+def row_grid(nbytes: int, row_bytes: int, sms: int = 132) -> tuple[int, int] | None:
+    """(blocks per rank, threads) of 16-byte items on which every block of a fused
+    all-reduce of ``nbytes`` owns whole rows of ``row_bytes`` -- so its RMSNorm epilogue
+    (:class:`Epilogue`) sums each row inside one block, with no row sums traded between
+    blocks: a row per block of ``row_bytes / 16`` threads (a multiple of 32, at most
+    ``MAX_THREADS``, one block per SM), or one row on one block of ``MAX_THREADS``. None
+    where neither fits (the all-reduce's own grid then trades row sums).
+
+    >>> row_grid(8192, 8192), row_grid(64 * 8192, 8192), row_grid(16384, 16384)
+    ((1, 512), (64, 512), (1, 512))
+    >>> row_grid(32 * 16384, 16384), row_grid(3 * 2000, 2000)
+    (None, None)
+    """
+    if row_bytes <= 0 or nbytes % row_bytes or row_bytes % 16:
+        return None
+    rows, threads = nbytes // row_bytes, row_bytes // 16
+    if threads <= MAX_THREADS and threads % 32 == 0 and rows <= min(F_MAX_BLOCKS, sms):
+        return rows, threads
+    if rows == 1 and threads % MAX_THREADS == 0 and threads // MAX_THREADS <= MAX_THREADS:
+        return 1, MAX_THREADS
+    return None
 
 
 def fused_problems(schedule) -> dict:

@@ -46,12 +46,11 @@ from purlin.kernels.isa import (COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, 
                                 D_TRACE_ROWS, DESC_WIDTH, DIVISOR, DST, DTYPE, E_BLOCK, E_CODE,
                                 E_EXPECTED, E_FLAG, E_LANE, E_PEER, E_RANK, E_SEEN, E_STEP,
                                 EPOCH_OFFSET, ERR_ABORTED, ERR_TIMEOUT, FLAG, LL_GET, LL_PUT,
-                                NOTIFY, NSRC, OP,
+                                MAX_THREADS, NOTIFY, NSRC, OP,
                                 PEER, PER_CALL, REDOP, REDUCE, ROW_WIDTH, SRC, STEP, TRACE_WIDTH,
                                 VALUE, WAIT)
 
 SIGNATURE = "void(int64, int64, int64, int64, int64)"
-MAX_THREADS = 512   # launch bound: keeps the kernel within 128 registers per thread
 SPINS_PER_CHECK = 64  # acquire loads between two looks at the clock and the ABORT word
 WINDOW = 32           # table rows a block keeps in shared memory at a time (4 KiB)
 WINDOW_WORDS = WINDOW * ROW_WIDTH

@@ -28,7 +28,9 @@ block:
   block cover ``threads * unit`` bytes of one row at a time (a chunk); each chunk's sum of
   squares goes to a 16-byte slot of the row sums area as {float32 bits, tag}, and every
   block reads the slots of its chunks' rows, in order, before it normalizes: the rank's
-  blocks meet only through those slots, and every rank's result is the same bits;
+  blocks meet only through those slots, and every rank's result is the same bits. A block
+  that owns every chunk of its rows (a row is one chunk, or the grid one block) keeps its
+  sums in shared memory instead and adds them in the same order: the same bits, no slots;
 * MOVE: each item of the destination from its sources in order (a copy for one source, else
   the reduction, bfloat16 / float16 accumulated in float32 as the interpreter does); an LL
   source is polled until both tags of its units are this call's. With 16-byte items, plain
@@ -520,6 +522,9 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
     hidden = _word(meta, head, prm + 3)
     eps = bits_to_f32(_word(meta, head, prm + 4))
     per_row = hidden * itemsize(dt) // (unit * nthreads)  # chunks per row
+    # does this block own every chunk of its rows? (then its sums stay in ``parts``)
+    owned = (per_row == 1 or blocks == 1) and (chunks - block + blocks - 1) // blocks \
+        <= MAX_THREADS
     r0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))  # the first chunk's result
     c = block
     while c < chunks:  # residual += result; each chunk's sum of squares into its slot
@@ -537,12 +542,15 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
             r0 = r
         total = _sum_block(red, (s0 + s1) + (s2 + s3), tid, nthreads)
         if tid == 0:
-            store_volatile_v2_u32(sums + c * 16, (f32_to_bits(total), tag))
+            if owned:
+                parts[(c - block) // blocks] = total
+            else:
+                store_volatile_v2_u32(sums + c * 16, (f32_to_bits(total), tag))
         c += blocks
     c = block
     while c < chunks:  # the row's sums (every chunk's slot, in order), then the norm
         first = (c // per_row) * per_row
-        if tid < per_row:
+        if not owned and tid < per_row:
             slot = sums + (first + tid) * 16
             code, seen, lo, _ = _poll(slot, tag, timeout_ns, abort, 0)
             if code != 0:
@@ -554,7 +562,7 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
             return
         s = np.float32(0)
         for t in range(per_row):
-            s += parts[t]
+            s += parts[(first + t - block) // blocks] if owned else parts[t]
         inv = np.float32(1) / np.float32(math.sqrt(s / np.float32(hidden) + eps))
         res_at, wgt_at = _norm_item(meta, head, at, c, unit)
         r, w = r0, wgt0

@@ -88,6 +88,7 @@ TRACE_WIDTH = 4
 # passes their address, so programs of one collective that differ only in the addresses of the
 # rank's own buffers (relocated for zero-copy calls) count calls together.
 F_MAX_BLOCKS = 256          # blocks per rank a fused launch may run
+MAX_THREADS = 512           # threads per block, every kernel (launch bound: <= 128 registers)
 F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT = range(8)
 F_HEAD = 8                   # F_UNIT: the bytes a thread takes at a time, 16 or 8 (one LL unit)
 F_OP_WAIT, F_OP_NOTIFY, F_OP_PUT, F_OP_MOVE, F_OP_NORM = 1, 2, 3, 4, 5

@@ -152,9 +152,12 @@ class Communicator:
 
         On the fused kernel (sm datapath, a fused protocol for this size) it is one launch:
         the all-reduce's kernel ends with the add and the norm (``purlin.atom.fused.
-        Epilogue``). Elsewhere -- the cpu datapath, the interpreter's sizes, rows the
-        kernel's blocks do not divide -- :meth:`all_reduce` and then the same in PyTorch,
-        with a one-time warning saying why.
+        Epilogue``), on a grid of blocks that each own whole rows where the rows allow
+        (``purlin.atom.fused.row_grid``): an all-reduce prepared for this, apart from
+        :meth:`all_reduce`'s of the same size (its input region: ``input_buffer(
+        "all_reduce_add_rms_norm", count, dtype, hidden=...)``). Elsewhere -- the cpu
+        datapath, the interpreter's sizes, rows the kernel's blocks do not divide --
+        :meth:`all_reduce` and then the same in PyTorch, with a one-time warning saying why.
 
             h = comm.all_reduce_add_rms_norm(o, x, norm_weight, 1e-5)  # x += sum(o); h = norm(x)
         """
@@ -175,11 +178,13 @@ class Communicator:
         if why is None and tensor.numel():
             if self.hierarchy is not None:
                 why = "the group spans nodes"
+            elif self.datapath != "sm":
+                why = f"the {self.datapath} datapath has no fused kernel"
             elif not (residual.is_contiguous() and weight.is_contiguous()):
                 why = "a strided residual or weight"
             else:
-                why = self._call(("all-reduce", tensor.numel(), tensor.dtype, "sum", 0),
-                                 tensor, tensor, norm=(residual, weight, float(eps)))
+                why = self._call(_norm_key(tensor.numel(), tensor.dtype, hidden), tensor,
+                                 tensor, norm=(residual, weight, float(eps)))
         if why:
             self._warn_once(fn, why, f"runs as all_reduce and then PyTorch: {why}", 2)
             self.all_reduce(tensor)
@@ -295,10 +300,11 @@ class Communicator:
         return output
 
     def input_buffer(self, function: str, count: int, dtype, *, op="sum",
-                     src: int = 0) -> torch.Tensor:
+                     src: int = 0, hidden: int | None = None) -> torch.Tensor:
         """The staging input region of a standard collective, as a 1-D tensor: fill it and
         pass it as the input (for all_reduce: the tensor) to skip the copy in. ``count`` is
-        what the function's tensor argument holds (all_reduce, broadcast, reduce: the tensor;
+        what the function's tensor argument holds (all_reduce, all_reduce_add_rms_norm --
+        give ``hidden``, its weight's length --, broadcast, reduce: the tensor;
         all_gather_into_tensor: the input; reduce_scatter_tensor: the output; all_to_all_single:
         the input). The region stays reserved for this size from then on."""
         if self.path is None:
@@ -308,7 +314,12 @@ class Communicator:
         dtype = getattr(torch, str(dtype).removeprefix("torch.")) if not isinstance(
             dtype, torch.dtype) else dtype
         root = self._group_rank(src)
-        key = {"all-to-all": ("all-to-all", count // self.nranks, dtype, "copy", 0),
+        if kind == "all-reduce-add-rms-norm":
+            if not hidden or count % hidden:
+                raise SpecError(f"rank {self.rank}: input_buffer({function!r}) needs hidden, "
+                                f"the norm's row length, dividing count {count}; got {hidden}")
+            kind = "all-reduce"
+        key = _norm_key(count, dtype, hidden) if hidden else {"all-to-all": ("all-to-all", count // self.nranks, dtype, "copy", 0),
                "all-gather": ("all-gather", count, dtype, "copy", 0),
                "broadcast": ("broadcast", count, dtype, "copy", root),
                }.get(kind, (kind, count, dtype, _op_name(op) or "sum",
@@ -331,10 +342,12 @@ class Communicator:
         """
         out = []
         for key, prepared in self._cache.items():
-            kind, count, dtype, op, root = key if key[0] != "run" else (
+            kind, count, dtype, op, root = key[:5] if key[0] != "run" else (
                 key[1].name, None, key[3], None, None)
             row = {"function": kind, "count": count, "dtype": str(dtype).removeprefix("torch."),
                    "op": op, "root": root}
+            if len(key) > 5 and key[0] != "run":  # prepared for the RMSNorm epilogue
+                row.update(function="all-reduce-add-rms-norm", hidden=key[5])
             if isinstance(prepared, str):
                 row["unprepared"] = prepared
             else:
@@ -466,7 +479,7 @@ class Communicator:
         return self._colls[key]
 
     def _sizing(self, key):
-        kind, count, dtype, op, root = key
+        kind, count, dtype, op, root = key[:5]
         coll = self._collective(kind, op, root)
         n = self.nranks
         if kind == "all-reduce":
@@ -555,9 +568,10 @@ class Communicator:
                 self.staging.free(victim)
                 self.path.forget(self._cache.pop(victim))
             offset = self.staging.place(key, lay.size)
-        prepared = self.path.prepare(schedule, offset, lay, blocks_per_lane=blocks,
-                                     **({"protocol": protocol, "pdl": pdl}
-                                        if self.datapath == "sm" else {}))
+        sm = {"protocol": protocol, "pdl": pdl} if self.datapath == "sm" else {}
+        if sm and len(key) > 5 and key[0] == "all-reduce":  # for the RMSNorm epilogue
+            sm["row_bytes"] = key[5] * key[2].itemsize
+        prepared = self.path.prepare(schedule, offset, lay, blocks_per_lane=blocks, **sm)
         self.path.barrier()  # every rank zeroed its flags before anyone notifies them
         self._cache[key] = prepared
         return prepared
@@ -664,6 +678,12 @@ def add_rms_norm(tensor: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     rows = residual.reshape(-1, weight.numel())
     tensor.copy_(torch.rms_norm(rows, (weight.numel(),), weight, eps).reshape(tensor.shape))
     return tensor
+
+
+def _norm_key(count: int, dtype, hidden: int) -> tuple:
+    """The prepared all-reduce of ``all_reduce_add_rms_norm`` over rows of ``hidden``: apart
+    from plain ``all_reduce``'s of the same size, since its grid is made for the rows."""
+    return ("all-reduce", count, dtype, "sum", 0, hidden)
 
 
 def _parts(count: int, parts: int):

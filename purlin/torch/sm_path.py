@@ -35,7 +35,7 @@ class SmPrepared:
     fused kernel (the communicator has checked that it can run the schedule)."""
 
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads,
-                 protocol: str = "simple", pdl: bool = False):
+                 protocol: str = "simple", pdl: bool = False, row_bytes: int | None = None):
         from purlin.atom.lowering import local_buffers, lower
         from purlin.atom.sm import _check_resident, default_blocks_per_lane, rank_blob
 
@@ -71,24 +71,32 @@ class SmPrepared:
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         self.program_words = None  # the fused programs' length
         self.norm_launcher = None  # the fused kernel compiled with the epilogue, on demand
+        tdt = getattr(torch, schedule.dtype)
         if self.fused:
-            from purlin.atom.fused import fused_unit
+            from purlin.atom.fused import fuse_problem, fused_unit, row_grid
 
             self.unit, problem = fused_unit(self.all_lowered, protocol)
             if problem:  # the communicator checked the plan: this is a bug, said on every rank
                 raise CapabilityError(f"protocol={protocol!r} cannot run "
                                       f"{schedule.title()} here: {problem}")
+            # row_bytes: made for an RMSNorm epilogue over rows that long -- on a grid where
+            # every block owns whole rows, where there is one (16-byte items)
+            rows = row_bytes and row_grid(
+                sizing.output_count(rank) * tdt.itemsize, row_bytes, path.sms)
+            if rows and fuse_problem(self.all_lowered, 16) is None:
+                self.unit = 16
+            else:
+                rows = None
             self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
             self.counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
             self.counters_ptr = self.counters.data_ptr()
             self.desc, items = self._program(low)
-            self.launcher = self._fused_launcher(items, blocks_per_lane)
+            self.launcher = self._fused_launcher(items, blocks_per_lane, rows)
         else:
             self.desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
             self.launcher = path.launcher(lanes, bpl, threads)
         self.desc_ptr = self.desc.data_ptr()
         _check_resident(torch, dev.index, self.launcher, "process")
-        tdt = getattr(torch, schedule.dtype)
         self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
         self.output = path.view(offset + lay.offset(rank, "output"), sizing.output_count(rank),
                                 tdt)
@@ -134,14 +142,15 @@ class SmPrepared:
         words[:prog.words.size] = prog.words
         return torch.from_numpy(words).to(self.path.device), prog.items
 
-    def _fused_launcher(self, items: int, blocks_per_lane):
-        """The fused kernel's launcher: ``blocks_per_lane`` blocks (else the kernel's default
+    def _fused_launcher(self, items: int, blocks_per_lane, rows=None):
+        """The fused kernel's launcher: ``rows`` = (blocks, threads) where given (a grid of
+        blocks owning whole rows), else ``blocks_per_lane`` blocks (else the kernel's default
         grid for ``items``) of the grid's threads -- the communicator's ``threads`` are the
         interpreter's."""
         from purlin.atom.fused import grid
 
-        blocks, threads = grid(items, 1, self.path.sms, self.unit)
-        self.blocks_per_lane = blocks_per_lane or blocks
+        blocks, threads = rows or grid(items, 1, self.path.sms, self.unit)
+        self.blocks_per_lane = blocks if rows else blocks_per_lane or blocks
         if self.blocks_per_lane > isa.F_MAX_BLOCKS:
             raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
                                   f"rank, got blocks_per_lane={self.blocks_per_lane}")
@@ -377,14 +386,18 @@ class SmPath:
         return self._launchers[key]
 
     def prepare(self, schedule, offset: int, lay, blocks_per_lane=None, *,
-                protocol: str = "simple", pdl: bool = False) -> SmPrepared:
+                protocol: str = "simple", pdl: bool = False,
+                row_bytes: int | None = None) -> SmPrepared:
         """Lower ``schedule`` at ``offset`` of the area and zero this rank's flags there (the
         caller then waits for every rank). Blocks per lane: the communicator's setting, else
         ``blocks_per_lane`` (a tuning table's), else the datapath's default for the size (the
         fused kernel's: :func:`purlin.atom.fused.grid`). ``protocol`` / ``pdl``: as
-        :class:`SmPrepared` (a fused protocol needs a layout with ``block_flags``)."""
+        :class:`SmPrepared` (a fused protocol needs a layout with ``block_flags``);
+        ``row_bytes``: an all-reduce for the RMSNorm epilogue over rows that long (the fused
+        kernel then runs blocks owning whole rows, :func:`purlin.atom.fused.row_grid`, where
+        it can)."""
         p = SmPrepared(self, schedule, offset, lay, self.blocks_per_lane or blocks_per_lane,
-                       self.threads, protocol=protocol, pdl=pdl)
+                       self.threads, protocol=protocol, pdl=pdl, row_bytes=row_bytes)
         self.buf[offset: offset + lay.control_end].zero_()  # flags, abort, slots per block
         if lay.has_ll:  # tags restart at 1: no unit left by an earlier tenant may match
             at = offset + lay.offset(self.rank, "ll")
