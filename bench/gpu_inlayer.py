@@ -75,6 +75,7 @@ def worker(rank, world, opts):
 
     from purlin.bench.torch_dist import graph_per_op_us
     from purlin.torch import Communicator
+    from purlin.torch.comm import _norm_key
 
     group = dist.group.WORLD
     comm = Communicator(staging_bytes=64 << 20, timeout=10.0, protocol="auto", zero_copy=True)
@@ -101,19 +102,32 @@ def worker(rank, world, opts):
            "nccl+norm": lambda: (dist.all_reduce(staging), norm()),
            "purlin+norm": lambda: (comm.all_reduce(staging), norm()),
            "epi": lambda: comm.all_reduce_add_rms_norm(staging_epi, residual, weight, EPS)}
+    into = {"epi": staging_epi}  # an op's input region, where not the all-reduce's
     for name in ("empty", "ll"):
         for pdl in (False, True):
             ops[f"floor-{name}{'+pdl' if pdl else ''}"] = make_floor(name, pdl, staging)
+    # the epilogue on other grids (Communicator(epilogue_grid=...)), and the same all-reduce
+    # without it: what the grid costs the all-reduce, and what the norm costs on it
+    comms = {"": comm}
+    for grid in opts["grids"]:
+        other = Communicator(staging_bytes=8 << 20, timeout=10.0, protocol="auto",
+                             zero_copy=True, epilogue_grid=grid)
+        region = other.input_buffer("all_reduce_add_rms_norm", HIDDEN, torch.bfloat16,
+                                    hidden=HIDDEN).view(1, HIDDEN)
+        comms[f":{grid}"] = other
+        ops[f"epi:{grid}"] = lambda c=other, t=region: c.all_reduce_add_rms_norm(
+            t, residual, weight, EPS)
+        # (the epilogue's prepared all-reduce run plain: a private call, for this probe)
+        ops[f"ar:{grid}"] = lambda c=other, t=region: c._call(
+            _norm_key(HIDDEN, torch.bfloat16, HIDDEN), t, t)
+        into[f"epi:{grid}"] = into[f"ar:{grid}"] = region
 
     rows = []
     for pre_name, pre in pres.items():
         base = None
-        for op_name in opts["ops"]:
-            op = ops[op_name]
-            into = staging_epi if op_name == "epi" else staging  # the op's input region
-
-            def body(pre=pre, op=op, into=into):
-                pre(into)
+        for op_name in opts["ops"] + [f"{k}:{g}" for g in opts["grids"] for k in ("ar", "epi")]:
+            def body(pre=pre, op=ops[op_name], region=into.get(op_name, staging)):
+                pre(region)
                 op()
 
             times = sorted(graph_per_op_us(torch, body, opts["ops_per_graph"],
@@ -126,7 +140,8 @@ def worker(rank, world, opts):
             rows.append({"pre": pre_name, "op": op_name, "us_per_pair": us,
                          "op_us": None if base is None else us - base})
     torch.cuda.synchronize()
-    comm.check()
+    for c in comms.values():
+        c.check()
     # the floor kernels' last call, checked: the sum of both ranks' copies of src
     staging.copy_(src)
     torch.cuda.synchronize()
@@ -136,9 +151,9 @@ def worker(rank, world, opts):
     want = src.clone()
     dist.all_reduce(want)
     wrong = int((staging != want).sum()) + int(floor_errors.item())
-    plans = [{k: p.get(k) for k in ("function", "strategy", "protocol", "pdl",
-                                    "blocks_per_lane", "epilogues")}
-             for p in comm.plans() if p["count"] == HIDDEN]
+    plans = [{"grid": g, **{k: p.get(k) for k in ("function", "strategy", "protocol", "pdl",
+                                                  "blocks_per_lane", "epilogues")}}
+             for g, c in comms.items() for p in c.plans() if p["count"] == HIDDEN]
     del keep
     return {"rows": rows, "floor_ll_wrong": wrong, "ran": plans}
 
@@ -147,6 +162,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--ops", default=",".join(OPS), help="of " + ", ".join(OPS))
+    ap.add_argument("--grids", default="rows,32,64,128",
+                    help="epilogue grids to try besides the default (Communicator's "
+                    "epilogue_grid: 'rows' or threads per block)")
     ap.add_argument("--ops-per-graph", type=int, default=64)
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args(argv)
@@ -155,7 +173,9 @@ def main(argv=None) -> int:
     ops = args.ops.split(",")
     if ops[0] != "none":
         ops.insert(0, "none")
-    opts = {"ops": ops, "ops_per_graph": args.ops_per_graph, "replays": args.replays}
+    grids = [g if g == "rows" else int(g) for g in args.grids.split(",") if g]
+    opts = {"ops": ops, "grids": grids, "ops_per_graph": args.ops_per_graph,
+            "replays": args.replays}
     t0 = time.time()
     outcomes = run_processes(worker, 2, opts, backend="nccl", timeout=200, pg_timeout=120)
     if any(status != "ok" for status, _ in outcomes):
@@ -164,10 +184,13 @@ def main(argv=None) -> int:
         return 1
     result = outcomes[0][1]
     print(f"\nWhat one op costs after `pre` (µs, (graph - graph of pre alone) / "
-          f"{args.ops_per_graph}, slowest rank); purlin ran {result['ran']}")
+          f"{args.ops_per_graph}, slowest rank); epi:G / ar:G -- the epilogue on grid G "
+          "and its all-reduce without it. Ran:")
+    for p in result["ran"]:
+        print("   ", p)
     print(f"{'op':>16} {'after copy':>11} {'after gemv':>11}   (none: the time of pre alone)")
     by = {(r["pre"], r["op"]): r for r in result["rows"]}
-    for op in ops:
+    for op in ops + [f"{k}:{g}" for g in grids for k in ("ar", "epi")]:
         cells = []
         for pre in ("copy", "gemv"):
             r = by[(pre, op)]

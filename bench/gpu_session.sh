@@ -144,6 +144,13 @@ for stage in "${stages[@]}"; do
             timeout 200 python3 bench/gpu_inlayer.py --out "$OUT" > "$OUT/inlayer.log" 2>&1
             echo "rc=$?"; tail -20 "$OUT/inlayer.log"
             ;;
+        tpgrids)  # the decoder at hidden 4096 with the epilogue on blocks of 32 and 64 threads
+            for g in 32 64; do
+                timeout 150 python3 bench/apps/tp_decoder.py --hidden 4096 --prefill 0 \
+                    --epi-grid $g --out "$OUT/tp_decoder_epi$g.json" > "$OUT/tp_epi$g.log" 2>&1
+                echo "rc=$?"; tail -7 "$OUT/tp_epi$g.log"
+            done
+            ;;
         tp)  # the TP=2 decoder layer: NCCL against protocol auto, in place, zero-copy
             timeout 300 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1
             echo "rc=$?"; tail -16 "$OUT/tp.log"

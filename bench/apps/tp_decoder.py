@@ -186,7 +186,7 @@ def worker(rank, world, opts):
     warnings.simplefilter("ignore", FutureWarning)
     device = torch.device("cuda", torch.cuda.current_device())
     comm_zc = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
-                           zero_copy=True)
+                           zero_copy=True, epilogue_grid=opts.get("epi_grid"))
     ars = {"nccl": lambda t: dist.all_reduce(t), "zc": comm_zc.all_reduce,
            "none": lambda t: None}
     rows = []
@@ -202,7 +202,8 @@ def worker(rank, world, opts):
             return comm_zc.input_buffer("all_reduce_add_rms_norm", tokens * hidden,
                                         torch.bfloat16, hidden=hidden).view(tokens, hidden)
 
-        configs = [("decode", b, 1) for b in opts["batches"]] + [("prefill", 1, opts["prefill"])]
+        configs = [("decode", b, 1) for b in opts["batches"]] + (
+            [("prefill", 1, opts["prefill"])] if opts["prefill"] else [])
         for phase, batch, seq in configs:
             row = {"hidden": hidden, "phase": phase, "batch": batch, "seq": seq,
                    "tokens": batch * seq, "allreduce_bytes": batch * seq * hidden * 2}
@@ -327,7 +328,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--hidden", default="4096,8192")
     ap.add_argument("--batches", default="1,8,32,64")
-    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--prefill", type=int, default=2048, help="tokens (0: no prefill)")
     ap.add_argument("--kv", type=int, default=1024)
     # a step runs --layers layers (the same weights each time), as a decode step of a whole
     # model does; one graph replay then carries one step, and the skew between the two ranks'
@@ -335,6 +336,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32, help="layers per step (same weights)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--staging", type=int, default=512 << 20)
+    ap.add_argument("--epi-grid", default=None,
+                    help="the epilogue's grid (Communicator epilogue_grid: 'rows' or threads "
+                    "per block; default: the all-reduce's)")
     ap.add_argument("--providers", default=",".join(PROVIDERS),
                     help="of " + ", ".join(PROVIDERS) + " (nccl first)")
     args = ap.parse_args(argv)
@@ -343,7 +347,9 @@ def main(argv=None) -> int:
     opts = {"hidden": [int(h) for h in args.hidden.split(",")],
             "batches": [int(b) for b in args.batches.split(",")], "prefill": args.prefill,
             "kv": args.kv, "layers": args.layers, "replays": args.replays,
-            "staging": args.staging, "providers": args.providers.split(",")}
+            "staging": args.staging, "providers": args.providers.split(","),
+            "epi_grid": (args.epi_grid if args.epi_grid in (None, "rows")
+                         else int(args.epi_grid))}
     t0 = time.time()
     outcomes = run_processes(worker, 2, opts, backend="nccl", timeout=230, pg_timeout=120)
     if outcomes[0][0] != "ok":

@@ -81,6 +81,10 @@ class Communicator:
     where the plan has no peer touch this rank's input (output), the executor reads (writes)
     the caller's tensor itself instead of a copy in (out) of the staging area; each new pair
     of tensor addresses costs a relocated table once (``SmPrepared.launch``).
+    ``epilogue_grid`` (sm datapath): the fused kernel's grid for
+    :meth:`all_reduce_add_rms_norm` -- None: the all-reduce's own (blocks trade row sums);
+    ``"rows"``: blocks owning whole rows (``purlin.atom.fused.row_grid``); an int: blocks of
+    that many threads, one item each.
     """
 
     def __init__(self, group=None, datapath: str = "auto", staging_bytes: int = DEFAULT_STAGING,
@@ -88,7 +92,8 @@ class Communicator:
                  chunks: int | None = None, lanes: int | None = None,
                  ranks_per_node: int | None = None, node_of_rank=None,
                  blocks_per_lane: int | None = None, threads: int = 512,
-                 protocol: str = "auto", zero_copy: bool = False, pdl: bool | None = None):
+                 protocol: str = "auto", zero_copy: bool = False, pdl: bool | None = None,
+                 epilogue_grid: str | int | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError("purlin.torch.Communicator needs torch.distributed: call "
                                  "dist.init_process_group(...) first")
@@ -102,6 +107,11 @@ class Communicator:
             raise CapabilityError(f"Communicator protocol must be one of {', '.join(PROTOCOLS)}, "
                                   f"got {protocol!r}")
         self.protocol, self.zero_copy, self.pdl = protocol, bool(zero_copy), pdl
+        if not (epilogue_grid in (None, "rows") or isinstance(epilogue_grid, int)
+                and 0 < epilogue_grid <= 512 and epilogue_grid % 32 == 0):
+            raise SpecError(f"rank {self.rank}: epilogue_grid must be None, 'rows' or threads "
+                            f"per block (a multiple of 32 up to 512), got {epilogue_grid!r}")
+        self.epilogue_grid = epilogue_grid
         self.timeout, self.strategy = float(timeout), strategy
         self.chunks, self.lanes = chunks, lanes
         self.staging_bytes = int(staging_bytes)
@@ -570,7 +580,7 @@ class Communicator:
             offset = self.staging.place(key, lay.size)
         sm = {"protocol": protocol, "pdl": pdl} if self.datapath == "sm" else {}
         if sm and len(key) > 5 and key[0] == "all-reduce":  # for the RMSNorm epilogue
-            sm["row_bytes"] = key[5] * key[2].itemsize
+            sm.update(row_bytes=key[5] * key[2].itemsize, epilogue_grid=self.epilogue_grid)
         prepared = self.path.prepare(schedule, offset, lay, blocks_per_lane=blocks, **sm)
         self.path.barrier()  # every rank zeroed its flags before anyone notifies them
         self._cache[key] = prepared

@@ -35,7 +35,8 @@ class SmPrepared:
     fused kernel (the communicator has checked that it can run the schedule)."""
 
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads,
-                 protocol: str = "simple", pdl: bool = False, row_bytes: int | None = None):
+                 protocol: str = "simple", pdl: bool = False, row_bytes: int | None = None,
+                 epilogue_grid: str | int | None = None):
         from purlin.atom.lowering import local_buffers, lower
         from purlin.atom.sm import _check_resident, default_blocks_per_lane, rank_blob
 
@@ -79,14 +80,21 @@ class SmPrepared:
             if problem:  # the communicator checked the plan: this is a bug, said on every rank
                 raise CapabilityError(f"protocol={protocol!r} cannot run "
                                       f"{schedule.title()} here: {problem}")
-            # row_bytes: made for an RMSNorm epilogue over rows that long -- on a grid where
-            # every block owns whole rows, where there is one (16-byte items)
-            rows = row_bytes and row_grid(
-                sizing.output_count(rank) * tdt.itemsize, row_bytes, path.sms)
-            if rows and fuse_problem(self.all_lowered, 16) is None:
-                self.unit = 16
-            else:
-                rows = None
+            # row_bytes: made for an RMSNorm epilogue over rows that long, on the grid
+            # epilogue_grid asks for ("rows": blocks owning whole rows, 16-byte items, where
+            # there is one; threads: blocks of that many, one item each)
+            nbytes, rows = sizing.output_count(rank) * tdt.itemsize, None
+            if row_bytes and epilogue_grid == "rows":
+                rows = row_grid(nbytes, row_bytes, path.sms)
+                if rows and fuse_problem(self.all_lowered, 16) is None:
+                    self.unit = 16
+                else:
+                    rows = None
+            elif row_bytes and epilogue_grid:
+                blocks = -(-nbytes // (self.unit * epilogue_grid))
+                resident = path.sms * max(1, 65536 // (epilogue_grid * 128))
+                if blocks <= min(isa.F_MAX_BLOCKS, resident):
+                    rows = (blocks, epilogue_grid)
             self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
             self.counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
             self.counters_ptr = self.counters.data_ptr()
@@ -143,9 +151,9 @@ class SmPrepared:
         return torch.from_numpy(words).to(self.path.device), prog.items
 
     def _fused_launcher(self, items: int, blocks_per_lane, rows=None):
-        """The fused kernel's launcher: ``rows`` = (blocks, threads) where given (a grid of
-        blocks owning whole rows), else ``blocks_per_lane`` blocks (else the kernel's default
-        grid for ``items``) of the grid's threads -- the communicator's ``threads`` are the
+        """The fused kernel's launcher: ``rows`` = (blocks, threads) where given (an
+        epilogue's grid), else ``blocks_per_lane`` blocks (else the kernel's default grid for
+        ``items``) of the grid's threads -- the communicator's ``threads`` are the
         interpreter's."""
         from purlin.atom.fused import grid
 
@@ -387,17 +395,17 @@ class SmPath:
 
     def prepare(self, schedule, offset: int, lay, blocks_per_lane=None, *,
                 protocol: str = "simple", pdl: bool = False,
-                row_bytes: int | None = None) -> SmPrepared:
+                row_bytes: int | None = None, epilogue_grid=None) -> SmPrepared:
         """Lower ``schedule`` at ``offset`` of the area and zero this rank's flags there (the
         caller then waits for every rank). Blocks per lane: the communicator's setting, else
         ``blocks_per_lane`` (a tuning table's), else the datapath's default for the size (the
         fused kernel's: :func:`purlin.atom.fused.grid`). ``protocol`` / ``pdl``: as
         :class:`SmPrepared` (a fused protocol needs a layout with ``block_flags``);
-        ``row_bytes``: an all-reduce for the RMSNorm epilogue over rows that long (the fused
-        kernel then runs blocks owning whole rows, :func:`purlin.atom.fused.row_grid`, where
-        it can)."""
+        ``row_bytes``: an all-reduce for the RMSNorm epilogue over rows that long, on
+        ``epilogue_grid`` (see :class:`purlin.torch.Communicator`)."""
         p = SmPrepared(self, schedule, offset, lay, self.blocks_per_lane or blocks_per_lane,
-                       self.threads, protocol=protocol, pdl=pdl, row_bytes=row_bytes)
+                       self.threads, protocol=protocol, pdl=pdl, row_bytes=row_bytes,
+                       epilogue_grid=epilogue_grid)
         self.buf[offset: offset + lay.control_end].zero_()  # flags, abort, slots per block
         if lay.has_ll:  # tags restart at 1: no unit left by an earlier tenant may match
             at = offset + lay.offset(self.rank, "ll")
