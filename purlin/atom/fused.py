@@ -342,7 +342,9 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
             row = (F_OP_PUT, *op[1:])
         elif op[0] == "norm":  # its parameters take one source entry
             e = op[1]
-            row = (F_OP_NORM, e.target, e.target, moves[-1][3], 1, at)
+            nbytes, chunk = moves[-1][3], unit * threads
+            row = (F_OP_NORM, e.target, e.target, nbytes, 1, at, nbytes // chunk,
+                   e.hidden * ITEMSIZE[moves[-1][5]] // chunk)
             eps = int(np.float32(e.eps).view(np.int32))
             words[at: at + SOURCE_WIDTH] = (e.residual, e.weight, e.sums, e.hidden, eps)
             at += SOURCE_WIDTH

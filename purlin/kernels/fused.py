@@ -59,8 +59,9 @@ from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_b
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
                                        load_u32, load_v4_u32, load_volatile_v4_u32,
-                                       red_release_add, store_i64, store_u32, store_v4_u32,
-                                       store_volatile_v2_u32, store_volatile_v4_u32)
+                                       red_release_add, SIMULATOR, store_i64, store_u32,
+                                       store_v4_u32, store_volatile_v2_u32,
+                                       store_volatile_v4_u32)
 from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LANE, E_PEER,
                                 E_RANK, E_SEEN, E_STEP, ERR_ABORTED, ERR_TIMEOUT, F16, F32,
                                 F_ABORT, F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS,
@@ -68,6 +69,8 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 F_REDOP, F_UNIT, OP_WIDTH, SOURCE_WIDTH)
 
 SPINS_PER_CHECK = 64
+WARPS = MAX_THREADS // 32
+RED = MAX_THREADS if SIMULATOR else WARPS + 1  # a block sum's shared floats
 
 
 @device
@@ -430,23 +433,53 @@ def _wait(meta, head, at, epoch, block, timeout_ns, abort):
 
 
 @device
-def _sum_block(red, x, tid, nthreads):
-    """The sum of ``x`` over the block's threads, in a fixed order (a tree in shared memory
-    ``red``); thread 0 gets it."""
-    red[tid] = x
-    cuda.syncthreads()
-    width = 1
-    while width < nthreads:
-        width *= 2
-    half = width // 2
-    while half > 0:
-        if tid < half and tid + half < nthreads:
-            red[tid] = red[tid] + red[tid + half]
+def _warp_sum(x, lane, width):
+    """The sum of ``x`` over lanes ``[0, width)`` of the warp, in a fixed order (a shuffle
+    tree); lane 0 gets it."""
+    mask = np.uint32(0xFFFFFFFF) if width >= 32 else np.uint32((1 << width) - 1)
+    offset = 16
+    while offset > 0:
+        other = cuda.shfl_down_sync(mask, x, offset)
+        if lane + offset < width:
+            x += other
+        offset //= 2
+    return x
+
+
+@device
+def _sum_block(x, tid, nthreads):
+    """The sum of ``x`` over the block's threads, in a fixed order: each warp's by shuffles,
+    then warp 0 sums the warps'; every thread gets it. Two barriers. (The simulator has no
+    shuffles: there a tree in shared memory.)"""
+    red = cuda.shared.array(RED, np.float32)
+    if SIMULATOR:
+        red[tid] = x
         cuda.syncthreads()
-        half //= 2
-    total = red[0]
-    cuda.syncthreads()  # red is free again
-    return total
+        half = 1
+        while half * 2 < nthreads:
+            half *= 2
+        while half > 0:
+            if tid < half and tid + half < nthreads:
+                red[tid] = red[tid] + red[tid + half]
+            cuda.syncthreads()
+            half //= 2
+        total = red[0]
+        cuda.syncthreads()  # red is free again
+        return total
+    lane = tid % 32
+    warp = tid // 32
+    x = _warp_sum(x, lane, min(32, nthreads - warp * 32))
+    if lane == 0:
+        red[warp] = x
+    cuda.syncthreads()
+    if warp == 0:
+        nwarps = (nthreads + 31) // 32
+        x = _warp_sum(red[lane] if lane < nwarps else np.float32(0), lane,
+                      min(32, nthreads))  # every lane of warp 0 takes part: + 0 is exact
+        if lane == 0:
+            red[WARPS] = x
+    cuda.syncthreads()
+    return red[WARPS]  # (the next call writes red[WARPS] only after its first barrier)
 
 
 @device
@@ -498,11 +531,14 @@ def _scale_word(r, w, inv, dt):
 @device
 def _norm_item(meta, head, at, c, unit):
     """(residual address, weight address) of this thread's item of chunk ``c`` of a NORM
-    (an item never spans two rows: rows are whole chunks)."""
+    (an item never spans two rows: rows are whole chunks; no 64-bit division)."""
     prm = _word(meta, head, at + 5)
-    row_bytes = _word(meta, head, prm + 3) * itemsize(meta[F_DTYPE])
-    off = (c * cuda.blockDim.x + cuda.threadIdx.x) * unit
-    return _word(meta, head, prm) + off, _word(meta, head, prm + 1) + off % row_bytes
+    per_row = _word(meta, head, at + 7)
+    chunk = cuda.blockDim.x * unit
+    within = np.int64(0) if per_row == 1 else np.int64(np.uint32(c) % np.uint32(per_row))
+    off = cuda.threadIdx.x * unit
+    return _word(meta, head, prm) + c * chunk + off, _word(meta, head, prm + 1) + \
+        within * chunk + off
 
 
 @device
@@ -511,22 +547,23 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
     """A NORM op (see the module docstring); ``res0`` / ``wgt0``: this thread's residual
     and weight item of the block's first chunk, read at block start. Returns when the
     block is done or gave up."""
-    red = cuda.shared.array(MAX_THREADS, np.float32)  # block sums
     parts = cuda.shared.array(MAX_THREADS, np.float32)  # a row's sums
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     target = _word(meta, head, at + 1 + odd)
-    chunks = _word(meta, head, at + 3) // (unit * nthreads)
+    chunks = _word(meta, head, at + 6)
+    per_row = _word(meta, head, at + 7)  # chunks per row
     prm = _word(meta, head, at + 5)
     sums = _word(meta, head, prm + 2)
     hidden = _word(meta, head, prm + 3)
     eps = bits_to_f32(_word(meta, head, prm + 4))
-    per_row = hidden * itemsize(dt) // (unit * nthreads)  # chunks per row
-    # does this block own every chunk of its rows? (then its sums stay in ``parts``)
-    owned = (per_row == 1 or blocks == 1) and (chunks - block + blocks - 1) // blocks \
-        <= MAX_THREADS
+    # does this block own every chunk of its rows? (then its sums stay in ``parts``, the
+    # block's k-th chunk's in parts[k])
+    owned = (per_row == 1 and chunks <= blocks * MAX_THREADS) or \
+        (blocks == 1 and chunks <= MAX_THREADS)
     r0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))  # the first chunk's result
     c = block
+    k = 0
     while c < chunks:  # residual += result; each chunk's sum of squares into its slot
         item = target + (c * nthreads + tid) * unit
         res_at, _ = _norm_item(meta, head, at, c, unit)
@@ -540,16 +577,18 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
         _store_item(res_at, r, unit)
         if c == block:
             r0 = r
-        total = _sum_block(red, (s0 + s1) + (s2 + s3), tid, nthreads)
+        total = _sum_block((s0 + s1) + (s2 + s3), tid, nthreads)
         if tid == 0:
             if owned:
-                parts[(c - block) // blocks] = total
+                parts[k] = total
             else:
                 store_volatile_v2_u32(sums + c * 16, (f32_to_bits(total), tag))
         c += blocks
+        k += 1
     c = block
+    k = 0
     while c < chunks:  # the row's sums (every chunk's slot, in order), then the norm
-        first = (c // per_row) * per_row
+        first = c if per_row == 1 else np.int64(np.uint32(c) // np.uint32(per_row)) * per_row
         if not owned and tid < per_row:
             slot = sums + (first + tid) * 16
             code, seen, lo, _ = _poll(slot, tag, timeout_ns, abort, 0)
@@ -561,8 +600,8 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
         if status[0] != 0:
             return
         s = np.float32(0)
-        for t in range(per_row):
-            s += parts[(first + t - block) // blocks] if owned else parts[t]
+        for t in range(per_row):  # one block's chunks of a row: k (a row a chunk) or first + t
+            s += parts[(k if per_row == 1 else first + t) if owned else t]
         inv = np.float32(1) / np.float32(math.sqrt(s / np.float32(hidden) + eps))
         res_at, wgt_at = _norm_item(meta, head, at, c, unit)
         r, w = r0, wgt0
@@ -574,12 +613,15 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
                     unit)
         cuda.syncthreads()  # parts is free again
         c += blocks
+        k += 1
 
 
 @device
 def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl,
          norm):
-    slot = cuda.blockIdx.x // blocks_per_rank
+    # (no 64-bit division on the way to the first store: one rank per launch is the
+    # common case, and units are powers of two)
+    slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
     if slot >= nranks_in_launch:
         return
     block = cuda.blockIdx.x - slot * blocks_per_rank
@@ -597,11 +639,12 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         griddep_wait()
     g = block * cuda.blockDim.x + tid
     unit_bytes = meta[F_UNIT]
+    shift = 4 if unit_bytes == 16 else 3 if unit_bytes == 8 else 2  # log2(unit_bytes)
     # a first PUT's first item is read with the call counter: one memory round trip, not two,
     # before the first store (every thread reads its block's counter: no barrier for it)
     p0, p1, p2, p3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     first_put = meta[F_NOPS] > 0 and meta[F_HEAD] == F_OP_PUT
-    if first_put and g < meta[F_HEAD + 4] // unit_bytes:
+    if first_put and g < meta[F_HEAD + 4] >> shift:
         src = meta[F_HEAD + 1]
         if unit_bytes == 4:
             p0 = load_u32(src + g * 4)
@@ -617,7 +660,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     wgt0 = res0
     last = F_HEAD + (meta[F_NOPS] - 1) * OP_WIDTH
     if norm and meta[F_NOPS] > 0 and _word(meta, head, last) == F_OP_NORM and \
-            block < _word(meta, head, last + 3) // (unit_bytes * cuda.blockDim.x):
+            block < _word(meta, head, last + 6):
         res_at, wgt_at = _norm_item(meta, head, last, block, unit_bytes)
         res0, wgt0 = _load_item(res_at, unit_bytes), _load_item(wgt_at, unit_bytes)
     epoch = load_i64(counter)
@@ -646,7 +689,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         elif kind == F_OP_PUT:
             src = _word(meta, head, at + 1)
             dst = _word(meta, head, at + 2 + odd)
-            items = _word(meta, head, at + 4) // unit_bytes
+            items = _word(meta, head, at + 4) >> shift
             i = g
             if k == 0 and i < items:  # the item read with the counter
                 if unit_bytes == 4:
@@ -669,7 +712,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                     store_volatile_v4_u32(dst + i * 32 + 16, (w[2], tag, w[3], tag))
                 i += stride
         else:
-            items = _word(meta, head, at + 3) // unit_bytes
+            items = _word(meta, head, at + 3) >> shift
             nsrc = _word(meta, head, at + 4)
             first = _word(meta, head, at + 5)
             plain = unit_bytes == 16

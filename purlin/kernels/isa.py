@@ -97,7 +97,8 @@ OP_WIDTH = 8
 # NOTIFY: kind, flag slot of block 0 (on the peer), value
 # PUT:    kind, source, LL units on even calls, on odd calls, bytes, peer, step (LL_PUT)
 # MOVE:   kind, destination on even calls, on odd calls, bytes, sources, first source word
-# NORM:   kind, target on even calls, on odd calls, bytes, 1, first parameter word -- the
-#         epilogue (residual add and RMSNorm) over a MOVE's destination; its parameters
-#         take one source entry: residual, weight, row sums area, row length, eps (f32 bits)
+# NORM:   kind, target on even calls, on odd calls, bytes, 1, first parameter word, chunks,
+#         chunks per row -- the epilogue (residual add and RMSNorm) over a MOVE's
+#         destination, in chunks of threads x unit bytes; its parameters take one source
+#         entry: residual, weight, row sums area, row length, eps (f32 bits)
 SOURCE_WIDTH = 5             # is LL, address on even calls, on odd calls, peer rank, step
