@@ -589,16 +589,19 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
     k = 0
     while c < chunks:  # the row's sums (every chunk's slot, in order), then the norm
         first = c if per_row == 1 else np.int64(np.uint32(c) // np.uint32(per_row)) * per_row
-        if not owned and tid < per_row:
-            slot = sums + (first + tid) * 16
-            code, seen, lo, _ = _poll(slot, tag, timeout_ns, abort, 0)
-            if code != 0:
-                _record(meta, head, code, -1, slot, tag, seen, -1, block)
-                status[0] = 1
-            parts[tid] = bits_to_f32(lo)
-        cuda.syncthreads()
-        if status[0] != 0:
-            return
+        if not owned:  # a thread per slot of the row, then every thread reads them
+            if tid < per_row:
+                slot = sums + (first + tid) * 16
+                code, seen, lo, _ = _poll(slot, tag, timeout_ns, abort, 0)
+                if code != 0:
+                    _record(meta, head, code, -1, slot, tag, seen, -1, block)
+                    status[0] = 1
+                parts[tid] = bits_to_f32(lo)
+            cuda.syncthreads()
+            if status[0] != 0:
+                return
+        elif k == 0:  # thread 0's sums of pass 1
+            cuda.syncthreads()
         s = np.float32(0)
         for t in range(per_row):  # one block's chunks of a row: k (a row a chunk) or first + t
             s += parts[(k if per_row == 1 else first + t) if owned else t]
@@ -611,7 +614,8 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
                     (_scale_word(r[0], w[0], inv, dt), _scale_word(r[1], w[1], inv, dt),
                      _scale_word(r[2], w[2], inv, dt), _scale_word(r[3], w[3], inv, dt)),
                     unit)
-        cuda.syncthreads()  # parts is free again
+        if not owned and c + blocks < chunks:
+            cuda.syncthreads()  # parts is free again for the next row's sums
         c += blocks
         k += 1
 
