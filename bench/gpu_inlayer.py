@@ -20,8 +20,11 @@ all-reduce:
 (``all_reduce_add_rms_norm``) against ``purlin+norm`` / ``nccl+norm`` (the add and
 ``torch.rms_norm`` after the all-reduce), and the hand-written one-shot kernels of
 ``bench/gpu_floor.py`` (``floor-empty``, ``floor-ll``; ``+pdl`` with programmatic dependent
-launch): the same protocol with no interpreter, no program and no tables. Prints a table and
-writes ``DIR/inlayer.json``.
+launch): the same protocol with no interpreter, no program and no tables; ``epi:G`` /
+``ar:G``: the epilogue on grid G (``Communicator(epilogue_grid=G)``) and its all-reduce
+without it; ``epi(no-trade)`` / ``epi(no-norm)``: the epilogue with a part left out (its
+program rewritten: no row sums traded between blocks; no epilogue work at all). Prints a table
+and writes ``DIR/inlayer.json``.
 """
 
 from __future__ import annotations
@@ -69,11 +72,23 @@ def _floor_launches(torch, group, rank, nbytes):
     return make, errors, keep
 
 
+def _epilogue_words(comm):
+    """The device words of ``comm``'s one program that ends with the RMSNorm epilogue."""
+    import torch
+
+    from purlin.torch.comm import _norm_key
+
+    prepared = comm._cache[_norm_key(HIDDEN, torch.bfloat16, HIDDEN)]
+    (words,) = [w for key, w in prepared._moved.items() if len(key) > 2]
+    return words
+
+
 def worker(rank, world, opts):
     import torch
     import torch.distributed as dist
 
     from purlin.bench.torch_dist import graph_per_op_us
+    from purlin.kernels import isa
     from purlin.torch import Communicator
     from purlin.torch.comm import _norm_key
 
@@ -122,23 +137,44 @@ def worker(rank, world, opts):
             _norm_key(HIDDEN, torch.bfloat16, HIDDEN), t, t)
         into[f"epi:{grid}"] = into[f"ar:{grid}"] = region
 
-    rows = []
-    for pre_name, pre in pres.items():
-        base = None
-        for op_name in opts["ops"] + [f"{k}:{g}" for g in opts["grids"] for k in ("ar", "epi")]:
-            def body(pre=pre, op=ops[op_name], region=into.get(op_name, staging)):
-                pre(region)
-                op()
+    def measure(pre, op, region) -> float:
+        def body():
+            pre(region)
+            op()
 
-            times = sorted(graph_per_op_us(torch, body, opts["ops_per_graph"],
-                                           opts["replays"], dist))
-            t = torch.tensor([times[len(times) // 2]], device="cuda")
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            us = t.item()
-            if op_name == "none":
-                base = us
+        times = sorted(graph_per_op_us(torch, body, opts["ops_per_graph"], opts["replays"],
+                                       dist))
+        t = torch.tensor([times[len(times) // 2]], device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+
+    rows, base = [], {}
+    for pre_name, pre in pres.items():
+        for op_name in opts["ops"] + [f"{k}:{g}" for g in opts["grids"] for k in ("ar", "epi")]:
+            us = measure(pre, ops[op_name], into.get(op_name, staging))
+            base.setdefault(pre_name, us)  # the first op is none
             rows.append({"pre": pre_name, "op": op_name, "us_per_pair": us,
-                         "op_us": None if base is None else us - base})
+                         "op_us": us - base[pre_name] if op_name != "none" else None})
+    # the epilogue's parts, left out one at a time by rewriting its program's NORM op (the
+    # results are then wrong, and not looked at): chunks per row 1 -- no row sums traded
+    # between blocks; chunks 0 -- no epilogue work at all (the fused_norm kernel all the same)
+    for grid, c in comms.items():
+        if grid not in ("", ":rows"):
+            continue
+        name = f"epi{grid}"
+        words = _epilogue_words(c)
+        at = isa.F_HEAD + (int(words[isa.F_NOPS]) - 1) * isa.OP_WIDTH
+        assert int(words[at]) == isa.F_OP_NORM, "the epilogue program's last op is not NORM"
+        saved = words.clone()
+        for part, (index, value) in (("no-trade", (at + 7, 1)), ("no-norm", (at + 6, 0))):
+            for pre_name, pre in pres.items():
+                words[index] = value
+                torch.cuda.synchronize()
+                us = measure(pre, ops[name], into[name])
+                rows.append({"pre": pre_name, "op": f"{name}({part})", "us_per_pair": us,
+                             "op_us": us - base[pre_name]})
+                words.copy_(saved)
+                torch.cuda.synchronize()
     torch.cuda.synchronize()
     for c in comms.values():
         c.check()
@@ -190,7 +226,9 @@ def main(argv=None) -> int:
         print("   ", p)
     print(f"{'op':>16} {'after copy':>11} {'after gemv':>11}   (none: the time of pre alone)")
     by = {(r["pre"], r["op"]): r for r in result["rows"]}
-    for op in ops + [f"{k}:{g}" for g in grids for k in ("ar", "epi")]:
+    parts = [f"epi{g}({p})" for g in ("", ":rows") if g == "" or "rows" in grids
+             for p in ("no-trade", "no-norm")]
+    for op in ops + [f"{k}:{g}" for g in grids for k in ("ar", "epi")] + parts:
         cells = []
         for pre in ("copy", "gemv"):
             r = by[(pre, op)]
