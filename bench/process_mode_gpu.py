@@ -257,8 +257,9 @@ def norm_check(torch, dist, comm, rank, n, device, opts):
                     same &= bool(torch.equal(theirs, t))
                 torch.cuda.synchronize()
                 comm.check()
-                ran = next((p for p in comm.plans() if p["function"] == "all-reduce"
-                            and p["count"] == rows * hidden and p["dtype"] == dtype_name), {})
+                ran = next((p for p in comm.plans() if p["function"] ==
+                            "all-reduce-add-rms-norm" and p["count"] == rows * hidden
+                            and p["dtype"] == dtype_name), {})
                 row.update(wrong_residual=wrong_r, wrong_norm=wrong_y, ranks_equal=same,
                            fused=bool(ran.get("epilogues")), protocol=ran.get("protocol"))
                 if dtype == torch.bfloat16 and rows * hidden <= 1 << 20:

@@ -3,7 +3,8 @@
 ``Communicator.all_reduce_add_rms_norm`` with the add and the norm inside the fused kernel
 must give NCCL's all-reduce followed by the same add and norm in PyTorch: the residual equal,
 the norm within a rounding, the same bits on both ranks, over eager calls and graph replays,
-on ordinary tensors and on the epilogue's own input region, each size on a block per row;
+on ordinary tensors and on the epilogue's own input region, on the all-reduce's grid and on
+blocks owning whole rows (``epilogue_grid="rows"``);
 rows the kernel's blocks do not divide run unfused and are right too. The full sweep over
 dtypes and sizes, and the timings, are ``bench/process_mode_gpu.py``'s norm section.
 """
@@ -29,15 +30,19 @@ def _epilogue_worker(rank, n):
     warnings.simplefilter("ignore")
     device = torch.device("cuda", torch.cuda.current_device())
     comm = Communicator(staging_bytes=64 << 20, timeout=10.0, zero_copy=True)
+    # blocks that own whole rows: no row sums traded between blocks
+    comm_rows = Communicator(staging_bytes=16 << 20, timeout=10.0, zero_copy=True,
+                             epilogue_grid="rows")
     found = []
     # staged: the tensor is the epilogue's own input region (as a decoder writes its
     # row-parallel products), else an ordinary tensor (copied in)
     for rows, hidden, staged in ((1, 4096, False), (64, 4096, False), (3, 1000, False),
                                  (8, 4096, True)):
+        on = comm_rows if staged else comm
         gen = torch.Generator(device=device).manual_seed(rows + hidden)
         weight = (torch.rand(hidden, generator=gen, device=device) + 0.5).to(torch.bfloat16)
-        t = comm.input_buffer("all_reduce_add_rms_norm", rows * hidden, torch.bfloat16,
-                              hidden=hidden).view(rows, hidden) if staged else torch.empty(
+        t = on.input_buffer("all_reduce_add_rms_norm", rows * hidden, torch.bfloat16,
+                            hidden=hidden).view(rows, hidden) if staged else torch.empty(
             rows, hidden, dtype=torch.bfloat16, device=device)
         r = torch.empty_like(t)
         graph = None
@@ -52,12 +57,12 @@ def _epilogue_worker(rank, n):
             t.copy_(x)
             r.copy_(r0)
             if call < 2:  # eager; then captured once and replayed
-                comm.all_reduce_add_rms_norm(t, r, weight, 1e-5)
+                on.all_reduce_add_rms_norm(t, r, weight, 1e-5)
             else:
                 if graph is None:
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
-                        comm.all_reduce_add_rms_norm(t, r, weight, 1e-5)
+                        on.all_reduce_add_rms_norm(t, r, weight, 1e-5)
                     t.copy_(x)
                     r.copy_(r0)
                 graph.replay()
@@ -68,10 +73,12 @@ def _epilogue_worker(rank, n):
                           "residual_wrong": int((r != ref_r).sum()), "norm_wrong": int(far.sum()),
                           "ranks_equal": bool(torch.equal(theirs, t))})
         torch.cuda.synchronize()
-        comm.check()
+        on.check()
     fused = {p["count"]: (p.get("epilogues", 0), p.get("blocks_per_lane"))
-             for p in comm.plans() if p["function"] == "all-reduce-add-rms-norm"}
+             for c in (comm, comm_rows) for p in c.plans()
+             if p["function"] == "all-reduce-add-rms-norm"}
     comm.close()
+    comm_rows.close()
     return found, fused
 
 
@@ -86,7 +93,7 @@ def test_epilogue_equals_nccl_then_pytorch():
         bad = [f for f in found if f["residual_wrong"] or f["norm_wrong"]
                or not f["ranks_equal"]]
         assert not bad, (rank, bad[:4])
-        # the epilogue ran fused, on a block per row of 4096 (row_grid)
-        got = [fused[rows * 4096] for rows in (1, 8, 64)]
-        assert all(e > 0 for e, _ in got) and [b for _, b in got] == [1, 8, 64], fused
+        # the epilogue ran fused: on the all-reduce's grid, and on a block per row of 4096
+        assert fused[4096][0] > 0 and fused[64 * 4096][0] > 0, fused
+        assert fused[8 * 4096][0] > 0 and fused[8 * 4096][1] == 8, fused
         assert fused[3000][0] == 0, fused  # 1000-element rows: unfused

@@ -88,9 +88,7 @@ def _poll(unit, tag, timeout_ns, abort, half):
     """Spin on one LL unit until :func:`_ready`: (0 | ERR_TIMEOUT | ERR_ABORTED, tag seen, data
     lo, data hi)."""
     v = load_volatile_v4_u32(unit)
-    if _ready(v, tag, half):
-        return 0, np.int64(tag), np.int64(v[0]), np.int64(v[2])
-    deadline = globaltimer() + timeout_ns
+    deadline = np.int64(0)  # the clock is first read at the first check, not on a miss
     spins = 0
     while not _ready(v, tag, half):
         spins += 1
@@ -98,7 +96,10 @@ def _poll(unit, tag, timeout_ns, abort, half):
             seen = np.int64(v[3] if half == 1 else v[1])
             if load_acquire(abort) != 0:
                 return ERR_ABORTED, seen, np.int64(0), np.int64(0)
-            if globaltimer() > deadline:
+            now = globaltimer()
+            if deadline == 0:
+                deadline = now + timeout_ns
+            elif now > deadline:
                 return ERR_TIMEOUT, seen, np.int64(0), np.int64(0)
         v = load_volatile_v4_u32(unit)
     return 0, np.int64(tag), np.int64(v[0]), np.int64(v[2])
@@ -412,17 +413,18 @@ def _wait(meta, head, at, epoch, block, timeout_ns, abort):
         return 0
     flag = _word(meta, head, at + 1) + block * 8
     seen = load_acquire(flag)
-    if seen >= target:
-        return 0
-    deadline = globaltimer() + timeout_ns
+    deadline = np.int64(0)  # the clock is first read at the first check, not on a miss
     spins = 0
     while seen < target:
         spins += 1
         if spins % SPINS_PER_CHECK == 0:
             code = 0
+            now = globaltimer()
             if load_acquire(abort) != 0:
                 code = ERR_ABORTED
-            elif globaltimer() > deadline:
+            elif deadline == 0:
+                deadline = now + timeout_ns
+            elif now > deadline:
                 code = ERR_TIMEOUT
             if code != 0:
                 _record(meta, head, code, _word(meta, head, at + 6), _word(meta, head, at + 7),
@@ -542,11 +544,10 @@ def _norm_item(meta, head, at, c, unit):
 
 
 @device
-def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns, abort, res0,
-          wgt0):
-    """A NORM op (see the module docstring); ``res0`` / ``wgt0``: this thread's residual
-    and weight item of the block's first chunk, read at block start. Returns when the
-    block is done or gave up."""
+def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns, abort, res0):
+    """A NORM op (see the module docstring); ``res0``: this thread's residual item of the
+    block's first chunk, read at block start (its weight item is read with the result, and
+    waited for only after the row sums). Returns when the block is done or gave up."""
     parts = cuda.shared.array(MAX_THREADS, np.float32)  # a row's sums
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
@@ -562,11 +563,14 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
     owned = (per_row == 1 and chunks <= blocks * MAX_THREADS) or \
         (blocks == 1 and chunks <= MAX_THREADS)
     r0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))  # the first chunk's result
+    w0 = r0  # and its weight
     c = block
     k = 0
     while c < chunks:  # residual += result; each chunk's sum of squares into its slot
         item = target + (c * nthreads + tid) * unit
-        res_at, _ = _norm_item(meta, head, at, c, unit)
+        res_at, wgt_at = _norm_item(meta, head, at, c, unit)
+        if c == block:
+            w0 = _load_item(wgt_at, unit)
         a = _load_item(item, unit)
         b = res0 if c == block else _load_item(res_at, unit)
         x0, s0 = _add_word(a[0], b[0], dt)
@@ -607,7 +611,7 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
             s += parts[(k if per_row == 1 else first + t) if owned else t]
         inv = np.float32(1) / np.float32(math.sqrt(s / np.float32(hidden) + eps))
         res_at, wgt_at = _norm_item(meta, head, at, c, unit)
-        r, w = r0, wgt0
+        r, w = r0, w0
         if c != block:
             r, w = _load_item(res_at, unit), _load_item(wgt_at, unit)
         _store_item(target + (c * nthreads + tid) * unit,
@@ -657,16 +661,15 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         else:
             w = load_v4_u32(src + g * 16)
             p0, p1, p2, p3 = np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
-    # a NORM (last op): this thread's residual and weight item of its block's first chunk,
-    # read now so that their latency hides behind the all-reduce's
+    # a NORM (last op): this thread's residual item of its block's first chunk, read now so
+    # that its latency hides behind the all-reduce's
     # (``norm``: the fused_norm kernels; the others leave this code and its registers out)
     res0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))
-    wgt0 = res0
     last = F_HEAD + (meta[F_NOPS] - 1) * OP_WIDTH
     if norm and meta[F_NOPS] > 0 and _word(meta, head, last) == F_OP_NORM and \
             block < _word(meta, head, last + 6):
-        res_at, wgt_at = _norm_item(meta, head, last, block, unit_bytes)
-        res0, wgt0 = _load_item(res_at, unit_bytes), _load_item(wgt_at, unit_bytes)
+        res_at, _ = _norm_item(meta, head, last, block, unit_bytes)
+        res0 = _load_item(res_at, unit_bytes)
     epoch = load_i64(counter)
     tag = ll_tag(epoch)
     odd = epoch & 1
@@ -689,7 +692,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                 red_release_add(_word(meta, head, at + 1) + block * 8, _word(meta, head, at + 2))
         elif norm and kind == F_OP_NORM:
             _norm(meta, head, at, status, block, blocks_per_rank, odd, tag, dt, unit_bytes,
-                  timeout_ns, abort, res0, wgt0)
+                  timeout_ns, abort, res0)
         elif kind == F_OP_PUT:
             src = _word(meta, head, at + 1)
             dst = _word(meta, head, at + 2 + odd)
