@@ -286,6 +286,20 @@ def _norm_worker(rank, n):
                 comm.all_reduce_add_rms_norm(*args)
             except SpecError as exc:
                 caught.append(str(exc))
+        try:  # its input region needs the row length
+            comm.input_buffer("all_reduce_add_rms_norm", 48, torch.float32)
+        except SpecError as exc:
+            caught.append(str(exc))
+        # and is a region of its own, apart from all_reduce's of the same size
+        region = comm.input_buffer("all_reduce_add_rms_norm", 48, torch.float32, hidden=16)
+        if region.numel() != 48 or region.data_ptr() == comm.input_buffer(
+                "all_reduce", 48, torch.float32).data_ptr():
+            bad.append("all_reduce_add_rms_norm's input region")
+        region.copy_(torch.full((48,), float(rank + 1)))
+        r = torch.zeros(48)
+        comm.all_reduce_add_rms_norm(region, r, torch.ones(16), 1e-5)
+        if not (torch.all(r == 3.0) and torch.allclose(region, torch.ones(48), atol=1e-5)):
+            bad.append(f"in its input region: residual {r[:4]}, normed {region[:4]}")
     warned = [str(w.message) for w in seen if "all_reduce_add_rms_norm" in str(w.message)]
     comm.close()
     dist.barrier()
@@ -377,12 +391,14 @@ def test_hierarchical_two_nodes_of_two_equals_flat(node_of_rank):
 
 def test_all_reduce_add_rms_norm_equals_float64_arithmetic():
     """On the cpu datapath the all-reduce runs on Purlin (bfloat16: on gloo) and the add and
-    norm in PyTorch, warned once per reason: every rank gets residual + sum and its norm;
-    bad shapes and integer tensors raise SpecError naming the rank."""
+    norm in PyTorch, warned once per reason: every rank gets residual + sum and its norm, also
+    in its own input region (``input_buffer``, which needs the row length); bad shapes and
+    integer tensors raise SpecError naming the rank."""
     results = raise_for(run_processes(_norm_worker, 2, timeout=60))
     for rank, (bad, caught, warned) in enumerate(results):
         assert not bad, bad[:3]
-        assert len(caught) == 3 and all(f"rank {rank}" in c for c in caught), caught
+        assert len(caught) == 4 and all(f"rank {rank}" in c for c in caught), caught
+        assert "needs hidden, the norm's row length" in caught[3], caught
         assert len(warned) == 2 and "the cpu datapath has no fused kernel" in warned[0] and \
             "dtype bfloat16" in warned[1], warned
 
@@ -454,10 +470,11 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
 
 
 def test_unknown_protocols_are_refused(tmp_path):
-    """A protocol the datapath does not have is refused with the ones it has."""
+    """A protocol the datapath does not have is refused with the ones it has; an epilogue
+    grid that is not None, 'rows' or a warp multiple up to 512 threads is refused naming it."""
     import torch.distributed as dist
 
-    from purlin.errors import CapabilityError
+    from purlin.errors import CapabilityError, SpecError
     from purlin.torch import Communicator
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
@@ -467,5 +484,11 @@ def test_unknown_protocols_are_refused(tmp_path):
                                                   "got 'lamport'"):
             Communicator(datapath="cpu", protocol="lamport")
         assert Communicator(datapath="cpu", protocol="fused-ll").protocol == "fused-ll"
+        for bad in ("columns", 48, 1024, 0):
+            with pytest.raises(SpecError, match=f"epilogue_grid must be None, 'rows' or "
+                                                f"threads per block .* got {bad!r}"):
+                Communicator(datapath="cpu", epilogue_grid=bad)
+        assert Communicator(datapath="cpu", epilogue_grid="rows").epilogue_grid == "rows"
+        assert Communicator(datapath="cpu", epilogue_grid=64).epilogue_grid == 64
     finally:
         dist.destroy_process_group()
