@@ -87,7 +87,7 @@ def worker(rank, world, opts):
     import torch
     import torch.distributed as dist
 
-    from purlin.bench.torch_dist import graph_per_op_us
+    from purlin.bench.torch_dist import graph_median_us
     from purlin.kernels import isa
     from purlin.torch import Communicator
     from purlin.torch.comm import _norm_key
@@ -142,11 +142,7 @@ def worker(rank, world, opts):
             pre(region)
             op()
 
-        times = sorted(graph_per_op_us(torch, body, opts["ops_per_graph"], opts["replays"],
-                                       dist))
-        t = torch.tensor([times[len(times) // 2]], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item()
+        return graph_median_us(torch, body, opts["ops_per_graph"], opts["replays"], dist)
 
     rows, base = [], {}
     for pre_name, pre in pres.items():

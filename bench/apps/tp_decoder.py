@@ -158,12 +158,9 @@ def make_state(torch, layer, batch, seq, kv, device, decode, gen):
 def time_graph(torch, dist, step, replays):
     """Median per-replay time (us) of ``step`` captured in a CUDA graph, slowest rank; the
     step's outputs hold the last replay's results afterwards."""
-    from purlin.bench.torch_dist import graph_per_op_us
+    from purlin.bench.torch_dist import graph_median_us
 
-    times = sorted(graph_per_op_us(torch, step, 1, replays, dist))
-    t = torch.tensor([times[len(times) // 2]], device=torch.cuda.current_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return graph_median_us(torch, step, 1, replays, dist)
 
 
 PROVIDERS = {  # name: (mix, all-reduce, row-parallel products into the staging input)

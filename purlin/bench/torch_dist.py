@@ -91,6 +91,14 @@ def graph_per_op_us(torch, fn, ops, repeats, dist) -> list[float]:
     return per_op
 
 
+def graph_median_us(torch, fn, ops, repeats, dist) -> float:
+    """The median of :func:`graph_per_op_us` on the slowest rank (every rank gets it)."""
+    times = sorted(graph_per_op_us(torch, fn, ops, repeats, dist))
+    t = torch.tensor([times[len(times) // 2]], device=torch.cuda.current_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def _sync(torch, device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
