@@ -290,6 +290,10 @@ def _norm_worker(rank, n):
             comm.input_buffer("all_reduce_add_rms_norm", 48, torch.float32)
         except SpecError as exc:
             caught.append(str(exc))
+        try:  # which no other region takes
+            comm.input_buffer("all_reduce", 48, torch.float32, hidden=16)
+        except SpecError as exc:
+            caught.append(str(exc))
         # and is a region of its own, apart from all_reduce's of the same size
         region = comm.input_buffer("all_reduce_add_rms_norm", 48, torch.float32, hidden=16)
         if region.numel() != 48 or region.data_ptr() == comm.input_buffer(
@@ -397,8 +401,9 @@ def test_all_reduce_add_rms_norm_equals_float64_arithmetic():
     results = raise_for(run_processes(_norm_worker, 2, timeout=60))
     for rank, (bad, caught, warned) in enumerate(results):
         assert not bad, bad[:3]
-        assert len(caught) == 4 and all(f"rank {rank}" in c for c in caught), caught
+        assert len(caught) == 5 and all(f"rank {rank}" in c for c in caught), caught
         assert "needs hidden, the norm's row length" in caught[3], caught
+        assert "input_buffer('all_reduce') takes no hidden" in caught[4], caught
         assert len(warned) == 2 and "the cpu datapath has no fused kernel" in warned[0] and \
             "dtype bfloat16" in warned[1], warned
 

@@ -60,7 +60,7 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
 
 __all__ = ["Epilogue", "FusedProgram", "UNITS", "epilogue_problem", "fuse_problem",
            "fused_problems", "fused_unit", "grid", "program", "rank_ops", "row_grid",
-           "row_sums_bytes"]
+           "row_sums_bytes", "threads_grid"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
@@ -375,8 +375,25 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     threads = 128 if nbytes <= 16 << 10 else 256 if nbytes <= 128 << 10 else 512
     most = 32 if nbytes < 4 << 20 else F_MAX_BLOCKS
     blocks = max(1, min(most, -(-items // threads)))
-    per_sm = max(1, 65536 // (threads * 128))
-    return max(1, min(blocks, sms * per_sm // ranks_in_launch)), threads
+    return max(1, min(blocks, _resident(threads, sms) // ranks_in_launch)), threads
+
+
+def _resident(threads: int, sms: int) -> int:
+    """Blocks of ``threads`` threads that fit on ``sms`` SMs at once, counting 128 registers
+    per thread (the launch bound's limit)."""
+    return sms * max(1, 65536 // (threads * 128))
+
+
+def threads_grid(nbytes: int, unit: int, threads: int, sms: int = 132) -> tuple[int, int] | None:
+    """(blocks per rank, threads) with one ``unit``-byte item per thread of blocks of
+    ``threads`` over ``nbytes``, or None where that takes more blocks than a fused launch
+    runs or than fit at once.
+
+    >>> threads_grid(8192, 8, 64), threads_grid(1 << 24, 8, 32)
+    ((16, 64), None)
+    """
+    blocks = -(-nbytes // (unit * threads))
+    return (blocks, threads) if blocks <= min(F_MAX_BLOCKS, _resident(threads, sms)) else None
 
 
 def row_grid(nbytes: int, row_bytes: int, sms: int = 132) -> tuple[int, int] | None:

@@ -54,7 +54,6 @@ from numba import cuda
 
 from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, itemsize, ll_tag,
                                   pack_half2, unpack_half2)
-from purlin.kernels.executor import MAX_THREADS  # the executor's launch bound
 from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
@@ -66,7 +65,7 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 E_RANK, E_SEEN, E_STEP, ERR_ABORTED, ERR_TIMEOUT, F16, F32,
                                 F_ABORT, F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS,
                                 F_NOPS, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
-                                F_REDOP, F_UNIT, OP_WIDTH, SOURCE_WIDTH)
+                                F_REDOP, F_UNIT, MAX_THREADS, OP_WIDTH, SOURCE_WIDTH)
 
 SPINS_PER_CHECK = 64
 WARPS = MAX_THREADS // 32

@@ -414,8 +414,8 @@ def _norm_block(head, op, tag, mem: _Memory, block: int, blocks: int, threads: i
     item = isa.ITEMSIZE[code]
     chunk = threads * unit
     count = chunk // item  # elements per chunk
-    per_row = hidden * item // chunk
-    mine = range(block, op[3] // chunk, blocks)
+    per_row = op[7]  # (and op[6] chunks: the program's counts, as the kernel reads them)
+    mine = range(block, op[6], blocks)
     for c in mine:
         r = _load(op[1] + c * chunk, count, code).astype(np.float32) + \
             _load(residual + c * chunk, count, code).astype(np.float32)

@@ -162,9 +162,8 @@ class Communicator:
 
         On the fused kernel (sm datapath, a fused protocol for this size) it is one launch:
         the all-reduce's kernel ends with the add and the norm (``purlin.atom.fused.
-        Epilogue``), on a grid of blocks that each own whole rows where the rows allow
-        (``purlin.atom.fused.row_grid``): an all-reduce prepared for this, apart from
-        :meth:`all_reduce`'s of the same size (its input region: ``input_buffer(
+        Epilogue``) -- an all-reduce prepared for this, apart from :meth:`all_reduce`'s of the
+        same size, on the communicator's ``epilogue_grid`` (its input region: ``input_buffer(
         "all_reduce_add_rms_norm", count, dtype, hidden=...)``). Elsewhere -- the cpu
         datapath, the interpreter's sizes, rows the kernel's blocks do not divide --
         :meth:`all_reduce` and then the same in PyTorch, with a one-time warning saying why.
@@ -328,12 +327,17 @@ class Communicator:
             if not hidden or count % hidden:
                 raise SpecError(f"rank {self.rank}: input_buffer({function!r}) needs hidden, "
                                 f"the norm's row length, dividing count {count}; got {hidden}")
-            kind = "all-reduce"
-        key = _norm_key(count, dtype, hidden) if hidden else {"all-to-all": ("all-to-all", count // self.nranks, dtype, "copy", 0),
-               "all-gather": ("all-gather", count, dtype, "copy", 0),
-               "broadcast": ("broadcast", count, dtype, "copy", root),
-               }.get(kind, (kind, count, dtype, _op_name(op) or "sum",
-                            root if kind == "reduce" else 0))
+            key = _norm_key(count, dtype, hidden)
+        elif hidden is not None:
+            raise SpecError(f"rank {self.rank}: input_buffer({function!r}) takes no hidden "
+                            f"(the norm's row length, for 'all_reduce_add_rms_norm'); got "
+                            f"{hidden}")
+        else:
+            key = {"all-to-all": ("all-to-all", count // self.nranks, dtype, "copy", 0),
+                   "all-gather": ("all-gather", count, dtype, "copy", 0),
+                   "broadcast": ("broadcast", count, dtype, "copy", root),
+                   }.get(kind, (kind, count, dtype, _op_name(op) or "sum",
+                                root if kind == "reduce" else 0))
         prepared = self._prepared(key)
         if isinstance(prepared, str):
             raise CapabilityError(f"{function} of {count} {dtype} elements cannot be staged: "

@@ -74,7 +74,7 @@ class SmPrepared:
         self.norm_launcher = None  # the fused kernel compiled with the epilogue, on demand
         tdt = getattr(torch, schedule.dtype)
         if self.fused:
-            from purlin.atom.fused import fuse_problem, fused_unit, row_grid
+            from purlin.atom.fused import fuse_problem, fused_unit, row_grid, threads_grid
 
             self.unit, problem = fused_unit(self.all_lowered, protocol)
             if problem:  # the communicator checked the plan: this is a bug, said on every rank
@@ -91,10 +91,7 @@ class SmPrepared:
                 else:
                     rows = None
             elif row_bytes and epilogue_grid:
-                blocks = -(-nbytes // (self.unit * epilogue_grid))
-                resident = path.sms * max(1, 65536 // (epilogue_grid * 128))
-                if blocks <= min(isa.F_MAX_BLOCKS, resident):
-                    rows = (blocks, epilogue_grid)
+                rows = threads_grid(nbytes, self.unit, epilogue_grid, path.sms)
             self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
             self.counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
             self.counters_ptr = self.counters.data_ptr()
