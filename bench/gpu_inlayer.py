@@ -17,13 +17,16 @@ all-reduce:
 
 ``op``: ``elementwise`` (one 8 KiB kernel: what any kernel costs there), ``nccl``
 (``dist.all_reduce``), ``purlin`` (a zero-copy ``Communicator``'s all-reduce), ``epi``
-(``all_reduce_add_rms_norm``) against ``purlin+norm`` / ``nccl+norm`` (the add and
+(``all_reduce_add_rms_norm``; on LL sizes the one-shot kernel) and ``epi-fused`` (the same on
+the fused kernel with the NORM op) against ``purlin+norm`` / ``nccl+norm`` (the add and
 ``torch.rms_norm`` after the all-reduce), and the hand-written one-shot kernels of
 ``bench/gpu_floor.py`` (``floor-empty``, ``floor-ll``; ``+pdl`` with programmatic dependent
 launch): the same protocol with no interpreter, no program and no tables; ``epi:G`` /
 ``ar:G``: the epilogue on grid G (``Communicator(epilogue_grid=G)``) and its all-reduce
 without it; ``epi(no-trade)`` / ``epi(no-norm)``: the epilogue with a part left out (its
-program rewritten: no row sums traded between blocks; no epilogue work at all). Prints a table
+program rewritten: no row sums traded between blocks; no epilogue work at all -- on the
+one-shot kernel that also leaves out the exchange: an empty launch reading its program).
+Prints a table
 and writes ``DIR/inlayer.json``.
 """
 
@@ -42,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 HIDDEN, FFN = 4096, 7168  # the decoder's hidden size and one rank's share of its MLP
 EPS = 1e-5
-OPS = ("none", "elementwise", "nccl", "purlin", "nccl+norm", "purlin+norm", "epi",
+OPS = ("none", "elementwise", "nccl", "purlin", "nccl+norm", "purlin+norm", "epi", "epi-fused",
        "floor-empty", "floor-empty+pdl", "floor-ll", "floor-ll+pdl")
 
 
@@ -118,12 +121,19 @@ def worker(rank, world, opts):
            "purlin+norm": lambda: (comm.all_reduce(staging), norm()),
            "epi": lambda: comm.all_reduce_add_rms_norm(staging_epi, residual, weight, EPS)}
     into = {"epi": staging_epi}  # an op's input region, where not the all-reduce's
+    # the epilogue on the fused kernel with the NORM op (where "epi" runs the one-shot kernel)
+    comm_fk = Communicator(staging_bytes=8 << 20, timeout=10.0, protocol="auto",
+                           zero_copy=True, epilogue_kernel="fused")
+    into["epi-fused"] = comm_fk.input_buffer("all_reduce_add_rms_norm", HIDDEN, torch.bfloat16,
+                                             hidden=HIDDEN).view(1, HIDDEN)
+    ops["epi-fused"] = lambda: comm_fk.all_reduce_add_rms_norm(into["epi-fused"], residual,
+                                                              weight, EPS)
     for name in ("empty", "ll"):
         for pdl in (False, True):
             ops[f"floor-{name}{'+pdl' if pdl else ''}"] = make_floor(name, pdl, staging)
     # the epilogue on other grids (Communicator(epilogue_grid=...)), and the same all-reduce
     # without it: what the grid costs the all-reduce, and what the norm costs on it
-    comms = {"": comm}
+    comms = {"": comm, "-fused": comm_fk}
     for grid in opts["grids"]:
         other = Communicator(staging_bytes=8 << 20, timeout=10.0, protocol="auto",
                              zero_copy=True, epilogue_grid=grid)
@@ -155,7 +165,7 @@ def worker(rank, world, opts):
     # results are then wrong, and not looked at): chunks per row 1 -- no row sums traded
     # between blocks; chunks 0 -- no epilogue work at all (the fused_norm kernel all the same)
     for grid, c in comms.items():
-        if grid not in ("", ":rows"):
+        if grid not in ("", "-fused", ":rows"):
             continue
         name = f"epi{grid}"
         words = _epilogue_words(c)
@@ -184,7 +194,8 @@ def worker(rank, world, opts):
     dist.all_reduce(want)
     wrong = int((staging != want).sum()) + int(floor_errors.item())
     plans = [{"grid": g, **{k: p.get(k) for k in ("function", "strategy", "protocol", "pdl",
-                                                  "blocks_per_lane", "epilogues")}}
+                                                  "blocks_per_lane", "epilogues",
+                                                  "norm_kernel")}}
              for g, c in comms.items() for p in c.plans() if p["count"] == HIDDEN]
     del keep
     return {"rows": rows, "floor_ll_wrong": wrong, "ran": plans}
@@ -222,7 +233,7 @@ def main(argv=None) -> int:
         print("   ", p)
     print(f"{'op':>16} {'after copy':>11} {'after gemv':>11}   (none: the time of pre alone)")
     by = {(r["pre"], r["op"]): r for r in result["rows"]}
-    parts = [f"epi{g}({p})" for g in ("", ":rows") if g == "" or "rows" in grids
+    parts = [f"epi{g}({p})" for g in ("", "-fused", ":rows") if g != ":rows" or "rows" in grids
              for p in ("no-trade", "no-norm")]
     for op in ops + [f"{k}:{g}" for g in grids for k in ("ar", "epi")] + parts:
         cells = []

@@ -261,7 +261,8 @@ def norm_check(torch, dist, comm, rank, n, device, opts):
                             "all-reduce-add-rms-norm" and p["count"] == rows * hidden
                             and p["dtype"] == dtype_name), {})
                 row.update(wrong_residual=wrong_r, wrong_norm=wrong_y, ranks_equal=same,
-                           fused=bool(ran.get("epilogues")), protocol=ran.get("protocol"))
+                           fused=bool(ran.get("epilogues")), protocol=ran.get("protocol"),
+                           kernel=ran.get("norm_kernel"))
                 if dtype == torch.bfloat16 and rows * hidden <= 1 << 20:
                     row.update(_norm_graph(torch, dist, comm, rank, rows, hidden, weight, eps,
                                            tol, device, opts))
@@ -491,7 +492,8 @@ def _print_norm(reports) -> bool:
         graph = str(wrong[2]) if "graph_wrong" in row else "-"
         print(f"{row['dtype']:>9} {str(row['rows']) + 'x' + str(row['hidden']):>14} "
               f"{'yes' if row['fused'] else 'no':>5} {wrong[0]:>5} {wrong[1]:>5} "
-              f"{'yes' if row['ranks_equal'] else 'NO':>6} {graph:>5} {times}")
+              f"{'yes' if row['ranks_equal'] else 'NO':>6} {graph:>5} {times} "
+              f"{row.get('kernel') or ''}")
         ok &= wrong == [0, 0, 0] and row["ranks_equal"]
     return ok
 

@@ -4,7 +4,8 @@
 must give NCCL's all-reduce followed by the same add and norm in PyTorch: the residual equal,
 the norm within a rounding, the same bits on both ranks, over eager calls and graph replays,
 on ordinary tensors and on the epilogue's own input region, on the all-reduce's grid and on
-blocks owning whole rows (``epilogue_grid="rows"``);
+blocks owning whole rows (``epilogue_grid="rows"``), on the one-shot kernel (LL sizes, by
+default) and on the fused kernel with the NORM op (``epilogue_kernel="fused"``);
 rows the kernel's blocks do not divide run unfused and are right too. The full sweep over
 dtypes and sizes, and the timings, are ``bench/process_mode_gpu.py``'s norm section.
 """
@@ -33,12 +34,16 @@ def _epilogue_worker(rank, n):
     # blocks that own whole rows: no row sums traded between blocks
     comm_rows = Communicator(staging_bytes=16 << 20, timeout=10.0, zero_copy=True,
                              epilogue_grid="rows")
+    # the fused kernel with the NORM op where the one-shot kernel would run
+    comm_fused = Communicator(staging_bytes=16 << 20, timeout=10.0, zero_copy=True,
+                              epilogue_kernel="fused")
+    comms = {"auto": comm, "rows": comm_rows, "fused": comm_fused}
     found = []
     # staged: the tensor is the epilogue's own input region (as a decoder writes its
     # row-parallel products), else an ordinary tensor (copied in)
-    for rows, hidden, staged in ((1, 4096, False), (64, 4096, False), (3, 1000, False),
-                                 (8, 4096, True)):
-        on = comm_rows if staged else comm
+    for rows, hidden, which in ((1, 4096, "auto"), (64, 4096, "auto"), (3, 1000, "auto"),
+                                (8, 4096, "rows"), (1, 4096, "fused"), (8, 4096, "auto")):
+        on, staged = comms[which], which == "rows"
         gen = torch.Generator(device=device).manual_seed(rows + hidden)
         weight = (torch.rand(hidden, generator=gen, device=device) + 0.5).to(torch.bfloat16)
         t = on.input_buffer("all_reduce_add_rms_norm", rows * hidden, torch.bfloat16,
@@ -69,16 +74,17 @@ def _epilogue_worker(rank, n):
             theirs = t.clone()
             dist.broadcast(theirs, src=0)
             far = (t.float() - ref.float()).abs() > 1.6e-2 * (1 + ref.float().abs())
-            found.append({"shape": (rows, hidden), "call": call,
+            found.append({"shape": (rows, hidden), "comm": which, "call": call,
                           "residual_wrong": int((r != ref_r).sum()), "norm_wrong": int(far.sum()),
                           "ranks_equal": bool(torch.equal(theirs, t))})
         torch.cuda.synchronize()
         on.check()
-    fused = {p["count"]: (p.get("epilogues", 0), p.get("blocks_per_lane"))
-             for c in (comm, comm_rows) for p in c.plans()
+    fused = {(name, p["count"]): (p.get("epilogues", 0), p.get("blocks_per_lane"),
+                                  p.get("norm_kernel"))
+             for name, c in comms.items() for p in c.plans()
              if p["function"] == "all-reduce-add-rms-norm"}
-    comm.close()
-    comm_rows.close()
+    for c in comms.values():
+        c.close()
     return found, fused
 
 
@@ -93,7 +99,13 @@ def test_epilogue_equals_nccl_then_pytorch():
         bad = [f for f in found if f["residual_wrong"] or f["norm_wrong"]
                or not f["ranks_equal"]]
         assert not bad, (rank, bad[:4])
-        # the epilogue ran fused: on the all-reduce's grid, and on a block per row of 4096
-        assert fused[4096][0] > 0 and fused[64 * 4096][0] > 0, fused
-        assert fused[8 * 4096][0] > 0 and fused[8 * 4096][1] == 8, fused
-        assert fused[3000][0] == 0, fused  # 1000-element rows: unfused
+        # the epilogue ran fused: on the all-reduce's grid (LL sizes on the one-shot
+        # kernel), on a block per row of 4096, and on the fused kernel when asked
+        auto, kernel = fused[("auto", 4096)], "fused-norm-oneshot"
+        assert auto[0] > 0 and auto[2] == kernel, fused
+        assert fused[("auto", 8 * 4096)][2] == kernel, fused
+        assert fused[("auto", 64 * 4096)][0] > 0, fused
+        assert fused[("rows", 8 * 4096)][0] > 0 and fused[("rows", 8 * 4096)][1] == 8, fused
+        assert fused[("fused", 4096)][0] > 0, fused
+        assert fused[("fused", 4096)][2] == "fused-norm", fused
+        assert fused[("auto", 3000)][0] == 0, fused  # 1000-element rows: unfused

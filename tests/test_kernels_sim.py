@@ -685,14 +685,16 @@ def fused_epilogue_adds_the_residual_and_normalizes_rows():
     bfloat16 with 8- and 4-byte units, float32 with 16; or rows of one chunk on three blocks)
     leaves the row sums area alone; where it does not (more chunks than a block keeps), every
     chunk's row sum is in its slot with the call's tag; a slot that never fills times out
-    naming it. (The simulator runs a grid's blocks one after another: a block can wait only
-    for its own slots.)"""
-    from purlin.atom.fused import Epilogue, program, row_sums_bytes
+    naming it. The one-shot kernel (``fused.oneshot_norm``) gives every 8-byte LL case the
+    same bits and call counters. (The simulator runs a grid's blocks one after another: a
+    block can wait only for its own slots.)"""
+    from purlin.atom.fused import Epilogue, oneshot_problem, program, row_sums_bytes
     from purlin.kernels import fused, isa
     from purlin.kernels.executor import MAX_THREADS
     from purlin.spec import collectives
 
     eps = 1e-5
+    ran_oneshot = []
     cases = (("bfloat16", 8, 1, 4, 32, 96), ("float32", 16, 1, 4, 32, 96),
              ("bfloat16", 4, 1, 4, 32, 96), ("bfloat16", 8, 3, 4, 16, 96),
              ("bfloat16", 4, 1, 2, 8, 2080))  # the last: 520 chunks, more than a block keeps
@@ -717,9 +719,20 @@ def fused_epilogue_adds_the_residual_and_normalizes_rows():
         for call in range(2):
             _peer_units(lowered, ll, 0, call)
             want_r, want_y = _norm_reference(total, residual.copy(), weight, hidden, eps, dtype)
+            before = residual.copy(), counters.copy()
             fused.fused_norm[blocks, threads](words.ctypes.data, 1, blocks, 10_000_000,
                                               words.size, counters.ctypes.data)
             assert err[isa.E_CODE] == 0, (dtype, err)
+            if oneshot_problem(words) is None:  # the same call on the one-shot kernel
+                got = residual.copy(), outs[0].copy(), counters.copy()
+                residual[:], counters[:] = before
+                outs[0][:] = 0
+                fused.oneshot_norm[blocks, threads](words.ctypes.data, 1, blocks, 10_000_000,
+                                                    words.size, counters.ctypes.data)
+                assert err[isa.E_CODE] == 0, (dtype, err)
+                for a, b in zip((residual, outs[0], counters), got):
+                    assert (a == b).all(), (dtype, unit, blocks, call, a, b)
+                ran_oneshot.append((dtype, unit, blocks))
             if dtype == "bfloat16":
                 assert (residual == want_r).all(), (call, residual, want_r)
                 ulps = np.abs(outs[0].astype(np.int32) - want_y.astype(np.int32))
@@ -741,6 +754,9 @@ def fused_epilogue_adds_the_residual_and_normalizes_rows():
             chunk = (int(err[isa.E_FLAG]) - sums.ctypes.data) // 16
             assert chunk in (1, 3), (err, sums.ctypes.data)  # a chunk of block 1 in row 0
             assert err[isa.E_EXPECTED] == 3 and err[isa.E_SEEN] == 2, err  # call 2's tag
+    # the one-shot kernel ran every LL case on 8-byte units with the same bits
+    assert ran_oneshot == [(d, 8, b) for d, b in (("bfloat16", 1), ("bfloat16", 3))
+                           for _ in range(2)], ran_oneshot
 
 
 @case

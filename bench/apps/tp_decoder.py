@@ -18,7 +18,9 @@ the all-reduce's kernel) and which all-reduce: NCCL through ``torch.distributed`
 the tuning table) with the row-parallel products written straight into its input region
 (``comm.input_buffer``; the kernel writes the result over it: no copy in or out). ``none`` /
 ``none-fn`` skip the all-reduces (wrong results, not checked): the step without
-communication, so ``nccl / none`` bounds what any all-reduce could gain. Every provider's
+communication, so ``nccl / none`` bounds what any all-reduce could gain. ``purlin-epi`` runs
+the epilogue on the one-shot kernel where it can (LL sizes), ``purlin-epi-fused`` on the fused
+kernel with the NORM op (``epilogue_kernel="fused"``). Every provider's
 one-layer output must agree with NCCL's (bf16 tolerance). Prints a table and writes
 ``<out>/tp_decoder.json``, with what the all-reduce ran (``Communicator.plans``; ``epilogues``:
 the programs with the RMSNorm epilogue).
@@ -33,6 +35,7 @@ import os
 import sys
 import time
 import traceback
+from functools import partial
 import warnings
 from pathlib import Path
 
@@ -171,6 +174,7 @@ PROVIDERS = {  # name: (mix, all-reduce, row-parallel products into the staging 
     "purlin-zc-fn": ("fn", "zc", True),
     "none-fn": ("fn", "none", False),
     "purlin-epi": ("epi", "zc", True),
+    "purlin-epi-fused": ("epi", "zc-fused", True),
 }
 
 
@@ -184,6 +188,11 @@ def worker(rank, world, opts):
     device = torch.device("cuda", torch.cuda.current_device())
     comm_zc = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
                            zero_copy=True, epilogue_grid=opts.get("epi_grid"))
+    # the epilogue on the fused kernel with the NORM op, where comm_zc runs the one-shot kernel
+    comm_fk = Communicator(staging_bytes=64 << 20, timeout=10.0, protocol="auto",
+                           zero_copy=True, epilogue_grid=opts.get("epi_grid"),
+                           epilogue_kernel="fused")
+    epi_comms = {"zc": comm_zc, "zc-fused": comm_fk}
     ars = {"nccl": lambda t: dist.all_reduce(t), "zc": comm_zc.all_reduce,
            "none": lambda t: None}
     rows = []
@@ -195,8 +204,8 @@ def worker(rank, world, opts):
             return comm_zc.input_buffer("all_reduce", tokens * hidden, torch.bfloat16).view(
                 tokens, hidden)
 
-        def staging_epi(tokens, hidden=hidden):  # all_reduce_add_rms_norm's
-            return comm_zc.input_buffer("all_reduce_add_rms_norm", tokens * hidden,
+        def staging_epi(tokens, hidden=hidden, comm=comm_zc):  # all_reduce_add_rms_norm's
+            return comm.input_buffer("all_reduce_add_rms_norm", tokens * hidden,
                                         torch.bfloat16, hidden=hidden).view(tokens, hidden)
 
         configs = [("decode", b, 1) for b in opts["batches"]] + (
@@ -215,8 +224,9 @@ def worker(rank, world, opts):
                 for name in opts["providers"]:
                     how, ar, staged = PROVIDERS[name]
                     make_mix, first = mix_of[how]
-                    mix = make_mix(comm_zc if how == "epi" else ars[ar])
-                    stage = (staging_epi if how == "epi" else staging) if staged else None
+                    mix = make_mix(epi_comms[ar] if how == "epi" else ars[ar])
+                    stage = (partial(staging_epi, comm=epi_comms[ar]) if how == "epi"
+                             else staging) if staged else None
                     out = torch.empty_like(x0)
 
                     def step(mix=mix, first=first, stage=stage, out=out, layers=opts["layers"]):
@@ -233,14 +243,15 @@ def worker(rank, world, opts):
                     us = time_graph(torch, dist, step, opts["replays"])
                     row[f"{name}_us"] = us
                     row[f"{name}_tokens_per_s"] = row["tokens"] / (us * 1e-6)
-                comm_zc.check()
+                for c in epi_comms.values():
+                    c.check()
                 count = batch * seq * hidden
-                ran = [p for p in comm_zc.plans() if p["function"] in (
+                ran = [p for c in epi_comms.values() for p in c.plans() if p["function"] in (
                     "all-reduce", "all-reduce-add-rms-norm") and p["count"] == count
                        and p["dtype"] == "bfloat16"]
                 row["ran"] = [{k: p.get(k) for k in ("function", "strategy", "chunks", "lanes",
                                                      "protocol", "pdl", "blocks_per_lane",
-                                                     "epilogues")}
+                                                     "epilogues", "norm_kernel")}
                               for p in ran]
                 _agreement(torch, row, outs)
                 _ratios(row, opts["layers"])
@@ -271,11 +282,13 @@ def _ratios(row, layers):
     """Speedups over NCCL (same norm, and the epilogue against both), and what one
     all-reduce (with its add and norm) costs inside the layer: 2 per layer."""
     for name, base in (("purlin-zc", "nccl"), ("purlin-zc-fn", "nccl-fn"),
-                       ("purlin-epi", "nccl-fn"), ("purlin-epi", "nccl")):
+                       ("purlin-epi", "nccl-fn"), ("purlin-epi", "nccl"),
+                       ("purlin-epi-fused", "nccl-fn")):
         if f"{name}_us" in row and f"{base}_us" in row:
             row[f"{name}_vs_{base}"] = row[f"{base}_us"] / row[f"{name}_us"]
     for name, base in (("nccl", "none"), ("purlin-zc", "none"), ("nccl-fn", "none-fn"),
-                       ("purlin-zc-fn", "none-fn"), ("purlin-epi", "none-fn")):
+                       ("purlin-zc-fn", "none-fn"), ("purlin-epi", "none-fn"),
+                       ("purlin-epi-fused", "none-fn")):
         if f"{name}_us" in row and f"{base}_us" in row:
             row[f"{name}_per_call_us"] = (row[f"{name}_us"] - row[f"{base}_us"]) / (2 * layers)
     for name, base in (("nccl", "none"), ("nccl-fn", "none-fn")):
@@ -301,7 +314,8 @@ def print_table(rows) -> bool:
         size = r["allreduce_bytes"]
         size_s = f"{size // 1024} KiB" if size < 1 << 20 else f"{size / (1 << 20):.0f} MiB"
         ran = next((p for p in r.get("ran") or [] if p.get("function") == "all-reduce"), {})
-        epi = next((p for p in r.get("ran") or [] if p.get("function") != "all-reduce"), {})
+        epi = next((p for p in r.get("ran") or [] if p.get("function") != "all-reduce"
+                    and p.get("epilogues")), {})
         g = r.get
         print(f"{r['hidden']:>6} {r['phase']:>7} {r['batch']:>5} {size_s:>9} "
               f"{g('nccl_us', 0):8.1f} {g('purlin-zc_us', 0):8.1f} "
@@ -315,7 +329,11 @@ def print_table(rows) -> bool:
               + f"; {ran.get('strategy')} {ran.get('protocol')}"
               f"{' pdl' if ran.get('pdl') else ''} b{ran.get('blocks_per_lane')}; epi "
               f"{epi.get('protocol')} b{epi.get('blocks_per_lane')} epilogues "
-              f"{epi.get('epilogues')}")
+              f"{epi.get('epilogues')} on {epi.get('norm_kernel')}"
+              + (f"; epi on fused-norm {g('purlin-epi-fused_us'):.1f} us "
+                 f"x{g('purlin-epi-fused_vs_nccl-fn', 0):.2f} "
+                 f"per call {g('purlin-epi-fused_per_call_us', 0):.1f}"
+                 if g("purlin-epi-fused_us") else ""))
         ok &= r["agree"]
     return ok
 

@@ -59,8 +59,8 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
                                 STEP, VALUE, WAIT)
 
 __all__ = ["Epilogue", "FusedProgram", "UNITS", "epilogue_problem", "fuse_problem",
-           "fused_problems", "fused_unit", "grid", "program", "rank_ops", "row_grid",
-           "row_sums_bytes", "threads_grid"]
+           "fused_problems", "fused_unit", "grid", "oneshot_problem", "program", "rank_ops",
+           "row_grid", "row_sums_bytes", "threads_grid"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
@@ -358,6 +358,53 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
     items = max([op[4] for op in ops if op[0] == "put"]
                 + [op[3] for op in moves] + [unit]) // unit
     return FusedProgram(words, len(ops), items)
+
+
+def oneshot_problem(words: np.ndarray) -> str | None:
+    """Why the one-shot epilogue kernel (``purlin.kernels.fused.oneshot_norm``) cannot run the fused
+    program ``words`` (a sentence), or None: it runs the direct-push all-reduce on LL
+    transfers ending with the epilogue -- a PUT of the rank's input to each peer, one MOVE
+    summing one LL source per PUT and that input into the epilogue's target, the NORM --
+    on 8-byte units of bfloat16, float16 or float32.
+
+    >>> from purlin.spec import collectives
+    >>> from purlin.snac import plan
+    >>> from purlin.atom.lowering import lower
+    >>> s = plan(collectives.all_reduce(2), "direct-push", count=64, dtype="bfloat16")
+    >>> at = {(r, b): (1 + 4 * r + i) << 20 for r in range(2)
+    ...       for i, b in enumerate(("input", "output", "scratch", "ll"))}
+    >>> low = lower(s, at, {r: (9 + r) << 20 for r in range(2)},
+    ...             ll_bases={r: at[(r, "ll")] for r in range(2)})
+    >>> e = Epilogue(at[(0, "output")], 1 << 30, 2 << 30, 3 << 30, hidden=16, eps=1e-5)
+    >>> oneshot_problem(program(low[0], 0, 0, int, 8, e, threads=2).words) is None
+    True
+    >>> oneshot_problem(program(low[0], 0, 0, int, 8).words)
+    'rank 0: its program is not PUTs, one MOVE and the NORM epilogue'
+    """
+    head = [int(x) for x in words[:F_HEAD]]
+    r, nops = head[F_RANK], head[F_NOPS]
+    if head[F_UNIT] != 8:
+        return f"rank {r}: its threads take {head[F_UNIT]} bytes at a time, not one LL unit's 8"
+    if head[F_DTYPE] not in (0, 1, 2) or head[F_REDOP] != 0:
+        return (f"rank {r}: it sums dtype code {head[F_DTYPE]} with reduce op code "
+                f"{head[F_REDOP]}, not a float sum")
+    kinds = [int(words[F_HEAD + k * OP_WIDTH]) for k in range(nops)]
+    if nops < 3 or kinds[-2:] != [F_OP_MOVE, F_OP_NORM] or \
+            any(kind != F_OP_PUT for kind in kinds[:-2]):
+        return f"rank {r}: its program is not PUTs, one MOVE and the NORM epilogue"
+    move = F_HEAD + (nops - 2) * OP_WIDTH
+    nbytes, nsrc, first = (int(x) for x in words[move + 3: move + 6])
+    sources = [[int(x) for x in words[first + s * SOURCE_WIDTH:][:SOURCE_WIDTH]]
+               for s in range(nsrc)]
+    plain = [s for s in sources if s[0] == 0]
+    if len(plain) != 1 or len(sources) - 1 != nops - 2:
+        return (f"rank {r}: its move reads {len(plain)} plain and {len(sources) - len(plain)} "
+                f"LL sources; the one-shot kernel reads its input and one LL source per PUT")
+    for k in range(nops - 2):
+        put = F_HEAD + k * OP_WIDTH
+        if int(words[put + 1]) != plain[0][1] or int(words[put + 4]) != nbytes:
+            return f"rank {r}: PUT {k} sends other bytes than the move's input"
+    return None
 
 
 def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,

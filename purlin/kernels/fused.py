@@ -36,6 +36,18 @@ block:
   source is polled until both tags of its units are this call's. With 16-byte items, plain
   copies keep four items in flight per thread and plain bfloat16 / float16 reductions two.
 
+``oneshot_norm`` (and ``oneshot_norm_pdl``), the one-shot epilogue kernel, runs the programs
+of one shape that ``purlin.atom.fused.oneshot_problem`` accepts: the direct-push all-reduce on
+LL transfers ending with the NORM -- a PUT of the rank's input to each peer, one MOVE summing
+the peers' LL units and the input into the target, then the epilogue, on 8-byte items of a
+float type. ``fused_norm`` runs them op by op: its MOVE stores each item of the sum, and its
+NORM reads the item back, then the residual and the weight. Here a thread's item of the sum
+stays in its registers and goes straight into ``residual += sum``, and the residual and
+weight items of the block's first chunk are read with the call counter and the input item,
+so their latency hides behind the exchange. The row sums, their trade between blocks and
+the normalization are the same functions as ``fused_norm``'s: both kernels give the same
+bits.
+
 Data rows run back to back with no barrier (the builder refuses tables where one could meet
 another's items). A rank's program is read into shared memory once at block start (with PDL
 before waiting for the kernel before it: programs are nobody's output); then every thread
@@ -315,19 +327,27 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
 
 @device
 def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort):
-    """:func:`_move_item` for 8 bytes (one LL unit): four 16-bit or two 32-bit elements,
-    accumulated as the interpreter does (each element type in its own loop, so no tuple ever
-    changes type)."""
-    dst = _word(meta, head, op_at + 1 + odd) + unit_i * 8
+    """:func:`_move_item` for 8 bytes (one LL unit): four 16-bit or two 32-bit elements."""
+    code, seen, unit, entry, w0, w1 = _unit_result(meta, head, op_at, unit_i, odd, tag, dt,
+                                                   redop, divisor, timeout_ns, abort)
+    if code == 0:
+        dst = _word(meta, head, op_at + 1 + odd) + unit_i * 8
+        store_u32(dst, w0)
+        store_u32(dst + 4, w1)
+    return code, seen, unit, entry
+
+
+@device
+def _unit_result(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort):
+    """8-byte unit ``unit_i`` of a MOVE's result, accumulated as the interpreter does (each
+    element type in its own loop, so no tuple ever changes type): (code, tag seen, address
+    polled, word of the source entry, w0, w1) -- code 0 when every source was there."""
     nsrc = _word(meta, head, op_at + 4)
     at = _word(meta, head, op_at + 5)
     code, seen, unit, w0, w1 = _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort)
-    if code != 0:
-        return code, seen, unit, at
-    if nsrc == 1:
-        store_u32(dst, w0)
-        store_u32(dst + 4, w1)
-        return 0, seen, unit, at
+    if code != 0 or nsrc == 1:
+        return code, seen, unit, at, w0, w1
+    div = np.float32(divisor)
     if dt == BF16 or dt == F16:
         a0, a1 = unpack_half2(w0, dt)
         a2, a3 = unpack_half2(w1, dt)
@@ -337,14 +357,12 @@ def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_
             code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
                                                 timeout_ns, abort)
             if code != 0:
-                return code, seen, unit, entry
+                return code, seen, unit, entry, w0, w1
             b0, b1 = unpack_half2(v0, dt)
             b2, b3 = unpack_half2(v1, dt)
             h = _fold4(h, (b0, b1, b2, b3), redop)
-        div = np.float32(divisor)
-        store_u32(dst, pack_half2(avg_float(h[0], redop, div), avg_float(h[1], redop, div), dt))
-        store_u32(dst + 4, pack_half2(avg_float(h[2], redop, div), avg_float(h[3], redop, div),
-                                      dt))
+        w0 = np.int64(pack_half2(avg_float(h[0], redop, div), avg_float(h[1], redop, div), dt))
+        w1 = np.int64(pack_half2(avg_float(h[2], redop, div), avg_float(h[3], redop, div), dt))
     elif dt == F32:
         f0, f1 = bits_to_f32(w0), bits_to_f32(w1)
         for s in range(1, nsrc):
@@ -352,12 +370,11 @@ def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_
             code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
                                                 timeout_ns, abort)
             if code != 0:
-                return code, seen, unit, entry
+                return code, seen, unit, entry, w0, w1
             f0 = combine(f0, bits_to_f32(v0), redop)
             f1 = combine(f1, bits_to_f32(v1), redop)
-        div = np.float32(divisor)
-        store_u32(dst, f32_to_bits(avg_float(f0, redop, div)))
-        store_u32(dst + 4, f32_to_bits(avg_float(f1, redop, div)))
+        w0 = np.int64(f32_to_bits(avg_float(f0, redop, div)))
+        w1 = np.int64(f32_to_bits(avg_float(f1, redop, div)))
     else:  # I32
         n0, n1 = _signed(w0), _signed(w1)
         for s in range(1, nsrc):
@@ -365,12 +382,12 @@ def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_
             code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
                                                 timeout_ns, abort)
             if code != 0:
-                return code, seen, unit, entry
+                return code, seen, unit, entry, w0, w1
             n0 = combine(n0, _signed(v0), redop)
             n1 = combine(n1, _signed(v1), redop)
-        store_u32(dst, avg_int(n0, redop, divisor))
-        store_u32(dst + 4, avg_int(n1, redop, divisor))
-    return 0, seen, unit, at
+        w0 = np.int64(avg_int(n0, redop, divisor))
+        w1 = np.int64(avg_int(n1, redop, divisor))
+    return 0, seen, unit, at, w0, w1
 
 
 @device
@@ -543,11 +560,69 @@ def _norm_item(meta, head, at, c, unit):
 
 
 @device
+def _owned(chunks, per_row, blocks):
+    """Does each block of a NORM own every chunk of its rows (then its row sums stay in
+    shared memory, the block's k-th chunk's in ``parts[k]``)?"""
+    return (per_row == 1 and chunks <= blocks * MAX_THREADS) or \
+        (blocks == 1 and chunks <= MAX_THREADS)
+
+
+@device
+def _chunk_sum(a, b, res_at, dt, unit, parts, sums, c, k, owned, tag):
+    """Pass 1 of a NORM for chunk ``c`` (the block's ``k``-th): the residual item ``b`` plus
+    the result ``a`` (rounded to the element type) stored at ``res_at``; the chunk's sum of
+    squares into ``parts[k]`` (``owned``) or its row sums slot. Returns the new residual."""
+    x0, s0 = _add_word(a[0], b[0], dt)
+    x1, s1 = _add_word(a[1], b[1], dt)  # words past the item: 0 + 0, squares 0
+    x2, s2 = _add_word(a[2], b[2], dt)
+    x3, s3 = _add_word(a[3], b[3], dt)
+    r = (x0, x1, x2, x3)
+    _store_item(res_at, r, unit)
+    total = _sum_block((s0 + s1) + (s2 + s3), cuda.threadIdx.x, cuda.blockDim.x)
+    if cuda.threadIdx.x == 0:
+        if owned:
+            parts[k] = total
+        else:
+            store_volatile_v2_u32(sums + c * 16, (f32_to_bits(total), tag))
+    return r
+
+
+@device
 def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns, abort, res0):
     """A NORM op (see the module docstring); ``res0``: this thread's residual item of the
     block's first chunk, read at block start (its weight item is read with the result, and
     waited for only after the row sums). Returns when the block is done or gave up."""
     parts = cuda.shared.array(MAX_THREADS, np.float32)  # a row's sums
+    nthreads = cuda.blockDim.x
+    target = _word(meta, head, at + 1 + odd)
+    chunks = _word(meta, head, at + 6)
+    sums = _word(meta, head, _word(meta, head, at + 5) + 2)
+    owned = _owned(chunks, _word(meta, head, at + 7), blocks)
+    r0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))  # the first chunk's result
+    w0 = r0  # and its weight
+    c = block
+    k = 0
+    while c < chunks:  # residual += result; each chunk's sum of squares into its slot
+        res_at, wgt_at = _norm_item(meta, head, at, c, unit)
+        if c == block:
+            w0 = _load_item(wgt_at, unit)
+        a = _load_item(target + (c * nthreads + cuda.threadIdx.x) * unit, unit)
+        r = _chunk_sum(a, res0 if c == block else _load_item(res_at, unit), res_at, dt, unit,
+                       parts, sums, c, k, owned, tag)
+        if c == block:
+            r0 = r
+        c += blocks
+        k += 1
+    _normalize(meta, head, at, parts, status, block, blocks, odd, tag, dt, unit, timeout_ns,
+               abort, r0, w0, owned)
+
+
+@device
+def _normalize(meta, head, at, parts, status, block, blocks, odd, tag, dt, unit, timeout_ns,
+               abort, r0, w0, owned):
+    """Pass 2 of a NORM: each of the block's chunks' row sums (every chunk's slot of the
+    row, in order; or ``parts``), then ``result = residual * inv * weight`` into the target;
+    ``r0`` / ``w0``: the block's first chunk's residual and weight items."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     target = _word(meta, head, at + 1 + odd)
@@ -557,37 +632,6 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
     sums = _word(meta, head, prm + 2)
     hidden = _word(meta, head, prm + 3)
     eps = bits_to_f32(_word(meta, head, prm + 4))
-    # does this block own every chunk of its rows? (then its sums stay in ``parts``, the
-    # block's k-th chunk's in parts[k])
-    owned = (per_row == 1 and chunks <= blocks * MAX_THREADS) or \
-        (blocks == 1 and chunks <= MAX_THREADS)
-    r0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))  # the first chunk's result
-    w0 = r0  # and its weight
-    c = block
-    k = 0
-    while c < chunks:  # residual += result; each chunk's sum of squares into its slot
-        item = target + (c * nthreads + tid) * unit
-        res_at, wgt_at = _norm_item(meta, head, at, c, unit)
-        if c == block:
-            w0 = _load_item(wgt_at, unit)
-        a = _load_item(item, unit)
-        b = res0 if c == block else _load_item(res_at, unit)
-        x0, s0 = _add_word(a[0], b[0], dt)
-        x1, s1 = _add_word(a[1], b[1], dt)  # words past the item: 0 + 0, squares 0
-        x2, s2 = _add_word(a[2], b[2], dt)
-        x3, s3 = _add_word(a[3], b[3], dt)
-        r = (x0, x1, x2, x3)
-        _store_item(res_at, r, unit)
-        if c == block:
-            r0 = r
-        total = _sum_block((s0 + s1) + (s2 + s3), tid, nthreads)
-        if tid == 0:
-            if owned:
-                parts[k] = total
-            else:
-                store_volatile_v2_u32(sums + c * 16, (f32_to_bits(total), tag))
-        c += blocks
-        k += 1
     c = block
     k = 0
     while c < chunks:  # the row's sums (every chunk's slot, in order), then the norm
@@ -624,6 +668,23 @@ def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns,
 
 
 @device
+def _begin(desc_ptr, slot, blocks_per_rank, stride_words, counters, meta, status, pdl):
+    """A block's start in rank slot ``slot`` of the launch: its program into ``meta`` (with
+    PDL before waiting for the kernel before it: programs are nobody's output), ``status``
+    cleared; returns (block within the rank, program address, call counter address)."""
+    block = cuda.blockIdx.x - slot * blocks_per_rank
+    head = desc_ptr + slot * stride_words * 8
+    for k in range(cuda.threadIdx.x, min(META, stride_words), cuda.blockDim.x):
+        meta[k] = load_i64(head + k * 8)
+    if cuda.threadIdx.x == 0:
+        status[0] = 0
+    cuda.syncthreads()
+    if pdl:
+        griddep_wait()
+    return block, head, counters + (slot * F_MAX_BLOCKS + block) * 8
+
+
+@device
 def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl,
          norm):
     # (no 64-bit division on the way to the first store: one rank per launch is the
@@ -631,19 +692,11 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
     if slot >= nranks_in_launch:
         return
-    block = cuda.blockIdx.x - slot * blocks_per_rank
-    head = desc_ptr + slot * stride_words * 8
-    counter = counters + (slot * F_MAX_BLOCKS + block) * 8
-    tid = cuda.threadIdx.x
     meta = cuda.shared.array(META, np.int64)
     status = cuda.shared.array(1, np.int64)  # give up
-    for k in range(tid, min(META, stride_words), cuda.blockDim.x):
-        meta[k] = load_i64(head + k * 8)
-    if tid == 0:
-        status[0] = 0
-    cuda.syncthreads()
-    if pdl:  # the program is no earlier kernel's output: read while that kernel finishes
-        griddep_wait()
+    block, head, counter = _begin(desc_ptr, slot, blocks_per_rank, stride_words, counters, meta,
+                                  status, pdl)
+    tid = cuda.threadIdx.x
     g = block * cuda.blockDim.x + tid
     unit_bytes = meta[F_UNIT]
     shift = 4 if unit_bytes == 16 else 3 if unit_bytes == 8 else 2  # log2(unit_bytes)
@@ -790,3 +843,101 @@ def fused_norm_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stri
     griddep_launch_dependents()
     _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
          True)
+
+
+# ---- the one-shot epilogue kernel
+LL_ITEM = 8  # bytes of a thread's item: the data of one LL unit
+
+
+@device
+def _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
+                 pdl):
+    slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
+    if slot >= nranks_in_launch:
+        return
+    meta = cuda.shared.array(META, np.int64)
+    status = cuda.shared.array(1, np.int64)  # give up
+    parts = cuda.shared.array(MAX_THREADS, np.float32)  # a row's sums
+    block, head, counter = _begin(desc_ptr, slot, blocks_per_rank, stride_words, counters, meta,
+                                  status, pdl)
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    norm = F_HEAD + (meta[F_NOPS] - 1) * OP_WIDTH
+    move = norm - OP_WIDTH
+    chunks = _word(meta, head, norm + 6)
+    src = _word(meta, head, F_HEAD + 1)  # the input every PUT sends (the move's plain source)
+    g = block * nthreads + tid
+    # read together: this thread's input item, the residual and weight items of the block's
+    # first chunk, and the call counter -- one memory round trip before the first store
+    x0, x1 = np.int64(0), np.int64(0)
+    zero = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))
+    res0, wgt0 = zero, zero
+    if block < chunks:
+        x0, x1 = load_u32(src + g * LL_ITEM), load_u32(src + g * LL_ITEM + 4)
+        res_at, wgt_at = _norm_item(meta, head, norm, block, LL_ITEM)
+        res0, wgt0 = _load_item(res_at, LL_ITEM), _load_item(wgt_at, LL_ITEM)
+    epoch = load_i64(counter)
+    tag = ll_tag(epoch)
+    odd = epoch & 1
+    stride = blocks_per_rank * nthreads
+    for k in range(meta[F_NOPS] - 2):  # the PUTs: the input to every peer as LL units
+        dst = _word(meta, head, F_HEAD + k * OP_WIDTH + 2 + odd)
+        i = g
+        if block < chunks:
+            store_volatile_v4_u32(dst + i * 16, (x0, tag, x1, tag))
+            i += stride
+        while i < chunks * nthreads:
+            store_volatile_v4_u32(dst + i * 16, (load_u32(src + i * LL_ITEM), tag,
+                                                 load_u32(src + i * LL_ITEM + 4), tag))
+            i += stride
+    # each of the block's chunks: the sum of the move's sources, + residual, row sums
+    dt = meta[F_DTYPE]
+    abort = meta[F_ABORT]
+    sums = _word(meta, head, _word(meta, head, norm + 5) + 2)
+    owned = _owned(chunks, _word(meta, head, norm + 7), blocks_per_rank)
+    r0 = zero  # the first chunk's new residual
+    c = block
+    k = 0
+    while c < chunks:
+        i = c * nthreads + tid
+        code, seen, unit, entry, w0, w1 = _unit_result(meta, head, move, i, odd, tag, dt,
+                                                       meta[F_REDOP], meta[F_DIVISOR],
+                                                       timeout_ns, abort)
+        if code != 0:  # (every thread of the block passes the same barriers before leaving)
+            _record(meta, head, code, _word(meta, head, entry + 4), unit, tag, seen,
+                    _word(meta, head, entry + 3), block)
+            status[0] = 1
+        res_at, _ = _norm_item(meta, head, norm, c, LL_ITEM)
+        r = _chunk_sum((w0, w1, np.int64(0), np.int64(0)),
+                       res0 if c == block else _load_item(res_at, LL_ITEM), res_at, dt, LL_ITEM,
+                       parts, sums, c, k, owned, tag)
+        if c == block:
+            r0 = r
+        c += blocks_per_rank
+        k += 1
+    cuda.syncthreads()
+    if status[0] == 0:
+        _normalize(meta, head, norm, parts, status, block, blocks_per_rank, odd, tag, dt, LL_ITEM,
+                   timeout_ns, abort, r0, wgt0, owned)
+    cuda.syncthreads()
+    if tid == 0:
+        store_i64(counter, epoch + 1)
+
+
+@_kernel
+def oneshot_norm(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                 counters):
+    """Run the one-shot epilogue programs of this launch (see the module docstring): an LL
+    all-reduce's PUTs, then each item's sum kept in registers for the epilogue."""
+    _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
+                 False)
+
+
+@_kernel
+def oneshot_norm_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                     counters):
+    """``oneshot_norm`` for programmatic dependent launch, reading its program before it
+    waits for the kernel before it."""
+    griddep_launch_dependents()
+    _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
+                 True)

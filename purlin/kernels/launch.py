@@ -15,7 +15,9 @@ rank slot ``s`` of the launch reads its program ``s * W`` words after ``desc_ptr
 its calls in the ``isa.F_MAX_BLOCKS`` words ``s * F_MAX_BLOCKS`` words after the ``counters``
 address each call passes (``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank);
 ``kernel="fused-norm"`` is the same kernel compiled with the NORM op (programs that end with
-an epilogue; the plain one leaves that code and its registers out).
+an epilogue; the plain one leaves that code and its registers out), and
+``kernel="fused-norm-oneshot"`` ``fused.oneshot_norm`` (the programs of one such shape,
+``purlin.atom.fused.oneshot_problem``).
 
 Under ``NUMBA_ENABLE_CUDASIM=1`` the same object launches through the simulator (the stream is
 ignored there).
@@ -32,7 +34,8 @@ from purlin.kernels.intrinsics import SIMULATOR
 
 KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
            "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE),
-           "fused-norm": (fused.fused_norm, fused.fused_norm_pdl, fused.SIGNATURE)}
+           "fused-norm": (fused.fused_norm, fused.fused_norm_pdl, fused.SIGNATURE),
+           "fused-norm-oneshot": (fused.oneshot_norm, fused.oneshot_norm_pdl, fused.SIGNATURE)}
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 
@@ -62,7 +65,7 @@ class Launcher:
             raise SpecError(f"Launcher kernel must be one of {', '.join(KERNELS)}, got "
                             f"{kernel!r}")
         self.kernel = kernel
-        self.fused = kernel.startswith("fused")  # fused, fused-norm: + call counters
+        self.fused = kernel.startswith("fused")  # fused, fused-norm(-oneshot): + call counters
         self.device = int(device)
         self.nranks_in_launch = int(nranks_in_launch)
         self.blocks_per_lane = int(blocks_per_lane)

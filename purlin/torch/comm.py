@@ -84,7 +84,10 @@ class Communicator:
     ``epilogue_grid`` (sm datapath): the fused kernel's grid for
     :meth:`all_reduce_add_rms_norm` -- None: the all-reduce's own (blocks trade row sums);
     ``"rows"``: blocks owning whole rows (``purlin.atom.fused.row_grid``); an int: blocks of
-    that many threads, one item each.
+    that many threads, one item each. ``epilogue_kernel`` (sm datapath): ``"auto"`` -- the
+    one-shot kernel (``purlin.kernels.fused.oneshot_norm``) where it runs the epilogue's
+    programs (the LL all-reduce), else the fused kernel with the NORM op; ``"fused"`` --
+    always the latter.
     """
 
     def __init__(self, group=None, datapath: str = "auto", staging_bytes: int = DEFAULT_STAGING,
@@ -93,7 +96,7 @@ class Communicator:
                  ranks_per_node: int | None = None, node_of_rank=None,
                  blocks_per_lane: int | None = None, threads: int = 512,
                  protocol: str = "auto", zero_copy: bool = False, pdl: bool | None = None,
-                 epilogue_grid: str | int | None = None):
+                 epilogue_grid: str | int | None = None, epilogue_kernel: str = "auto"):
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError("purlin.torch.Communicator needs torch.distributed: call "
                                  "dist.init_process_group(...) first")
@@ -111,7 +114,10 @@ class Communicator:
                 and 0 < epilogue_grid <= 512 and epilogue_grid % 32 == 0):
             raise SpecError(f"rank {self.rank}: epilogue_grid must be None, 'rows' or threads "
                             f"per block (a multiple of 32 up to 512), got {epilogue_grid!r}")
-        self.epilogue_grid = epilogue_grid
+        if epilogue_kernel not in ("auto", "fused"):
+            raise SpecError(f"rank {self.rank}: epilogue_kernel must be 'auto' or 'fused', got "
+                            f"{epilogue_kernel!r}")
+        self.epilogue_grid, self.epilogue_kernel = epilogue_grid, epilogue_kernel
         self.timeout, self.strategy = float(timeout), strategy
         self.chunks, self.lanes = chunks, lanes
         self.staging_bytes = int(staging_bytes)
@@ -348,9 +354,9 @@ class Communicator:
     def plans(self) -> list[dict]:
         """What each collective prepared so far runs: function, elements, dtype, op, root,
         strategy, chunks, lanes, and on the sm datapath protocol, PDL and blocks (per lane;
-        the fused kernel's per rank) and ``epilogues``: how many programs with the RMSNorm
-        epilogue it holds (:meth:`all_reduce_add_rms_norm`). Sizes that could not be
-        prepared say why.
+        the fused kernel's per rank), ``epilogues``: how many programs with the RMSNorm
+        epilogue it holds (:meth:`all_reduce_add_rms_norm`) and ``norm_kernel``: the kernel
+        they run on. Sizes that could not be prepared say why.
 
             comm.all_reduce(x); comm.plans()[-1]["protocol"]     # e.g. 'fused-ll'
         """
@@ -367,7 +373,7 @@ class Communicator:
             else:
                 s = prepared.schedule
                 row.update(strategy=s.strategy, chunks=s.chunks, lanes=s.lanes)
-                for name in ("protocol", "pdl", "blocks_per_lane"):
+                for name in ("protocol", "pdl", "blocks_per_lane", "norm_kernel"):
                     if hasattr(prepared, name):
                         row[name] = getattr(prepared, name)
                 if hasattr(prepared, "epilogues"):
@@ -584,7 +590,8 @@ class Communicator:
             offset = self.staging.place(key, lay.size)
         sm = {"protocol": protocol, "pdl": pdl} if self.datapath == "sm" else {}
         if sm and len(key) > 5 and key[0] == "all-reduce":  # for the RMSNorm epilogue
-            sm.update(row_bytes=key[5] * key[2].itemsize, epilogue_grid=self.epilogue_grid)
+            sm.update(row_bytes=key[5] * key[2].itemsize, epilogue_grid=self.epilogue_grid,
+                      epilogue_kernel=self.epilogue_kernel)
         prepared = self.path.prepare(schedule, offset, lay, blocks_per_lane=blocks, **sm)
         self.path.barrier()  # every rank zeroed its flags before anyone notifies them
         self._cache[key] = prepared

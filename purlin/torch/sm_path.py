@@ -36,7 +36,7 @@ class SmPrepared:
 
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads,
                  protocol: str = "simple", pdl: bool = False, row_bytes: int | None = None,
-                 epilogue_grid: str | int | None = None):
+                 epilogue_grid: str | int | None = None, epilogue_kernel: str = "auto"):
         from purlin.atom.lowering import local_buffers, lower
         from purlin.atom.sm import _check_resident, default_blocks_per_lane, rank_blob
 
@@ -72,6 +72,8 @@ class SmPrepared:
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         self.program_words = None  # the fused programs' length
         self.norm_launcher = None  # the fused kernel compiled with the epilogue, on demand
+        self.epilogue_kernel = epilogue_kernel  # "auto": the one-shot kernel where it runs
+        self.norm_kernel = None  # the one the epilogue's programs run on, once chosen
         tdt = getattr(torch, schedule.dtype)
         if self.fused:
             from purlin.atom.fused import fuse_problem, fused_unit, row_grid, threads_grid
@@ -162,8 +164,19 @@ class SmPrepared:
         self.threads = threads
         return self._grid_launcher("fused")
 
+    def _norm_kernel(self, words: torch.Tensor) -> str:
+        """The kernel for this collective's programs with an epilogue (all of one shape; the
+        first is ``words``): the one-shot kernel where it runs them and ``epilogue_kernel``
+        is "auto", else the fused kernel with the NORM op."""
+        from purlin.atom.fused import oneshot_problem
+
+        if self.epilogue_kernel == "auto" and oneshot_problem(words.cpu().numpy()) is None:
+            return "fused-norm-oneshot"
+        return "fused-norm"
+
     def _grid_launcher(self, kernel: str):
-        """A launcher of fused ``kernel`` ("fused", "fused-norm") on this collective's grid,
+        """A launcher of fused ``kernel`` ("fused", "fused-norm", "fused-norm-oneshot") on this
+        collective's grid,
         reading programs of this collective's length."""
         return self.path.launcher(1, self.blocks_per_lane, self.threads, kernel=kernel,
                                   stride_words=self.program_words, pdl=self.pdl)
@@ -270,7 +283,8 @@ class SmPrepared:
                     return None
                 found, _ = self._program(low, epilogue)
                 if epilogue is not None and self.norm_launcher is None:  # not while capturing
-                    self.norm_launcher = self._grid_launcher("fused-norm")
+                    self.norm_kernel = self._norm_kernel(found)
+                    self.norm_launcher = self._grid_launcher(self.norm_kernel)
             else:  # the relocated block counts calls in this one's control words: one epoch
                 found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
                                      self.schedule.lanes, control=self.control.data_ptr())
@@ -392,17 +406,18 @@ class SmPath:
 
     def prepare(self, schedule, offset: int, lay, blocks_per_lane=None, *,
                 protocol: str = "simple", pdl: bool = False,
-                row_bytes: int | None = None, epilogue_grid=None) -> SmPrepared:
+                row_bytes: int | None = None, epilogue_grid=None,
+                epilogue_kernel: str = "auto") -> SmPrepared:
         """Lower ``schedule`` at ``offset`` of the area and zero this rank's flags there (the
         caller then waits for every rank). Blocks per lane: the communicator's setting, else
         ``blocks_per_lane`` (a tuning table's), else the datapath's default for the size (the
         fused kernel's: :func:`purlin.atom.fused.grid`). ``protocol`` / ``pdl``: as
         :class:`SmPrepared` (a fused protocol needs a layout with ``block_flags``);
         ``row_bytes``: an all-reduce for the RMSNorm epilogue over rows that long, on
-        ``epilogue_grid`` (see :class:`purlin.torch.Communicator`)."""
+        ``epilogue_grid`` with ``epilogue_kernel`` (see :class:`purlin.torch.Communicator`)."""
         p = SmPrepared(self, schedule, offset, lay, self.blocks_per_lane or blocks_per_lane,
                        self.threads, protocol=protocol, pdl=pdl, row_bytes=row_bytes,
-                       epilogue_grid=epilogue_grid)
+                       epilogue_grid=epilogue_grid, epilogue_kernel=epilogue_kernel)
         self.buf[offset: offset + lay.control_end].zero_()  # flags, abort, slots per block
         if lay.has_ll:  # tags restart at 1: no unit left by an earlier tenant may match
             at = offset + lay.offset(self.rank, "ll")
