@@ -189,7 +189,7 @@ def worker(rank, world, opts):
     comm_zc = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
                            zero_copy=True, epilogue_grid=opts.get("epi_grid"))
     # the epilogue on the fused kernel with the NORM op, where comm_zc runs the one-shot kernel
-    comm_fk = Communicator(staging_bytes=64 << 20, timeout=10.0, protocol="auto",
+    comm_fk = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
                            zero_copy=True, epilogue_grid=opts.get("epi_grid"),
                            epilogue_kernel="fused")
     epi_comms = {"zc": comm_zc, "zc-fused": comm_fk}
