@@ -1,8 +1,8 @@
 """pytest setup shared by tests/, the doctests in purlin/ and README.md.
 
 * ``@pytest.mark.gpu`` tests are skipped, with the reason, where no CUDA GPU is visible.
-* Modules of purlin/kernels that import Numba CUDA are left out of doctest collection where
-  numba-cuda is not installed (``pip install -e .`` without the test or gpu extra).
+* The top-level ``kernels/`` folder is ``purlin.kernels`` (pyproject's package-dir), so it is
+  not collected by path; tests/test_layout.py runs its doctests under that name.
 """
 
 from __future__ import annotations
@@ -10,19 +10,10 @@ from __future__ import annotations
 import importlib.util
 import os
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
 
-_HERE = Path(__file__).parent
-_PURE_KERNEL_MODULES = {"__init__.py", "isa.py"}  # no Numba import: always collected
-
-collect_ignore_glob: list[str] = []
-if importlib.util.find_spec("numba_cuda") is None:
-    collect_ignore_glob += [
-        str(p.relative_to(_HERE)) for p in sorted((_HERE / "purlin" / "kernels").glob("*.py"))
-        if p.name not in _PURE_KERNEL_MODULES
-    ]
+collect_ignore = ["kernels"]
 
 
 @lru_cache(maxsize=None)

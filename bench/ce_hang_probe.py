@@ -13,7 +13,7 @@ broadcast on the copy engines -- in child processes that differ in one thing eac
 * ``fresh8``:  the copy collectives alone (no mixed one before them), with 8 queues.
 
 * ``allreduce1g``: the ``ce:auto`` sweep's all-reduce points as the sweep ran them (two-phase,
-  one lane, 1 MiB .. 1 GiB, 50 ops / 15 repeats): the 1 GiB one stalled a sweep (run M).
+  one lane, 1 MiB .. 1 GiB, 50 ops / 15 repeats): the 1 GiB one stalled a sweep.
   Not in the default set (``--variants allreduce1g``).
 
 Found so far: with 8 queues the 1 MiB all-gather's 20-call graph hung whether or not a mixed

@@ -57,7 +57,7 @@ def _candidates(nbytes: int):
                 ("direct-push", 1, 1, 1, "ll+pdl"), ("direct-push", 1, 1, 1),
                 ("direct-push", 1, 1, 2), ("direct-pull", 1, 1, 1), ("two-phase", 1, 1, 1),
                 ("two-phase", 1, 2, 1, "ll")]
-    if nbytes <= 64 * KiB:  # LL with several blocks lost here (run P): more blocks instead
+    if nbytes <= 64 * KiB:  # LL with several blocks lost here: more blocks instead
         return [("direct-push", 1, 1, 8, "ll+pdl"), ("direct-push", 1, 1, 8, "pdl"),
                 ("direct-push", 1, 1, 8), ("direct-push", 1, 1, 16, "pdl"),
                 ("direct-push", 1, 1, 32, "pdl"), ("direct-push", 2, 2, 8, "pdl"),

@@ -12,7 +12,7 @@ from purlin.atom.fused import fuse_problem, fused_unit, grid, program, rank_ops
 from purlin.atom.lowering import lower
 from purlin.errors import CapabilityError
 from purlin.kernels import isa
-from purlin.kernels.host import (HostBuffers, bf16_bits, bf16_floats, fused_programs,
+from purlin.atom.host import (HostBuffers, bf16_bits, bf16_floats, fused_programs,
                                  run_fused_calls)
 from purlin.snac import plan
 from purlin.spec import STANDARD, collectives, reference, standard

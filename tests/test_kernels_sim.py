@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from purlin.kernels.host import bf16_bits, bf16_floats
+from purlin.atom.host import bf16_bits, bf16_floats
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = {}

@@ -1,4 +1,4 @@
-"""Lowered instruction tables run end to end by the host interpreter (purlin.kernels.host):
+"""Lowered instruction tables run end to end by the host interpreter (purlin.atom.host):
 every standard collective and strategy, with and without LL transfers, over back-to-back calls
 with fresh inputs, equal the reference. This checks what the lowering computes -- addresses,
 counts, flag targets, scratch parities, LL tags -- across ranks that wait on each other, which
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from purlin.kernels.host import HostBuffers, run_calls
+from purlin.atom.host import HostBuffers, run_calls
 from purlin.snac import plan
 from purlin.spec import STANDARD, reference, standard
 
@@ -67,7 +67,7 @@ def test_int32_avg_truncates_toward_zero_like_the_executor():
     """A hand-built int32 AVG row (the spec refuses integer averages, the ISA has them):
     the interpreter divides the exact sum truncating toward zero, as the executor does."""
     from purlin.kernels import isa
-    from purlin.kernels.host import _Memory, _run_lane
+    from purlin.atom.host import _Memory, _run_lane
 
     a = np.array([-4, -4, 5, 7], dtype=np.int32)
     b = np.array([2, -1, 0, 0], dtype=np.int32)

@@ -6,7 +6,7 @@ from purlin.spec import DTYPES, Collective, Sizing, collectives, copy, dtype, si
 
 NS = [2, 3, 4, 8]
 
-# chunks in the largest per-rank buffer (nccl-tests' message size), derived from DESIGN.md §1:
+# chunks in the largest per-rank buffer (nccl-tests' message size), derived from ARCHITECTURE.md:
 # all-gather/gather outputs, reduce-scatter/scatter/all-reduce/all-to-all buffers hold n chunks;
 # broadcast and reduce move one chunk.
 CHUNKS_IN_MESSAGE = {

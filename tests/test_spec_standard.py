@@ -1,4 +1,4 @@
-"""The eight standard collectives against hand-derived layouts (DESIGN.md §1 table).
+"""The eight standard collectives against hand-derived layouts (ARCHITECTURE.md, "Spec" table).
 
 Expectations are written out here: literal tables for n = 3, and for n = 2..8 per-rank formulas
 phrased in terms of "who holds what" rather than by calling the constructors again.

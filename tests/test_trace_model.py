@@ -107,7 +107,7 @@ def test_bandwidth_is_redivided_when_a_transfer_ends():
 
 
 def test_h200_measured_profile_reproduces_the_measured_small_all_reduce():
-    # DESIGN.md §6: naive one-shot all-reduce of 8 KiB bf16 on 2xH200, 4.5 us per op
+    # ARCHITECTURE.md, "GPU facts": naive one-shot all-reduce of 8 KiB bf16 on 2xH200, 4.5 us per op
     s = plan(collectives.all_reduce(2), "direct-push", nbytes=8192, dtype="bfloat16")
     assert predict_latency(s, "H200-measured") == pytest.approx(4500, rel=0.05)
 

@@ -1,4 +1,4 @@
-"""Atom: datapaths that move bytes with copy, reduce, notify and wait (DESIGN.md §3).
+"""Atom: datapaths that move bytes with copy, reduce, notify and wait (ARCHITECTURE.md).
 
 Datapaths are registered by name and imported lazily, so ``import purlin`` works on a machine
 without CUDA.

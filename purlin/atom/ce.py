@@ -35,7 +35,7 @@ from purlin.snac.planner import Capabilities
 CAPABILITIES = Capabilities(name="ce", can_reduce=False, reduce_engine="sm")
 TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float64")
 DEFAULT_THREADS = 512
-# where copy engines beat the sm datapath on 2 x H200 (run U, with side copies): all-gather and
+# where copy engines beat the sm datapath on 2 x H200 (with side copies): all-gather and
 # all-to-all from 128 MiB (235 µs against 256-258), broadcast even at 128 MiB and ahead from
 # 256 MiB; at 64 MiB sm was faster (138 against 145-160 µs), at 16 MiB twice as fast
 AUTO_MIN_BYTES = 128 << 20

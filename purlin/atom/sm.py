@@ -231,7 +231,7 @@ class SmBound:
 
         torch = self.torch
         # LL transfers go one 8-byte unit per thread (twice the threads polling at once, as
-        # the hand-written LL kernel of run AE), or half of one where rows are 4-byte
+        # the hand-written LL floor kernel does), or half of one where rows are 4-byte
         # multiples; flags and plain copies 16 bytes
         unit, problem = fused_unit(self.lowered, self.protocol)
         if problem:

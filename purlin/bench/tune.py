@@ -116,7 +116,7 @@ def candidates(collective, nbytes: int, dtype: str = "bfloat16", *, sms: int = 1
     size = sizing.message_bytes
     budget = sm_budget(sms, threads, ranks_per_launch)
     # ~16 KiB of message per block: where the measured optimum sat on 2 x H200 (all-reduce
-    # 64 KiB: 8 blocks, 1 MiB: 64, >= 16 MiB: every SM; bench/results, run C)
+    # 64 KiB: 8 blocks, 1 MiB: 64, >= 16 MiB: every SM)
     target_blocks = min(budget, max(1, size // (16 * KiB)))
     per_strategy = []
     for strategy in strategies or strategies_for(collective):

@@ -1,4 +1,4 @@
-"""Runtime: clusters, binding and running schedules (DESIGN.md §4)."""
+"""Runtime: clusters, binding and running schedules (ARCHITECTURE.md, "Runtime")."""
 
 from purlin.runtime.api import RunResult, run
 from purlin.runtime.cluster import Bound, Cluster

@@ -1,6 +1,6 @@
 """The cpu datapath across processes: every rank's buffers and flags in shared memory.
 
-Process mode on the CPU (DESIGN.md §4), the stand-in for symmetric GPU memory: rank 0 creates
+Process mode on the CPU (ARCHITECTURE.md), the stand-in for symmetric GPU memory: rank 0 creates
 one ``multiprocessing.shared_memory`` block per rank, the names travel to the others (the caller
 says how: ``share``), every process maps every block, and once all have mapped them rank 0
 unlinks the names, so nothing is left in ``/dev/shm`` even if a process dies (until then the

@@ -1,4 +1,4 @@
-"""SNAC: Stage, Notify, And Consume — the orchestration layer (DESIGN.md §2).
+"""SNAC: Stage, Notify, And Consume — the orchestration layer (ARCHITECTURE.md, "SNAC").
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan

@@ -12,7 +12,7 @@ the planner wraps them into Routes.
 * ``push-pull``: the first half of every segment travels as direct-push, the second as
   direct-pull. On the ce datapath the pushes are copy-engine copies and the pulls SM reads, so
   both engines carry bytes over NVLink at once (use chunks = lanes: one half per lane). On
-  2 x H200 that was slower than either engine alone (docs/BENCHMARKS.md, run AC).
+  2 x H200 that was slower than either engine alone.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Spec layer: what a collective means (DESIGN.md §1).
+"""Spec layer: what a collective means (ARCHITECTURE.md, "Spec").
 
 >>> from purlin.spec import collectives, reference
 >>> collectives.all_gather(3).output[2]

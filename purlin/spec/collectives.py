@@ -1,4 +1,4 @@
-"""The standard collectives as declarations (DESIGN.md §1), for any n >= 2.
+"""The standard collectives as declarations (ARCHITECTURE.md, "Spec"), for any n >= 2.
 
 >>> all_reduce(2).output
 Layout([[0, 1], [0, 1]])

@@ -1,4 +1,4 @@
-"""Timelines (DESIGN.md §5): one event record for predicted and measured runs, the cost model
+"""Timelines (ARCHITECTURE.md): one event record for predicted and measured runs, the cost model
 that predicts them, hardware profiles and their calibration, and Perfetto export.
 
 Nothing here imports plotly or pandas; ``Timeline.to_dataframe`` imports pandas when called.

@@ -24,7 +24,7 @@ from purlin.errors import SpecError
 TOPOLOGIES = ("switch", "mesh")
 
 # α is no datasheet figure: the flag hop between two GPUs measured 2–3 µs on 2×H200
-# (DESIGN.md §6). The datasheet profiles use 2 µs until calibrate() measures the machine.
+# (ARCHITECTURE.md). The datasheet profiles use 2 µs until calibrate() measures the machine.
 ASSUMED_ALPHA_NS = 2000.0
 # per-step issue cost in the executor kernel (table fetch, syncthreads): assumed, not measured
 ASSUMED_STEP_NS = 100.0
@@ -128,11 +128,11 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("PCIe-Gen5", 64 * _GB, 3000.0, 2 * _TB, ASSUMED_STEP_NS,
             source="NVIDIA H100 PCIe datasheet: PCIe Gen5 x16 128 GB/s, HBM 2 TB/s; alpha "
                    "(3 us, longer path than NVLink) and step assumed"),
-    # Our own figures on 2×H200 SXM (DESIGN.md §6): cudaMemcpyPeer moves 390 GB/s one way;
+    # Our own figures on 2×H200 SXM (ARCHITECTURE.md): cudaMemcpyPeer moves 390 GB/s one way;
     # a flag hop costs 2–3 µs; the naive one-shot all-reduce of 8 KiB took 4.5 µs per op under
     # CUDA graphs, which launch_ns + one hop + three steps reproduces.
     Profile("H200-measured", 390 * _GB, 2500.0, 4.8 * _TB, ASSUMED_STEP_NS, launch_ns=1700.0,
-            source="measured on 2xH200 SXM (DESIGN.md 6): cudaMemcpyPeer 390 GB/s one way, "
+            source="measured on 2xH200 SXM (ARCHITECTURE.md): cudaMemcpyPeer 390 GB/s one way, "
                    "alpha 2-3 us, one-shot all-reduce 8 KiB 4.5 us under CUDA graphs"),
 )}
 

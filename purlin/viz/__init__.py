@@ -1,4 +1,4 @@
-"""Figures and widgets for timelines (DESIGN.md §5). plotly and ipywidgets are imported when a
+"""Figures and widgets for timelines (ARCHITECTURE.md). plotly and ipywidgets are imported when a
 figure or widget is built, so ``import purlin.viz`` works without them."""
 
 from purlin.viz.explorer import explorer
