@@ -12,7 +12,9 @@ nccl-tests table, JSON, plotly figures). Providers are named by text:
 Datapaths: ``"sm"`` (GPUs; ``mode`` "graph": device time per op over CUDA-graph replays of
 many ops, or "eager": host-inclusive time per call), ``"cpu"`` (numpy and host threads, wall
 time: the harness works anywhere, the numbers are not GPU numbers) and ``"model"`` (the cost
-model's prediction; nothing runs). Baselines run only on ``"sm"``.
+model's prediction; nothing runs). On ``"sm"`` the ranks run on ``Cluster.best`` (one GPU
+per rank, else virtual ranks on one GPU); the baselines run only with one GPU per rank and are
+otherwise skipped with the reason in ``Results.skipped``.
 
 >>> sweep = Sweep(collectives=["all-gather"], sizes=[1024, 4096], dtypes=["float32"],
 ...               providers=["purlin:auto", "purlin:ring"], datapath="cpu", nranks=2)
@@ -131,11 +133,19 @@ class Provider:
     def __repr__(self) -> str:
         return f"Provider({self.name!r})"
 
-    def skip_reason(self, collective: Collective, datapath: str) -> str | None:
-        """Why this provider cannot run ``collective`` here (None: it can)."""
+    def skip_reason(self, collective: Collective, datapath: str,
+                    gpus: int | None = None) -> str | None:
+        """Why this provider cannot run ``collective`` here (None: it can); ``gpus``: the
+        distinct GPUs the sweep has (None: not checked)."""
         if self.is_baseline:
             if datapath != "sm":
                 return f"{self.kind} needs GPUs (datapath {datapath})"
+            if gpus is not None:
+                from purlin.bench.clusters import baseline_reason
+
+                why = baseline_reason(self.kind, collective.nranks, gpus)
+                if why:
+                    return why
             if self.kind == "nccl" and collective.name not in SIX:
                 return f"nccl runs the six standard collectives, not {collective.name}"
             if self.kind.startswith("symm") and (collective.name != "all-reduce"
@@ -199,7 +209,8 @@ class Sweep:
     """Collectives (standard names or :class:`Collective` objects) x sizes (bytes of the
     largest per-rank buffer, as nccl-tests) x dtypes x providers, in one mode on one datapath.
 
-    ``nranks`` defaults to the visible GPUs (or 2); ``table`` is a tuning table (path or
+    ``nranks`` defaults to the visible GPUs (or 2); ``cluster`` to ``Cluster.best(nranks)``
+    on ``"sm"`` (virtual ranks where there are fewer GPUs than ranks); ``table`` is a tuning table (path or
     TuningTable) for the Purlin configurations; ``time_limit`` (seconds) skips the Purlin
     points still to run when it is reached (baselines run first, then providers in order)."""
 
@@ -245,6 +256,14 @@ class Sweep:
 
         return max(2, device_count()) if self.datapath == "sm" else 2
 
+    def gpus(self) -> int:
+        """The distinct GPUs the ranks run on (what the baselines need one per rank of)."""
+        if self.cluster is not None:
+            return len(set(self.cluster.devices))
+        from purlin.bench.clusters import gpu_count
+
+        return min(gpu_count(), self.ranks())
+
     def built(self) -> list[Collective]:
         from purlin.spec.collectives import REDUCING, standard
 
@@ -267,11 +286,12 @@ class Sweep:
 
         mode = {"sm": self.mode, "cpu": "cpu", "model": "model"}[self.datapath]
         points, skipped = [], []
+        gpus = self.gpus() if self.datapath == "sm" else None
         ordered = ([p for p in self.providers if p.is_baseline]
                    + [p for p in self.providers if not p.is_baseline])
         for provider in ordered:
             for coll in self.built():
-                why = provider.skip_reason(coll, self.datapath)
+                why = provider.skip_reason(coll, self.datapath, gpus)
                 if why:
                     skipped.append(f"{provider.name} {coll.name}: {why}")
                     continue
@@ -306,6 +326,7 @@ class Sweep:
                 records += self._baselines(base, bar)
             cluster = self._cluster() if any(not p.provider.is_baseline for p in points) \
                 else None
+            info["cluster"] = self.where(cluster)
             late = 0
             for p in points:
                 if p.provider.is_baseline:
@@ -332,9 +353,23 @@ class Sweep:
     def _cluster(self):
         if self.cluster is not None or self.datapath != "sm":
             return self.cluster
-        from purlin.runtime.cluster import Cluster
+        from purlin.bench.clusters import choose
 
-        return Cluster.local(self.ranks())
+        self.cluster = choose(self.ranks())
+        return self.cluster
+
+    def where(self, cluster=None) -> str:
+        """Where the Purlin points run, in words (``purlin.bench.clusters.describe``)."""
+        from purlin.bench.clusters import describe
+
+        if self.datapath == "model":
+            return f"cost model (profile {self.profile}), {self.ranks()} ranks: nothing runs"
+        if self.datapath == "cpu":
+            from purlin.runtime.cluster import Cluster
+
+            return describe(Cluster.cpu(self.ranks()))
+        cluster = cluster or self.cluster
+        return describe(cluster) if cluster is not None else f"{self.ranks()} GPU ranks"
 
     def configure(self, cluster, point: Point):
         """The Purlin configuration of a point: fixed options win, then the tuning table,
@@ -502,6 +537,8 @@ class Results:
             if mode in ("cpu", "model"):
                 extra = (f" (profile {self.info.get('profile')})" if mode == "model" else "")
                 head.append(f"# NOTE: {MODE_NOTES[mode]}{extra}")
+        if self.info.get("cluster"):
+            head.append(f"# cluster: {self.info['cluster']}")
         text = "\n".join(head + ["#", nccl_table(self.records)])
         if self.skipped:
             text += "\n#\n" + "\n".join(f"# skipped: {s}" for s in self.skipped)
