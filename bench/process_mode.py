@@ -1,6 +1,6 @@
-"""Process mode on GPUs: purlin.torch.Communicator against NCCL, one process per GPU.
+"""purlin.torch (one process per GPU) against NCCL: correctness, graphs, latency, the norm.
 
-    PYTHONPATH=. python bench/process_mode_gpu.py --out $OUT        # 2 GPUs, ~2-4 minutes
+    python3 bench/process_mode.py [--out outputs/process_mode.json]   # 2 GPUs, ~2-4 minutes
 
 Spawns one process per GPU (torch.multiprocessing, NCCL, the sm datapath on PyTorch symmetric
 memory) and checks, for bf16 / fp16 / fp32 and message sizes 16 B .. 256 MiB (nccl-tests
@@ -18,7 +18,7 @@ size with new data, and notes any fallback. Then:
            graph, and timed against its unfused equivalents;
 * timeout: rank 1 skips a call; rank 0's check() must raise PurlinTimeoutError naming rank 1.
 
-Prints tables and writes ``<out>/process_mode_gpu.json`` (``--out`` may name a .json file).
+Prints tables and writes ``<out>/process_mode.json`` (``--out`` may name a .json file).
 ``--protocol`` picks the communicator's protocol (its default ``auto``: each size's from the
 tuning table; ``simple``: the interpreter with flags; ``ll``: messages up to 256 KiB as LL;
 ``fused`` / ``fused-ll``: the fused kernel where it can run the plan); ``--zero-copy`` runs on one that skips the copies in and out where the plan
@@ -28,18 +28,14 @@ allows. The latency rows name what each size ran (``Communicator.plans``).
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 import traceback
 import warnings
-from pathlib import Path
 
-SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
-os.environ.update(SAFE_ENV)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from purlin.bench.scripts import gpu_env, output, write_json
+
+gpu_env()  # before the ranks' processes start NCCL
 
 KiB, MiB = 1 << 10, 1 << 20
 DTYPES = ("bfloat16", "float16", "float32")
@@ -500,7 +496,7 @@ def _print_norm(reports) -> bool:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=None, help="JSON file or folder (default outputs/)")
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--max-bytes", type=int, default=256 * MiB)
     ap.add_argument("--staging", type=int, default=2560 * MiB)
@@ -533,11 +529,8 @@ def main(argv=None) -> int:
         else:
             reports.append(value)
     ok = print_report(reports) and all(s == "ok" for s, _ in outcomes)
-    out = Path(args.out)
-    path = out if out.suffix == ".json" else out / "process_mode_gpu.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"ok": ok, "seconds": time.time() - t0, "reports": reports},
-                               indent=1, default=str))
+    path = write_json(output(args.out, "process_mode.json"),
+                      {"ok": ok, "seconds": time.time() - t0, "reports": reports})
     print(f"wrote {path} ({time.time() - t0:.0f} s)")
     return 0 if ok else 1
 

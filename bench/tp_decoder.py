@@ -1,6 +1,6 @@
 """A tensor-parallel Llama-style decoder layer, NCCL vs Purlin all-reduce, under CUDA graphs.
 
-    PYTHONPATH=. python bench/apps/tp_decoder.py --out $OUT          # 2 GPUs, ~1-2 minutes
+    python3 bench/tp_decoder.py [--out outputs/tp_decoder.json]       # 2 GPUs, ~1-2 minutes
 
 One process per GPU (TP=2). Each rank holds its shard of a Llama-style layer with random bf16
 weights: RMSNorm, attention (column-parallel fused QKV with grouped KV heads and rotary
@@ -29,19 +29,16 @@ the programs with the RMSNorm epilogue).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 import traceback
-from functools import partial
 import warnings
-from pathlib import Path
+from functools import partial
 
-os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                   "NVSHMEM_DISABLE_NVLS": "1"})
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from purlin.bench.scripts import gpu_env, output, write_json
+
+gpu_env()  # before the ranks' processes start NCCL
 
 MODELS = {4096: dict(heads=32, kv_heads=8, ffn=14336), 8192: dict(heads=64, kv_heads=8, ffn=28672)}
 HEAD_DIM = 128
@@ -340,7 +337,7 @@ def print_table(rows) -> bool:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--out", default=None, help="JSON file or folder (default outputs/)")
     ap.add_argument("--hidden", default="4096,8192")
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--prefill", type=int, default=2048, help="tokens (0: no prefill)")
@@ -375,11 +372,8 @@ def main(argv=None) -> int:
     for r in rows:
         r["layers"] = args.layers
     ok = print_table(rows) and all(s == "ok" for s, _ in outcomes)
-    out = Path(args.out)
-    path = out if out.suffix == ".json" else out / "tp_decoder.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"ok": ok, "seconds": time.time() - t0, "options": opts,
-                                "rows": rows}, indent=1))
+    path = write_json(output(args.out, "tp_decoder.json"),
+                      {"ok": ok, "seconds": time.time() - t0, "options": opts, "rows": rows})
     print(f"\n{'PASS' if ok else 'FAIL'}; wrote {path} ({time.time() - t0:.0f} s)")
     return 0 if ok else 1
 

@@ -1,11 +1,12 @@
-"""The full sweep on 2 GPUs: six collectives, 8 B .. 1 GiB, Purlin (auto and strategies) against
-NCCL and PyTorch symmetric memory (all-reduce), CUDA-graph replays, plus eager calls at small
-sizes. Writes DIR/sweep.json (records + info), DIR/sweep.html (graph-mode figures),
-DIR/eager.html, and prints the nccl-tests tables and the ratios against NCCL.
+"""The six-collective sweep against NCCL: latency, busbw and speed-up figures.
 
-    PYTHONPATH=. python3 bench/gpu_sweep.py --out DIR [--quick] [--sizes 8:1GiB]
-        [--dtypes bfloat16] [--collectives all] [--strategies direct-push,two-phase,ring]
-        [--tuning PATH] [--time-limit 400]
+    python3 bench/sweep.py [--out outputs/sweep] [--quick] [--ranks 2] [--sizes 8:1GiB]
+
+Six collectives, 8 B .. 1 GiB, Purlin (auto and strategies) against NCCL and PyTorch symmetric
+memory (all-reduce), CUDA-graph replays, plus eager calls at small sizes, on ``Cluster.best``
+(one GPU per rank; on fewer GPUs virtual ranks, the baselines skipped with the reason). Writes
+DIR/sweep.json (records + info), DIR/sweep.html and DIR/eager.html (figures), and prints the
+nccl-tests tables and the ratios against NCCL.
 
 Budget (2xH200, under 8 minutes): baselines run first in one pair of processes; ops and
 repeats shrink with the size (purlin.bench.metrics.op_counts); explicit strategies run at
@@ -22,13 +23,11 @@ import signal
 import sys
 import time
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-
-from purlin.bench.sweep import SIX, Results, Sweep  # noqa: E402
-from purlin.bench.tune import launch_suffix  # noqa: E402
-from purlin.cli import size_list  # noqa: E402
+from purlin.bench.clusters import choose
+from purlin.bench.scripts import folder, gpu_env
+from purlin.bench.sweep import SIX, Results, Sweep
+from purlin.bench.tune import launch_suffix
+from purlin.cli import size_list
 
 KiB, MiB = 1 << 10, 1 << 20
 EAGER_SIZES = (8, 1 * KiB, 8 * KiB, 64 * KiB)
@@ -36,7 +35,8 @@ EAGER_SIZES = (8, 1 * KiB, 8 * KiB, 64 * KiB)
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="folder for sweep.json and the figures")
+    ap.add_argument("--out", default="outputs/sweep",
+                    help="folder for sweep.json and the figures (default outputs/sweep)")
     ap.add_argument("--sizes", default=None, help="8:1GiB (default) or a list 8,64KiB,1MiB")
     ap.add_argument("--dtypes", default="bfloat16")
     ap.add_argument("--collectives", default="all")
@@ -53,7 +53,8 @@ def main() -> int:
                     help="also the copy-engine datapath (ce:auto) at sizes >= 1 MiB")
     args = ap.parse_args()
 
-    os.makedirs(args.out, exist_ok=True)
+    gpu_env()
+    args.out = str(folder(args.out))
     t0 = time.monotonic()
     if args.quick:
         sizes = size_list(args.sizes) or [8, 64 * KiB, 4 * MiB, 64 * MiB]
@@ -68,9 +69,7 @@ def main() -> int:
     if sizes[-1] not in every_other:
         every_other = every_other + [sizes[-1]]
 
-    from purlin.runtime import Cluster
-
-    cluster = Cluster.local(args.ranks)
+    cluster = choose(args.ranks)
     graph = Sweep(collectives=colls, sizes=sizes, dtypes=dtypes, mode="graph",
                   providers=["nccl", "symm-one-shot", "symm-two-shot", "purlin:auto"],
                   nranks=args.ranks, ops=ops, repeats=repeats, table=args.tuning,
@@ -109,7 +108,7 @@ def main() -> int:
 
     everything = res + eager
     everything.info["seconds"] = round(time.monotonic() - t0, 1)
-    everything.info["script"] = "bench/gpu_sweep.py" + (" --quick" if args.quick else "")
+    everything.info["script"] = "bench/sweep.py" + (" --quick" if args.quick else "")
     path = os.path.join(args.out, "sweep.json")
     everything.to_json(path)
     try:

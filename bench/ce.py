@@ -1,6 +1,7 @@
-"""The ce datapath on 2 GPUs: correctness, bus bandwidth against sm and NCCL, SM-free overlap.
+"""The copy-engine datapath table on 2 GPUs: correctness, bandwidth against sm and NCCL,
+matmul overlap.
 
-    PYTHONPATH=. timeout 300 python3 bench/gpu_ce.py --out $OUT/ce.json [--quick]
+    python3 bench/ce.py [--out outputs/ce.json] [--quick]
 
 1. Correct: all-gather, all-to-all and broadcast on the ce datapath and all-reduce on ce+sm equal
    the reference from 16 B to 1 GiB (all-gather up to 1 GiB), over back-to-back eager calls with
@@ -10,22 +11,18 @@
 3. Bus bandwidth at 64 MiB and 256 MiB: ce against sm (strategy "auto") and NCCL, one table;
    ce with one lane first, then with four lanes (chained one after another inside graphs).
 
-Prints tables and writes the JSON file given with --out after every section.
+Prints tables and rewrites the JSON file after every section (a later hang keeps the rest).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 import traceback
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+from purlin.bench.scripts import gpu_env, output, write_json
+from purlin.bench.sweep import environment
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DTYPE = "bfloat16"
@@ -49,7 +46,7 @@ def collective(name):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="ce.json")
+    ap.add_argument("--out", default=None, help="JSON file or folder (default outputs/)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and configurations")
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--sizes", default=None,
@@ -58,6 +55,8 @@ def main() -> int:
     ap.add_argument("--correct-only", action="store_true",
                     help="only part 1 (correctness); no overlap or bandwidth")
     args = ap.parse_args()
+    args.out = output(args.out, "ce.json")
+    gpu_env()
     t_start = time.time()
     result = {"info": {}, "correct": [], "bandwidth": [], "overlap": [], "failures": []}
 
@@ -80,11 +79,9 @@ def main() -> int:
 
     cluster = Cluster.local(2)
     result["info"] = {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
-        "torch": torch.__version__, "gpus": [torch.cuda.get_device_name(d) for d in range(2)],
-        "driver_support": ce_driver.device_support(0),
+        **environment("sm", 2), "driver_support": ce_driver.device_support(0),
         "CUDA_DEVICE_MAX_CONNECTIONS": ce_driver.max_connections()}
-    print(json.dumps(result["info"]), flush=True)
+    print(f"# {result['info']['hardware']}, commit {result['info']['commit'][:12]}", flush=True)
 
     print("\n== 1. correctness (ce; all-reduce ce+sm)", flush=True)
     sizes = [16, 1 * MiB, 64 * MiB] if args.quick else CORRECT_SIZES
@@ -148,8 +145,7 @@ def main() -> int:
 def _save(path, result, records) -> None:
     """Write what there is so far (a later hang still leaves the earlier results)."""
     result["bandwidth"] = [r.to_dict() for r in records]
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_json(path, result)
 
 
 def _attempt(failures, what, fn, *args):

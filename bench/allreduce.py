@@ -1,27 +1,23 @@
-"""All-reduce on 2 GPUs: Purlin's strategies and configurations against NCCL and PyTorch
-symmetric memory, all in one run, CUDA graphs for everyone; plus eager host time per call.
+"""All-reduce per size: Purlin's configurations against NCCL and PyTorch symmetric memory.
 
-    PYTHONPATH=. python3 bench/gpu_allreduce.py --out $OUT/allreduce.json [--quick]
+    python3 bench/allreduce.py [--out outputs/allreduce.json] [--ranks 2] [--quick]
 
-Prints the best Purlin configuration per size next to NCCL with ratios, then every point.
+All in one run, CUDA graphs for everyone, plus eager host time per call, on ``Cluster.best``
+(on fewer GPUs than ranks: virtual ranks, the baselines skipped with the reason). Prints the
+best Purlin configuration per size next to NCCL with ratios, then every point; writes the
+records as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
-import time
 import traceback
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-
-from purlin.bench.metrics import table  # noqa: E402
-from purlin.bench.sweep import commit  # noqa: E402
+from purlin.bench.clusters import baseline_reason, choose, describe
+from purlin.bench.metrics import table
+from purlin.bench.scripts import gpu_env, output, write_json
+from purlin.bench.sweep import environment
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
@@ -76,27 +72,26 @@ def _candidates(nbytes: int):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="allreduce.json")
+    ap.add_argument("--out", default=None, help="JSON file or folder (default outputs/)")
+    ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-baselines", action="store_true")
     args = ap.parse_args()
+    gpu_env()
 
     import torch
 
     from purlin.atom.sm import PROTOCOLS
     from purlin.bench.providers import time_purlin
     from purlin.bench.torch_dist import run_baselines
-    from purlin.runtime import Cluster
     from purlin.spec import collectives
 
-    info = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(),
-            "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
-            "gpus": [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())],
-            "commit": commit()}
-    print(json.dumps(info))
-    cluster = Cluster.local(2)
-    coll = collectives.all_reduce(2)
+    n = args.ranks
+    cluster = choose(n)
+    info = {**environment("sm", n), "cluster": describe(cluster)}
+    print(f"# {info['hardware']}, commit {info['commit'][:12]}: {info['cluster']}")
+    coll = collectives.all_reduce(n)
     records, failures = [], []
     for nbytes in SIZES:
         for strategy, chunks, lanes, bpl, *opt in candidates(nbytes)[: 2 if args.quick
@@ -129,22 +124,27 @@ def main() -> int:
             except Exception:
                 failures.append({"nbytes": nbytes, "eager": True, "protocol": protocol,
                                  "error": traceback.format_exc(limit=4)})
-    baselines = []
-    if not args.no_baselines:
+    baselines, skipped = [], []
+    why = baseline_reason("nccl", n, len(set(cluster.devices)))
+    if why and not args.no_baselines:
+        skipped.append(f"baselines: {why}")
+        print(f"# skipped: baselines: {why}")
+    elif not args.no_baselines:
         points = [("nccl", "all-reduce", s, args.dtype, "sum", "graph") for s in SIZES]
         points += [("nccl", "all-reduce", s, args.dtype, "sum", "eager")
                    for s in (8 * KiB, 64 * KiB)]
         points += [(p, "all-reduce", s, args.dtype, "sum", "graph")
                    for p in ("symm-one-shot", "symm-two-shot") for s in SIZES]
-        baselines = run_baselines(points, world=2)
+        baselines = run_baselines(points, world=n)
     everything = records + baselines
     print()
     print(table(everything))
     print()
     print(summary(records, baselines))
-    with open(args.out, "w") as f:
-        json.dump({"info": info, "records": [r.to_dict() for r in everything],
-                   "failures": failures}, f, indent=1)
+    path = write_json(output(args.out, "allreduce.json"),
+                      {"info": info, "records": [r.to_dict() for r in everything],
+                       "failures": failures, "skipped": skipped})
+    print(f"# records: {path}")
     return 0
 
 

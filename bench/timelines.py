@@ -1,23 +1,23 @@
-"""Measured SNAC timelines on 2 GPUs next to calibrated predictions.
+"""Measured vs predicted SNAC timelines on 2 GPUs (the figures of docs/timelines/).
 
-    PYTHONPATH=. python3 bench/gpu_timeline.py --out DIR
+    python3 bench/timelines.py [--out outputs/timelines]
 
 1. measures the offset between the GPUs' clocks with a flag ping-pong (and its uncertainty);
 2. times a few all-reduce schedules under CUDA graphs and calibrates the cost model on them;
 3. traces one 1 MiB bf16 all-reduce for two strategies and writes predicted-vs-measured
    figures (HTML) and Perfetto traces into DIR; prints how close prediction and measurement are.
+
+Writes DIR/timeline.json, the calibrated profile DIR/profile-h200-calibrated.json, the figures
+and the traces.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from pathlib import Path
 
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+from purlin.bench.scripts import folder, gpu_env
 
 KiB, MiB = 1 << 10, 1 << 20
 # (chunks, lanes); blocks per lane: the binding's default (~16 KiB of message per block, up to
@@ -27,10 +27,11 @@ STRATEGIES = {"direct-push": (1, 2), "two-phase": (1, 2)}
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="out")
+    ap.add_argument("--out", default="outputs/timelines", help="folder (default "
+                    "outputs/timelines)")
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = folder(args.out)
+    gpu_env()
 
     import numpy as np
     import torch
