@@ -1,13 +1,12 @@
 """How long planning and verification take, fresh (uncached), on one core.
 
-Cases: an 8-rank all-to-all (64 chunk names; also cut into 64 pieces per transfer) and a 72-rank
-all-reduce, for every strategy that applies. ``plan()`` verifies what it returns, so its time is
-plan + verify; ``verify`` alone is timed again on the finished schedule. Goals (from the issue):
-all-to-all < 1 s, 72-rank all-reduce < 5 s.
-
     python3 bench/plan_verify.py [--out outputs/plan_verify.json]
 
-Prints the table and writes the records as JSON (no GPU needed).
+Cases: an 8-rank all-to-all (64 chunk names; also cut into 64 pieces per transfer) and a 72-rank
+all-reduce, for every strategy that applies. ``plan()`` verifies what it returns, so its time is
+plan + verify; ``verify`` alone is timed again on the finished schedule. Goals: all-to-all
+< 1 s, 72-rank all-reduce < 5 s. Prints the table and writes the records as JSON (no GPU
+needed).
 """
 
 from __future__ import annotations

@@ -1,0 +1,56 @@
+"""bench/: one short script per published table, each importing the installed package and
+naming the one command that reproduces it; the GPU session script's stages, dry-run."""
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+SCRIPTS = ("sweep", "allreduce", "ce", "process_mode", "tp_decoder", "inlayer", "timelines",
+           "plan_verify")
+PROBES = ("ce_hang_probe.py", "gpu_floor.py", "gpu_kernels_check.py", "viz_5000_bars.py",
+          "gpu_call.sh", "gpu_tune.py", "gpu_wheels.sh")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_each_script_imports_the_package_and_says_its_command(name):
+    path = BENCH / f"{name}.py"
+    text = path.read_text()
+    assert "sys.path" not in text, f"{path.name} edits sys.path"
+    doc = ast.get_docstring(ast.parse(text))
+    assert f"python3 bench/{name}.py" in doc.split("\n\n")[1], \
+        f"{path.name}'s docstring does not open with the command that reproduces its table"
+    assert "bench/results" not in text
+
+
+def test_the_probes_are_gone():
+    assert not [p for p in PROBES if (BENCH / p).exists()]
+    assert not (BENCH / "apps").exists()
+
+
+def test_output_goes_under_outputs_by_default(tmp_path, monkeypatch):
+    from purlin.bench.scripts import OUTPUTS, folder, output
+
+    monkeypatch.chdir(tmp_path)
+    assert output(None, "x.json") == OUTPUTS / "x.json" and (tmp_path / "outputs").is_dir()
+    assert output(tmp_path / "a" / "b.json", "x.json") == tmp_path / "a" / "b.json"
+    assert folder(tmp_path / "f") == tmp_path / "f" and (tmp_path / "f").is_dir()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_session_dry_run_bounds_every_one_gpu_stage(tmp_path):
+    script = BENCH / "gpu_session.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    out = subprocess.run(["bash", str(script), "--dry-run", "--limit", "500", "one-gpu"],
+                         capture_output=True, text=True, cwd=BENCH.parent, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}).stdout
+    stages = [ln.split()[1] for ln in out.splitlines() if ln.startswith("=== ")]
+    assert stages == ["env", "imports", "cli1", "notebooks1", "custom", "vtests"]
+    commands = [ln.strip() for ln in out.splitlines() if ln.startswith("  timeout ")]
+    assert any("purlin bench all-reduce -n 4 -b 8KiB:1MiB" in c for c in commands)
+    assert any("purlin trace all-reduce -n 4" in c and "--measure" in c for c in commands)
+    assert any("tests/test_gpu_sm.py" in c and " -x " in c for c in commands)
+    assert all(str(tmp_path) in c or "pytest" in c or "purlin run" in c for c in commands)
