@@ -26,7 +26,6 @@ import time
 from purlin.bench.clusters import choose
 from purlin.bench.scripts import folder, gpu_env
 from purlin.bench.sweep import SIX, Results, Sweep
-from purlin.bench.tune import launch_suffix
 from purlin.cli import size_list
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -122,7 +121,7 @@ def main() -> int:
     print()
     everything.summary(file=sys.stdout)
     print()
-    best_configs(res)
+    res.best(file=sys.stdout)
     bad = [r for r in everything.records if r.wrong > 0]
     print(f"\n# {len(everything.records)} records, {len(everything.errors)} failed, "
           f"{len(bad)} with wrong results; {everything.info['seconds']:.0f} s; "
@@ -130,34 +129,6 @@ def main() -> int:
     for r in everything.errors[:10]:
         print(f"# failed: {r.provider} {r.collective} {r.nbytes} {r.mode}: {r.extra['error']}")
     return 1 if bad else 0
-
-
-def best_configs(res: Results) -> None:
-    """The fastest Purlin record per collective and size next to NCCL."""
-    print(f"{'collective':<15} {'size':>11} {'purlin best':<34} {'us':>9} {'nccl us':>9} "
-          f"{'ratio':>6}")
-    by = {}
-    for r in res.records:
-        if r.mode != "graph" or not r.ok:
-            continue
-        key = (r.collective, r.nbytes, r.dtype)
-        slot = by.setdefault(key, {})
-        if r.provider == "nccl":
-            slot["nccl"] = r
-        elif r.provider.startswith("purlin") and r.wrong == 0:
-            if "best" not in slot or r.time_us < slot["best"].time_us:
-                slot["best"] = r
-    for (coll, nbytes, _), slot in sorted(by.items()):
-        if "best" not in slot:
-            continue
-        b, n = slot["best"], slot.get("nccl")
-        e = b.extra
-        cfg = (f"{b.provider.removeprefix('purlin:')}={e.get('strategy')} c{e.get('chunks')} "
-               f"l{e.get('lanes')} b{e.get('blocks_per_lane')}"
-               f"{launch_suffix(e.get('protocol', 'simple'), e.get('pdl'))}")
-        nus = n.time_us if n else float("nan")
-        print(f"{coll:<15} {nbytes:>11} {cfg:<34} {b.time_us:9.2f} {nus:9.2f} "
-              f"{nus / b.time_us:6.2f}")
 
 
 if __name__ == "__main__":

@@ -54,3 +54,52 @@ def test_gpu_session_dry_run_bounds_every_one_gpu_stage(tmp_path):
     assert any("purlin trace all-reduce -n 4" in c and "--measure" in c for c in commands)
     assert any("tests/test_gpu_sm.py" in c and " -x " in c for c in commands)
     assert all(str(tmp_path) in c or "pytest" in c or "purlin run" in c for c in commands)
+
+
+def _load(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_allreduce_script_on_virtual_ranks_skips_the_baselines(tmp_path, monkeypatch, capsys):
+    """bench/allreduce.py's wiring with the GPU parts faked: the tuner's candidates, the eager
+    points, the baselines skipped on virtual ranks with the reason, one JSON."""
+    import json
+
+    from purlin.bench import clusters, tune
+    from purlin.bench.metrics import Record, Timing
+    from purlin.bench.sweep import Results, Sweep
+    from purlin.runtime.cluster import Cluster
+
+    script = _load("allreduce")
+    virtual = Cluster("virtual", 2, (0, 0))
+    monkeypatch.setattr(script, "choose", lambda n: virtual)
+    monkeypatch.setattr(clusters, "gpu_names", lambda devs: ["NVIDIA H200"] * len(devs))
+
+    def rec(provider, nbytes, mode, us, **extra):
+        return Record.make(provider, "all-reduce", 2, nbytes, nbytes // 2, "bfloat16", "sum",
+                           mode, Timing(us, us, us, 3), 0, **extra)
+
+    def fake_tune(cluster, names, sizes, dtype, **k):
+        assert cluster is virtual and names == ["all-reduce"]
+        return tune.TuneResult(None, Results([rec("purlin:direct-push", s, "graph", 4.0,
+                                                  strategy="direct-push", chunks=1, lanes=1,
+                                                  blocks_per_lane=8) for s in sizes], {}))
+
+    monkeypatch.setattr(script.tune, "tune", fake_tune)
+    monkeypatch.setattr(Sweep, "_purlin", lambda self, c, p: rec(p.provider.name, p.nbytes,
+                                                                 p.mode, 9.0))
+    monkeypatch.setattr(Sweep, "_baselines", lambda *a: pytest.fail("a baseline ran"))
+    monkeypatch.setattr("sys.argv", ["allreduce.py", "--out", str(tmp_path)])
+    assert script.main() == 0
+    out = capsys.readouterr().out
+    assert "on the sm datapath, 2 virtual ranks on 1 x NVIDIA H200" in out
+    assert "# skipped: nccl all-reduce: nccl needs one GPU per rank (2 ranks, 1 GPU" in out
+    data = json.loads((tmp_path / "allreduce.json").read_text())
+    assert {(r["provider"], r["mode"]) for r in data["records"]} == {
+        ("purlin:direct-push", "graph"), ("purlin:auto", "eager")}
+    assert sum("needs one GPU per rank" in s for s in data["skipped"]) == 4  # 3 graph + 1 eager

@@ -578,6 +578,38 @@ class Results:
             print(text, file=file)
         return text
 
+    def best(self, baseline: str = "nccl", file=None) -> str:
+        """Per collective and size: the fastest correct Purlin record of the graph mode, its
+        configuration, and ``baseline`` beside it (ratio > 1: Purlin faster)."""
+        from purlin.bench.tune import launch_suffix
+
+        by: dict = {}
+        for r in self.records:
+            if r.mode != "graph" or not r.ok:
+                continue
+            slot = by.setdefault((r.collective, r.nbytes, r.dtype), {})
+            if r.provider == baseline:
+                slot["base"] = r
+            elif r.provider.startswith(("purlin", "ce:")) and r.wrong == 0:
+                if "best" not in slot or r.time_us < slot["best"].time_us:
+                    slot["best"] = r
+        lines = [f"{'collective':<15} {'size':>11} {'purlin best':<34} {'us':>9} "
+                 f"{baseline + ' us':>9} {'ratio':>6}"]
+        for (coll, nbytes, _), slot in sorted(by.items()):
+            if "best" not in slot:
+                continue
+            b, e = slot["best"], slot["best"].extra
+            cfg = (f"{b.provider.split(':')[0]}={e.get('strategy')} c{e.get('chunks')} "
+                   f"l{e.get('lanes')} b{e.get('blocks_per_lane')}"
+                   f"{launch_suffix(e.get('protocol', 'simple'), e.get('pdl'))}")
+            base = slot["base"].time_us if "base" in slot else float("nan")
+            lines.append(f"{coll:<15} {nbytes:>11} {cfg:<34} {b.time_us:9.2f} {base:9.2f} "
+                         f"{base / b.time_us:6.2f}")
+        text = "\n".join(lines)
+        if file is not None:
+            print(text, file=file)
+        return text
+
     def figures(self, baseline: str = "nccl") -> dict:
         """``{"latency", "busbw", "speedup"}`` plotly figures (see :mod:`purlin.bench.figures`)."""
         from purlin.bench.figures import figures
