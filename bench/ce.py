@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 
-from purlin.bench.scripts import gpu_env, output, write_json
+from purlin.bench.scripts import gpu_env, missing_gpus, output, write_json
 from purlin.bench.sweep import environment
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -55,6 +55,10 @@ def main() -> int:
     ap.add_argument("--correct-only", action="store_true",
                     help="only part 1 (correctness); no overlap or bandwidth")
     args = ap.parse_args()
+    why = missing_gpus(2, "bench/ce.py")
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     args.out = output(args.out, "ce.json")
     gpu_env()
     t_start = time.time()

@@ -33,7 +33,7 @@ import argparse
 import sys
 import time
 
-from purlin.bench.scripts import gpu_env, output, write_json
+from purlin.bench.scripts import gpu_env, missing_gpus, output, write_json
 
 gpu_env()  # before the ranks' processes start NCCL
 
@@ -163,6 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ops-per-graph", type=int, default=64)
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args(argv)
+    why = missing_gpus(2, "bench/inlayer.py")
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     from purlin.torch.testing import run_processes
 
     ops = args.ops.split(",")

@@ -33,7 +33,7 @@ import time
 import traceback
 import warnings
 
-from purlin.bench.scripts import gpu_env, output, write_json
+from purlin.bench.scripts import gpu_env, missing_gpus, output, write_json
 
 gpu_env()  # before the ranks' processes start NCCL
 
@@ -510,6 +510,10 @@ def main(argv=None) -> int:
                     help="the communicator reads / writes the caller's tensors where no peer "
                          "needs them (no copy in or out)")
     args = ap.parse_args(argv)
+    why = missing_gpus(args.world, "bench/process_mode.py")
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     from purlin.torch.testing import run_processes
 
     opts = {"sizes": sizes(16, args.max_bytes) + [14, 6 * KiB + 6, 3 * MiB + 2],

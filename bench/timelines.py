@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 
-from purlin.bench.scripts import folder, gpu_env
+from purlin.bench.scripts import folder, gpu_env, missing_gpus
 
 KiB, MiB = 1 << 10, 1 << 20
 # (chunks, lanes); blocks per lane: the binding's default (~16 KiB of message per block, up to
@@ -30,6 +30,10 @@ def main() -> int:
     ap.add_argument("--out", default="outputs/timelines", help="folder (default "
                     "outputs/timelines)")
     args = ap.parse_args()
+    why = missing_gpus(2, "bench/timelines.py")
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     out = folder(args.out)
     gpu_env()
 

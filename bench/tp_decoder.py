@@ -36,7 +36,7 @@ import traceback
 import warnings
 from functools import partial
 
-from purlin.bench.scripts import gpu_env, output, write_json
+from purlin.bench.scripts import gpu_env, missing_gpus, output, write_json
 
 gpu_env()  # before the ranks' processes start NCCL
 
@@ -354,6 +354,10 @@ def main(argv=None) -> int:
     ap.add_argument("--providers", default=",".join(PROVIDERS),
                     help="of " + ", ".join(PROVIDERS) + " (nccl first)")
     args = ap.parse_args(argv)
+    why = missing_gpus(2, "bench/tp_decoder.py")
+    if why:
+        print(why, file=sys.stderr)
+        return 2
     from purlin.torch.testing import run_processes
 
     opts = {"hidden": [int(h) for h in args.hidden.split(",")],

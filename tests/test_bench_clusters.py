@@ -172,3 +172,25 @@ def test_purlin_trace_names_the_profile_of_its_prediction(capsys, tmp_path):
     assert code == 0
     assert "predicted by profile H200-measured (measured on 2xH200" in out
     assert "predicted: profile H200-measured" in out_html.read_text()
+
+
+def test_a_baseline_that_dies_is_one_line_in_the_notes(gpus, monkeypatch):
+    """A baseline process that fails (a raw CUDA error in a spawned rank) does not end the
+    sweep: its last line goes into the skipped notes and the Purlin points still run."""
+    gpus(2)
+    from purlin.bench.metrics import Record, Timing
+
+    def dies(self, points, bar):
+        raise RuntimeError("\n-- Process 1 terminated with the following error:\nTraceback "
+                           "...\ntorch.AcceleratorError: CUDA error: invalid device ordinal")
+
+    monkeypatch.setattr(Sweep, "_baselines", dies)
+    monkeypatch.setattr(Sweep, "_purlin", lambda self, c, p: Record.make(
+        p.provider.name, "all-reduce", 2, p.nbytes, 1, p.dtype, "sum", p.mode,
+        Timing(5.0, 5.0, 5.0, 3), 0))
+    res = Sweep(collectives=["all-reduce"], sizes=[8192], nranks=2,
+                providers=["purlin:auto", "nccl"]).run(progress=False)
+    assert [r.provider for r in res.records] == ["purlin:auto"]
+    assert res.skipped == ["nccl: the baseline processes failed: torch.AcceleratorError: CUDA "
+                           "error: invalid device ordinal"]
+    assert "# skipped: nccl: the baseline processes failed" in res.table()

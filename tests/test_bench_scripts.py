@@ -103,3 +103,18 @@ def test_allreduce_script_on_virtual_ranks_skips_the_baselines(tmp_path, monkeyp
     assert {(r["provider"], r["mode"]) for r in data["records"]} == {
         ("purlin:direct-push", "graph"), ("purlin:auto", "eager")}
     assert sum("needs one GPU per rank" in s for s in data["skipped"]) == 4  # 3 graph + 1 eager
+
+
+@pytest.mark.parametrize("name", ["ce", "timelines", "process_mode", "tp_decoder", "inlayer"])
+def test_one_rank_per_gpu_scripts_refuse_in_one_line(name, tmp_path, monkeypatch, capsys):
+    from purlin.bench import clusters
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(clusters, "gpu_count", lambda: 1)
+    monkeypatch.setattr("sys.argv", [f"{name}.py"])
+    script = _load(name)
+    assert (script.main() if name in ("ce", "timelines") else script.main([])) == 2
+    err = capsys.readouterr().err
+    assert err == (f"bench/{name}.py runs one rank per GPU: it needs 2 GPUs and 1 is visible "
+                   "(on one GPU, `purlin bench -n 2` measures virtual ranks)\n")
+    assert not (tmp_path / "outputs").exists()

@@ -50,3 +50,16 @@ def write_json(path, obj) -> Path:
     path = Path(path)
     path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
     return path
+
+
+def missing_gpus(n: int, script: str) -> str | None:
+    """Why ``script``, which runs one rank per GPU, cannot run ``n`` ranks here (None: it
+    can); the scripts print it and exit with status 2 instead of failing inside a spawn."""
+    from purlin.bench.clusters import gpu_count
+
+    have = gpu_count()
+    if have >= n:
+        return None
+    return (f"{script} runs one rank per GPU: it needs {n} GPUs and {have} "
+            f"{'is' if have == 1 else 'are'} visible (on one GPU, `purlin bench -n {n}` "
+            "measures virtual ranks)")

@@ -323,7 +323,14 @@ class Sweep:
         try:
             base = [p for p in points if p.provider.is_baseline]
             if base:
-                records += self._baselines(base, bar)
+                try:
+                    records += self._baselines(base, bar)
+                except Exception as exc:  # the Purlin points still run; say why in one line
+                    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+                    names = ", ".join(sorted({p.provider.name for p in base}))
+                    skipped.append(f"{names}: the baseline processes failed: "
+                                   f"{lines[-1].strip()[:300]}")
+                    bar.update(len(base))
             cluster = self._cluster() if any(not p.provider.is_baseline for p in points) \
                 else None
             info["cluster"] = self.where(cluster)
