@@ -19,6 +19,7 @@
 #   notebooks1  notebooks/0*.ipynb executed headless (needs the wheels of bench/wheels.sh);
 #               executed copies and each notebook's error outputs under $OUT
 #   custom      bench/custom_vs_standard.py at 4 and 8 ranks, where the script exists
+#   demo1       `purlin demo --gpu` (not in one-gpu: notebooks1 runs the same tour)
 # Two GPUs and more: two-gpu = env tests allreduce
 #   tests lltests fusedtests cetests stagetests norm   GPU tests (parts of them)
 #   allreduce sweep sweepsm sweepce tune               bench/allreduce.py, bench/sweep.py, tune
@@ -34,7 +35,7 @@ while [ $# -gt 0 ]; do
         --limit) limit=$2; shift 2 ;;
         --limit=*) limit=${1#--limit=}; shift ;;
         --dry-run) dry=1; shift ;;
-        -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"; exit 0 ;;
         *) stages+=("$1"); shift ;;
     esac
 done
@@ -189,6 +190,9 @@ for stage in "${stages[@]}"; do
             ;;
         notebooks1)
             TAIL=12 step notebooks_1gpu 400 python3 -c "$NOTEBOOKS_PY" "$OUT" 1xH200
+            ;;
+        demo1)  # `purlin demo --gpu`: the tour on the best cluster here (virtual ranks on one GPU)
+            TAIL=25 step demo_gpu 200 python3 -m purlin demo --gpu --out "$OUT/demo"
             ;;
         notebooks)
             TAIL=12 step notebooks 400 python3 -c "$NOTEBOOKS_PY" "$OUT" 2xH200 01- 04-

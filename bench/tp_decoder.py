@@ -155,14 +155,6 @@ def make_state(torch, layer, batch, seq, kv, device, decode, gen):
     return state
 
 
-def time_graph(torch, dist, step, replays):
-    """Median per-replay time (us) of ``step`` captured in a CUDA graph, slowest rank; the
-    step's outputs hold the last replay's results afterwards."""
-    from purlin.bench.torch_dist import graph_median_us
-
-    return graph_median_us(torch, step, 1, replays, dist)
-
-
 PROVIDERS = {  # name: (mix, all-reduce, row-parallel products into the staging input)
     "nccl": ("hf", "nccl", False),
     "purlin-zc": ("hf", "zc", True),
@@ -179,6 +171,7 @@ def worker(rank, world, opts):
     import torch
     import torch.distributed as dist
 
+    from purlin.bench.torch_dist import graph_median_us
     from purlin.torch import Communicator
 
     warnings.simplefilter("ignore", FutureWarning)
@@ -237,7 +230,9 @@ def worker(rank, world, opts):
                     # rounding differences of two correct all-reduces grow without meaning
                     step(layers=1)
                     outs[name] = out.float()
-                    us = time_graph(torch, dist, step, opts["replays"])
+                    # per replay of one graph, slowest rank; the step's outputs then hold
+                    # the last replay's results
+                    us = graph_median_us(torch, step, 1, opts["replays"], dist)
                     row[f"{name}_us"] = us
                     row[f"{name}_tokens_per_s"] = row["tokens"] / (us * 1e-6)
                 for c in epi_comms.values():
