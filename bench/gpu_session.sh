@@ -56,6 +56,13 @@ if [ -n "$limit" ] && [ "$dry" = 0 ]; then  # the packing wrapper: run again und
     rm -rf "$scratch" && mkdir -p "$scratch" "$back"
     OUT=$scratch timeout --kill-after=10 "$limit" bash "$0" "${stages[@]}" 2>&1 \
         | tee "$scratch/session.log"
+    if [ -f "$scratch/.running" ]; then  # the stage the limit cut short, with its children
+        group=$(cat "$scratch/.running")
+        rm -f "$scratch/.running"
+        kill -TERM -- "-$group" 2>/dev/null && sleep 5 && kill -KILL -- "-$group" 2>/dev/null
+        echo "=== the limit of $limit s stopped the running stage (process group $group)" \
+            | tee -a "$scratch/session.log"
+    fi
     cp "$scratch/session.log" "$back/session.log"
     tar czf "$back/session.tgz" -C "$scratch" .
     ls -la "$back"
@@ -84,8 +91,14 @@ step() {  # NAME SECONDS CMD...: CMD under timeout into $OUT/NAME.log; rc and th
         echo "  timeout $secs ${shown[*]} > \$OUT/$name.log"
         return 0
     fi
-    timeout --kill-after=5 "$secs" "$@" > "$OUT/$name.log" 2>&1
+    # in the background so that its id is known: `timeout` leads a process group of its own,
+    # which --limit stops if the session's time runs out in the middle of this stage
+    timeout --kill-after=5 "$secs" "$@" > "$OUT/$name.log" 2>&1 &
+    local pid=$!
+    echo "$pid" > "$OUT/.running"
+    wait "$pid"
     local rc=$?
+    rm -f "$OUT/.running"
     echo "rc=$rc ($name)"
     tail -n "${TAIL:-15}" "$OUT/$name.log"
     return $rc
