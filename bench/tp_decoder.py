@@ -37,6 +37,7 @@ import warnings
 from functools import partial
 
 from purlin.bench.scripts import gpu_env, missing_gpus, output, write_json
+from purlin.bench.torch_dist import graph_median_us
 
 gpu_env()  # before the ranks' processes start NCCL
 
@@ -171,7 +172,6 @@ def worker(rank, world, opts):
     import torch
     import torch.distributed as dist
 
-    from purlin.bench.torch_dist import graph_median_us
     from purlin.torch import Communicator
 
     warnings.simplefilter("ignore", FutureWarning)
