@@ -57,6 +57,16 @@ def test_source_checkout_imports_kernels(tmp_path):
     assert _run(PROBE, str(ROOT), tmp_path) == str(ROOT / "kernels" / "isa.py")
 
 
+def test_stale_purlin_kernels_folder_does_not_shadow_the_top_level_one(tmp_path):
+    import shutil
+
+    for name in ("purlin", "kernels"):
+        shutil.copytree(ROOT / name, tmp_path / name,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "purlin" / "kernels" / "__pycache__").mkdir(parents=True)
+    assert _run(PROBE, str(tmp_path), tmp_path) == str(tmp_path / "kernels" / "isa.py")
+
+
 def test_installed_package_imports_kernels(tmp_path):
     if importlib.util.find_spec("setuptools") is None:
         pytest.skip("setuptools is not installed: no wheel can be built here")
