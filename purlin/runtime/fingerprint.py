@@ -42,7 +42,8 @@ def _name(table, code: int, unknown: str):
 @dataclass(frozen=True)
 class Call:
     """One rank's call: ``index`` counts the communicator's calls from 1 (0: none yet);
-    ``count`` is the function's own size (see :meth:`purlin.torch.Communicator.input_buffer`);
+    ``count`` is the function's own size (see :meth:`purlin.torch.Communicator.input_buffer`;
+    -1 where the ranks' sizes may differ, as with all-to-all split sizes);
     ``root`` the group rank of broadcast's source or reduce's destination; ``fallback``: it
     runs on torch.distributed."""
 
@@ -74,7 +75,8 @@ class Call:
         return self.encode()[1:] == other.encode()[1:]
 
     def __str__(self) -> str:
-        text = f"{self.function} of {self.count} {self.dtype}"
+        text = (f"{self.function} of {self.count} {self.dtype}" if self.count >= 0 else
+                f"{self.function} of {self.dtype} with split sizes")
         if self.op is not None:
             text += f" ({self.op})"
         if self.root is not None:

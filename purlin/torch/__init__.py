@@ -18,9 +18,10 @@ What runs on ``torch.distributed`` instead (the group's own backend, with the sa
 warned once per function and reason, the warning saying which:
 
 - a reduce op other than SUM, MAX, MIN, AVG (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM);
-- a dtype the datapath does not move -- the cpu datapath moves float32, float64, int32 and
-  int64; the sm datapath float32, float16, bfloat16 and int32 -- so e.g. int8, uint8, bool,
-  complex, and float16/bfloat16 on the CPU; AVG of integers (where torch raises too);
+- a dtype the datapath does not move -- the cpu datapath moves float16, float32, float64,
+  int32 and int64; the sm datapath float32, float16, bfloat16 and int32 -- so e.g. int8,
+  uint8, bool, complex, bfloat16 on the CPU, float64 and int64 on GPUs; AVG of integers
+  (where torch raises too);
 - tensors of different dtypes, or on another device than the communicator's;
 - sizes that do not fit the function: an all-gather output that is not world size x the
   input, a reduce-scatter input that is not world size x the output, an all-to-all whose input

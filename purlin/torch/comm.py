@@ -368,8 +368,9 @@ class Communicator:
         fn = "all_to_all_single"
         self._start(fn, group)
         n = self.nranks
-        with torch.no_grad():
-            call = self._next(fn, input, input.numel())
+        uneven = output_split_sizes is not None or input_split_sizes is not None
+        with torch.no_grad():  # with split sizes the ranks' sizes differ: -1 for any
+            call = self._next(fn, input, -1 if uneven else input.numel())
             why = self._refuse(fn, [output, input])
             if why is None and (output_split_sizes is not None or input_split_sizes is not None):
                 # even splits on this rank say nothing of the others': only None is the same
@@ -432,9 +433,11 @@ class Communicator:
             elif why is None:
                 self._announce(call)
             if why:
+                # gloo writes its scratch into non-roots' tensors: they reduce a copy
+                me = root == self.rank
                 self._fallback(fn, why, lambda t: dist.reduce(
-                    t, dst=self.global_ranks[root], op=_torch_op(op), group=self.group),
-                    tensor, written=(0,), call=call)
+                    t if me else t.clone(), dst=self.global_ranks[root], op=_torch_op(op),
+                    group=self.group), tensor, written=(0,) if me else (), call=call)
         return self._done(async_op, [tensor])
 
     def run(self, collective: Collective, input: torch.Tensor | None = None,
@@ -608,7 +611,7 @@ class Communicator:
             return f"dtype {name}"
         if op is not None:
             if op_name is None:
-                return f"reduce op {op}"
+                return f"reduce op {op_label(op)}"
             if op_name == "avg" and not first.is_floating_point():
                 return "avg of integers"
         return None
