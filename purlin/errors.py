@@ -20,6 +20,11 @@ class OpError(SpecError, TypeError):
     TypeError, as ``torch.distributed`` raises for it)."""
 
 
+class OpDtypeError(SpecError, RuntimeError):
+    """A reduce op that has no result in the tensors' dtype (AVG of integers): a RuntimeError,
+    as ``torch.distributed`` raises for it -- but before anything is written."""
+
+
 class PlanError(PurlinError):
     """The planner cannot build a schedule for this collective with these options."""
 

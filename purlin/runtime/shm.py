@@ -213,7 +213,7 @@ def agree(arena: ShmArena, rank: int, call: fingerprint.Call, timeout: float) ->
         why = fingerprint.disagreement(seen, call.index)
         if why:
             abort[H_ABORT] = abort[H_ABORT] or rank + 1
-            raise CallMismatchError(f"rank {rank}: {why}")
+            raise CallMismatchError(f"rank {rank}: {mismatch(arena, call.index) or why}")
         if all(int(h[H_READY]) >= call.index for h in arena.headers):
             return
         if abort[H_ABORT]:
@@ -229,6 +229,21 @@ def agree(arena: ShmArena, rank: int, call: fingerprint.Call, timeout: float) ->
                 _where(seen, rank))
         time.sleep(delay)
         delay = min(2 * delay, POLL_MAX)
+
+
+GRACE = 2.0  # seconds a rank that saw a mismatch waits for the others to announce their call
+
+
+def mismatch(arena: ShmArena, index: int, grace: float = GRACE) -> str | None:
+    """How the ranks' calls differ at call ``index`` (None: they agree), once every rank has
+    announced it or ``grace`` seconds have passed -- so that every rank's message names what
+    every rank called, not only the first ones there."""
+    end = time.monotonic() + grace
+    while True:
+        seen = calls(arena)
+        if all(c is not None and c.index >= index for c in seen) or time.monotonic() > end:
+            return fingerprint.disagreement(seen, index)
+        time.sleep(POLL_MAX)
 
 
 def _where(seen, rank: int) -> str:
@@ -469,6 +484,7 @@ class ShmRun:
                 if why:
                     head[H_STATE] = IDLE
                     self._abort()
+                    why = mismatch(self.arena, calls(self.arena)[self.rank].index) or why
                     exc = CallMismatchError(f"rank {self.rank} step {step}: {why}")
                     exc.own = True
                     raise exc
@@ -539,6 +555,7 @@ class ShmRun:
     def _gave_up(self, flag, target, step, first: int) -> ExecutionError:
         why = self._disagreement()
         if why:  # the rank that stopped us saw the ranks make different calls
+            why = mismatch(self.arena, calls(self.arena)[self.rank].index) or why
             exc = CallMismatchError(f"rank {self.rank} step {step}: {why}")
             exc.own = False
             return exc

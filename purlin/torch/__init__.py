@@ -12,7 +12,9 @@ finished work (``wait()``, ``is_completed()``, ``get_future()``: the collective 
 the call returned); ``group_src=`` / ``group_dst=`` name a root by its rank in the group. A
 tensor that requires grad is written in place as ``torch.distributed`` writes it (no autograd
 record). An ``op`` that is neither a ``ReduceOp`` nor one of ``"sum"``, ``"max"``, ``"min"``,
-``"avg"`` is refused before anything runs with a TypeError (:class:`purlin.errors.OpError`).
+``"avg"`` is refused before anything runs with a TypeError (:class:`purlin.errors.OpError`),
+AVG of integers with a RuntimeError (:class:`purlin.errors.OpDtypeError`; torch raises it
+after writing the sum).
 
 What runs on ``torch.distributed`` instead (the group's own backend, with the same result),
 warned once per function and reason, the warning saying which:
@@ -20,8 +22,7 @@ warned once per function and reason, the warning saying which:
 - a reduce op other than SUM, MAX, MIN, AVG (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM);
 - a dtype the datapath does not move -- the cpu datapath moves float16, float32, float64,
   int32 and int64; the sm datapath float32, float16, bfloat16 and int32 -- so e.g. int8,
-  uint8, bool, complex, bfloat16 on the CPU, float64 and int64 on GPUs; AVG of integers
-  (where torch raises too);
+  uint8, bool, complex, bfloat16 on the CPU, float64 and int64 on GPUs;
 - tensors of different dtypes, or on another device than the communicator's;
 - sizes that do not fit the function: an all-gather output that is not world size x the
   input, a reduce-scatter input that is not world size x the output, an all-to-all whose input

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 from purlin.atom.sm import LL_MAX_BYTES  # LL transfers up to this size; larger: flags
-from purlin.errors import CallMismatchError, CapabilityError, ExecutionError, PurlinError, \
-    PurlinTimeoutError, SpecError
+from purlin.errors import CallMismatchError, CapabilityError, ExecutionError, OpDtypeError, \
+    PurlinError, PurlinTimeoutError, SpecError
 from purlin.runtime.fingerprint import Call
 from purlin.runtime.shm import layout
 from purlin.snac.planner import plan, split
@@ -612,8 +612,10 @@ class Communicator:
         if op is not None:
             if op_name is None:
                 return f"reduce op {op_label(op)}"
-            if op_name == "avg" and not first.is_floating_point():
-                return "avg of integers"
+            if op_name == "avg" and not (first.is_floating_point() or first.is_complex()):
+                raise OpDtypeError(f"rank {self.rank}: {fn}: AVG of {name} tensors has no "
+                                   f"{name} result (torch.distributed writes the sum, then "
+                                   "raises); use SUM and divide, or a floating dtype")
         return None
 
     def _dtypes(self):
