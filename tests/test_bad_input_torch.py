@@ -181,7 +181,7 @@ def test_bad_calls_raise_before_anything_runs_and_write_nothing():
             assert same, f"{label} wrote a tensor"
 
 
-def _mismatch_worker(rank, n, cases):
+def _mismatch_worker(rank, n, cases, datapath="cpu"):
     """Each disagreement on a fresh communicator: what each rank's call raised."""
     import torch
     import torch.distributed as dist
@@ -192,12 +192,13 @@ def _mismatch_worker(rank, n, cases):
     warnings.simplefilter("ignore", FutureWarning)
     warnings.simplefilter("ignore", RuntimeWarning)
     out = {}
+    dev = torch.device("cuda", torch.cuda.current_device()) if datapath == "sm" else "cpu"
     for case, timeout in cases:
-        comm = Communicator(datapath="cpu", timeout=timeout,
+        comm = Communicator(datapath=datapath, timeout=timeout,
                             options=CommOptions(staging_bytes=1 << 20))
         last = n - 1
-        x64, x32 = torch.arange(64.0) + rank, torch.arange(32.0) + rank
-        gathered = torch.full((64 * n,), -1.0)
+        x64, x32 = torch.arange(64.0, device=dev) + rank, torch.arange(32.0, device=dev) + rank
+        gathered = torch.full((64 * n,), -1.0, device=dev)
         if case in ("cached", "both cached"):
             comm.all_reduce(x64.clone())  # prepared on every rank
             comm.all_reduce(x32.clone())
@@ -209,7 +210,8 @@ def _mismatch_worker(rank, n, cases):
             "dtype": lambda: comm.all_reduce(x64.to(torch.bfloat16) if rank == last else x64),
             "root": lambda: comm.broadcast(x64, src=rank if rank in (0, last) else 0),
             # the others' size is prepared, the last rank's is new
-            "cached": lambda: comm.all_reduce(torch.arange(128.0) if rank == last else x64),
+            "cached": lambda: comm.all_reduce(torch.arange(128.0, device=dev) if rank == last
+                                              else x64),
             # both sizes prepared: the ranks wait on different flags
             "both cached": lambda: comm.all_reduce(x32 if rank == last else x64),
             # the last rank makes no call: the others are told where it is
@@ -219,6 +221,7 @@ def _mismatch_worker(rank, n, cases):
         t0 = time.monotonic()
         try:
             calls[case]()
+            comm.check()
             error, kind = None, None
         except ExecutionError as exc:
             error, kind = str(exc), type(exc).__name__
@@ -227,7 +230,7 @@ def _mismatch_worker(rank, n, cases):
         again = None
         if error:
             try:
-                comm.all_reduce(torch.ones(2))
+                comm.all_reduce(torch.ones(2, device=dev))
             except ExecutionError as exc:
                 again = str(exc)
         comm.close()
@@ -239,16 +242,13 @@ def _mismatch_worker(rank, n, cases):
 
 CASES = {
     # case: (the others' call, the last rank's call) as the messages name them
-    "function": ("call all_reduce of 64 float32 (sum)",
-                 "calls all_gather_into_tensor of 64 float32"),
-    "size": ("call all_reduce of 64 float32 (sum)", "calls all_reduce of 32 float32 (sum)"),
-    "dtype": ("call all_reduce of 64 float32 (sum)",
-              "calls all_reduce of 64 bfloat16 (sum) on torch.distributed"),
-    "root": ("call broadcast of 64 float32 from rank 0",
-             "calls broadcast of 64 float32 from rank 2"),
-    "cached": ("call all_reduce of 64 float32 (sum)", "calls all_reduce of 128 float32 (sum)"),
-    "both cached": ("call all_reduce of 64 float32 (sum)",
-                    "calls all_reduce of 32 float32 (sum)"),
+    "function": ("all_reduce of 64 float32 (sum)", "all_gather_into_tensor of 64 float32"),
+    "size": ("all_reduce of 64 float32 (sum)", "all_reduce of 32 float32 (sum)"),
+    "dtype": ("all_reduce of 64 float32 (sum)",
+              "all_reduce of 64 bfloat16 (sum) on torch.distributed"),
+    "root": ("broadcast of 64 float32 from rank 0", "broadcast of 64 float32 from rank 2"),
+    "cached": ("all_reduce of 64 float32 (sum)", "all_reduce of 128 float32 (sum)"),
+    "both cached": ("all_reduce of 64 float32 (sum)", "all_reduce of 32 float32 (sum)"),
 }
 TIMEOUT, SHORT = 20.0, 2.0
 
@@ -270,8 +270,8 @@ def test_ranks_that_disagree_about_a_call_all_say_so():
             assert res["kind"] == "CallMismatchError", (case, rank, res)
             msg = res["error"]
             assert msg.startswith(f"rank {rank}"), msg
-            assert f"ranks disagree about call {call}: ranks 0 and 1 {others}; rank 2 {last}" \
-                in msg, (case, msg)
+            assert f"ranks disagree about call {call}: ranks 0 and 1 call {others}; rank 2 " \
+                f"calls {last}" in msg, (case, msg)
             assert "same calls in the same order" in msg and "alive?" not in msg, msg
             assert res["elapsed"] < TIMEOUT / 4, (case, res["elapsed"])  # before the timeout
             assert res["same"], f"{case}: a call the ranks disagreed about wrote a tensor"
@@ -284,3 +284,26 @@ def test_ranks_that_disagree_about_a_call_all_say_so():
             "gave up waiting for the others to reach call 1" in res["error"], res["error"]
         assert "rank 2 has made no call yet" in res["error"], res["error"]
         assert res["elapsed"] < SHORT + 2.0 and res["same"], res
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_that_disagree_on_first_use_all_say_so():
+    """The sm datapath compares the ranks' calls on the first use of a size (gathered with the
+    barrier there): two GPUs, another function, size or root on rank 1, every rank raises
+    CallMismatchError naming both calls."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    cases = [("function", TIMEOUT), ("size", TIMEOUT), ("root", TIMEOUT)]
+    results = raise_for(run_processes(_mismatch_worker, 2, cases, "sm", backend="nccl",
+                                      timeout=180))
+    for case, _ in cases:
+        others, last = CASES[case]
+        last = last.replace("rank 2", "rank 1")
+        for rank, by_case in enumerate(results):
+            res = by_case[case]
+            assert res["kind"] == "CallMismatchError", (case, rank, res)
+            assert f"ranks disagree about call 1: rank 0 calls {others}; rank 1 calls {last}" \
+                in res["error"], (case, res["error"])
+            assert res["same"] and "failed earlier" in res["again"], res
