@@ -66,12 +66,14 @@ def test_module_functions_need_init_first():
 
     import purlin.torch as pt
 
-    if pt._default is not None:
-        pytest.skip("a communicator was made earlier in this process")
-    t = torch.ones(3)
-    with pytest.raises(RuntimeError, match=r"purlin.torch.init\(\) has not been called"):
-        pt.all_reduce(t)
-    assert torch.equal(t, torch.ones(3))
+    saved, pt._default = pt._default, None  # as in a process that never called init
+    try:
+        t = torch.ones(3)
+        with pytest.raises(RuntimeError, match=r"purlin.torch.init\(\) has not been called"):
+            pt.all_reduce(t)
+        assert torch.equal(t, torch.ones(3))
+    finally:
+        pt._default = saved
 
 
 # -- in processes: every rank makes the mistake, or the ranks disagree -----------------------------

@@ -17,9 +17,9 @@ eagerly (the first call allocates and synchronizes the group).
     graph.replay(); torch.cuda.synchronize(); comm.check()   # raise recorded timeouts
 
 What it cannot do -- a dtype the datapath does not move, a reduce op other than sum, max, min,
-avg, a message larger than the staging area, all-to-all split sizes -- goes to
-``torch.distributed`` on the group's own backend instead, with a one-time warning per
-function and reason; never a silently wrong result. Non-contiguous tensors are copied into
+avg, a message larger than the staging area, all-to-all split sizes; the full list is in
+:mod:`purlin.torch` -- goes to ``torch.distributed`` on the group's own backend instead, with a
+one-time warning per function and reason; never a silently wrong result. Non-contiguous tensors are copied into
 and out of the staging area with their strides (no temporary), so they need no fallback.
 
 A group whose ranks span nodes (told by ``ranks_per_node``/``node_of_rank``, else by hostname)
@@ -27,7 +27,9 @@ runs all-reduce, all-gather and reduce-scatter hierarchically (:mod:`purlin.snac
 inside each node on Purlin, between nodes on the group's backend.
 
 Calls of one communicator must be ordered on every rank (one stream, or streams that wait on
-each other), and every rank must make the same calls in the same order -- as with NCCL.
+each other), and every rank must make the same calls in the same order -- as with NCCL; where
+they do not, every rank's CallMismatchError names what each rank called
+(:mod:`purlin.runtime.fingerprint`).
 """
 
 from __future__ import annotations
