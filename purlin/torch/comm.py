@@ -19,8 +19,9 @@ eagerly (the first call allocates and synchronizes the group).
 What it cannot do -- a dtype the datapath does not move, a reduce op other than sum, max, min,
 avg, a message larger than the staging area, all-to-all split sizes; the full list is in
 :mod:`purlin.torch` -- goes to ``torch.distributed`` on the group's own backend instead, with a
-one-time warning per function and reason; never a silently wrong result. Non-contiguous tensors are copied into
-and out of the staging area with their strides (no temporary), so they need no fallback.
+one-time warning per function and reason; never a silently wrong result. Non-contiguous
+tensors are copied into and out of the staging area with their strides (no temporary), so
+they need no fallback.
 
 A group whose ranks span nodes (told by ``ranks_per_node``/``node_of_rank``, else by hostname)
 runs all-reduce, all-gather and reduce-scatter hierarchically (:mod:`purlin.snac.hierarchical`):
@@ -63,8 +64,6 @@ DATAPATHS = {"cpu": ("purlin.torch.cpu_path", "CpuPath"),
              "sm": ("purlin.torch.sm_path", "SmPath")}
 PROTOCOLS = ("simple", "ll", "fused", "fused-ll", "auto")  # of the sm datapath
 _NO_OP = object()  # a function without a reduce op
-
-
 
 
 @dataclass(frozen=True)
