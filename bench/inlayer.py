@@ -59,10 +59,11 @@ def worker(rank, world, opts):
 
     from purlin.bench.torch_dist import graph_median_us
     from purlin.kernels import isa
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
     from purlin.torch.comm import _norm_key
 
-    comm = Communicator(staging_bytes=64 << 20, timeout=10.0, protocol="auto", zero_copy=True)
+    comm = Communicator(timeout=10.0, options=CommOptions(staging_bytes=64 << 20,
+                                                          zero_copy=True))
     gen = torch.Generator(device="cuda").manual_seed(7 + rank)
     act = torch.randn(1, FFN, generator=gen, device="cuda").to(torch.bfloat16)
     w_down = (torch.randn(FFN, HIDDEN, generator=gen, device="cuda") / FFN ** 0.5).to(
@@ -87,8 +88,8 @@ def worker(rank, world, opts):
            "epi": lambda: comm.all_reduce_add_rms_norm(staging_epi, residual, weight, EPS)}
     into = {"epi": staging_epi}  # an op's input region, where not the all-reduce's
     # the epilogue on the fused kernel with the NORM op (where "epi" runs the one-shot kernel)
-    comm_fk = Communicator(staging_bytes=8 << 20, timeout=10.0, protocol="auto",
-                           zero_copy=True, epilogue_kernel="fused")
+    comm_fk = Communicator(timeout=10.0, options=CommOptions(
+        staging_bytes=8 << 20, zero_copy=True, epilogue_kernel="fused"))
     into["epi-fused"] = comm_fk.input_buffer("all_reduce_add_rms_norm", HIDDEN, torch.bfloat16,
                                              hidden=HIDDEN).view(1, HIDDEN)
     ops["epi-fused"] = lambda: comm_fk.all_reduce_add_rms_norm(into["epi-fused"], residual,
@@ -97,8 +98,8 @@ def worker(rank, world, opts):
     # without it: what the grid costs the all-reduce, and what the norm costs on it
     comms = {"": comm, "-fused": comm_fk}
     for grid in opts["grids"]:
-        other = Communicator(staging_bytes=8 << 20, timeout=10.0, protocol="auto",
-                             zero_copy=True, epilogue_grid=grid)
+        other = Communicator(timeout=10.0, options=CommOptions(
+            staging_bytes=8 << 20, zero_copy=True, epilogue_grid=grid))
         region = other.input_buffer("all_reduce_add_rms_norm", HIDDEN, torch.bfloat16,
                                     hidden=HIDDEN).view(1, HIDDEN)
         comms[f":{grid}"] = other

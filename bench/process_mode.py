@@ -320,9 +320,10 @@ def _norm_graph(torch, dist, comm, rank, rows, hidden, weight, eps, tol, device,
 
 def timeout_check(torch, dist, rank, n, device, protocol="auto"):
     from purlin.errors import PurlinTimeoutError
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
-    comm = Communicator(staging_bytes=16 * MiB, timeout=1.0, protocol=protocol)
+    comm = Communicator(timeout=1.0, options=CommOptions(staging_bytes=16 * MiB,
+                                                         protocol=protocol))
     x = torch.ones(1024, device=device)
     comm.all_reduce(x)  # prepared and in step
     torch.cuda.synchronize()
@@ -344,7 +345,7 @@ def worker(rank, n, opts):
     import torch
     import torch.distributed as dist
 
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
     warnings.simplefilter("ignore", FutureWarning)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -352,9 +353,9 @@ def worker(rank, n, opts):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
         t0 = time.perf_counter()
-        comm = Communicator(staging_bytes=opts["staging"], timeout=10.0,
-                            protocol=opts.get("protocol", "auto"),
-                            zero_copy=opts.get("zero_copy", False))
+        comm = Communicator(timeout=10.0, options=CommOptions(
+            staging_bytes=opts["staging"], protocol=opts.get("protocol", "auto"),
+            zero_copy=opts.get("zero_copy", False)))
         report["setup_s"] = time.perf_counter() - t0
         for section, fn in (("correctness", correctness), ("graph", graph_check),
                             ("latency", latency), ("norm", norm_check)):

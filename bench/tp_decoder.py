@@ -172,16 +172,16 @@ def worker(rank, world, opts):
     import torch
     import torch.distributed as dist
 
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
     warnings.simplefilter("ignore", FutureWarning)
     device = torch.device("cuda", torch.cuda.current_device())
-    comm_zc = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
-                           zero_copy=True, epilogue_grid=opts.get("epi_grid"))
+    comm_zc = Communicator(timeout=10.0, options=CommOptions(
+        staging_bytes=opts["staging"], zero_copy=True, epilogue_grid=opts.get("epi_grid")))
     # the epilogue on the fused kernel with the NORM op, where comm_zc runs the one-shot kernel
-    comm_fk = Communicator(staging_bytes=opts["staging"], timeout=10.0, protocol="auto",
-                           zero_copy=True, epilogue_grid=opts.get("epi_grid"),
-                           epilogue_kernel="fused")
+    comm_fk = Communicator(timeout=10.0, options=CommOptions(
+        staging_bytes=opts["staging"], zero_copy=True, epilogue_grid=opts.get("epi_grid"),
+        epilogue_kernel="fused"))
     epi_comms = {"zc": comm_zc, "zc-fused": comm_fk}
     ars = {"nccl": lambda t: dist.all_reduce(t), "zc": comm_zc.all_reduce,
            "none": lambda t: None}

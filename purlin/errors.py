@@ -15,6 +15,16 @@ class SpecError(PurlinError, ValueError):
     """A collective, layout, op, dtype or size that does not make sense."""
 
 
+class OpError(SpecError, TypeError):
+    """A reduce op that is neither a ``torch.distributed.ReduceOp`` nor a Purlin op name (a
+    TypeError, as ``torch.distributed`` raises for it)."""
+
+
+class OpDtypeError(SpecError, RuntimeError):
+    """A reduce op that has no result in the tensors' dtype (AVG of integers): a RuntimeError,
+    as ``torch.distributed`` raises for it -- but before anything is written."""
+
+
 class PlanError(PurlinError):
     """The planner cannot build a schedule for this collective with these options."""
 
@@ -29,6 +39,11 @@ class CapabilityError(PurlinError):
 
 class ExecutionError(PurlinError):
     """Running a schedule failed."""
+
+
+class CallMismatchError(ExecutionError):
+    """The ranks of a process group made different calls (function, size, dtype, op or root);
+    the message names each rank and what it called."""
 
 
 class PurlinTimeoutError(ExecutionError, TimeoutError):

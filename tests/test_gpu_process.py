@@ -25,18 +25,18 @@ def _epilogue_worker(rank, n):
     import torch
     import torch.distributed as dist
 
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
     from purlin.torch.comm import add_rms_norm
 
     warnings.simplefilter("ignore")
     device = torch.device("cuda", torch.cuda.current_device())
-    comm = Communicator(staging_bytes=64 << 20, timeout=10.0, zero_copy=True)
+    comm = Communicator(timeout=10.0, options=CommOptions(staging_bytes=64 << 20, zero_copy=True))
     # blocks that own whole rows: no row sums traded between blocks
-    comm_rows = Communicator(staging_bytes=16 << 20, timeout=10.0, zero_copy=True,
-                             epilogue_grid="rows")
+    comm_rows = Communicator(timeout=10.0, options=CommOptions(
+        staging_bytes=16 << 20, zero_copy=True, epilogue_grid="rows"))
     # the fused kernel with the NORM op where the one-shot kernel would run
-    comm_fused = Communicator(staging_bytes=16 << 20, timeout=10.0, zero_copy=True,
-                              epilogue_kernel="fused")
+    comm_fused = Communicator(timeout=10.0, options=CommOptions(
+        staging_bytes=16 << 20, zero_copy=True, epilogue_kernel="fused"))
     comms = {"auto": comm, "rows": comm_rows, "fused": comm_fused}
     found = []
     # staged: the tensor is the epilogue's own input region (as a decoder writes its

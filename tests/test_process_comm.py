@@ -108,17 +108,18 @@ def _functions_worker(rank, n):
     import torch
     import torch.distributed as dist
 
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
     warnings.simplefilter("ignore", FutureWarning)  # torch 2.13 renames *_into_tensor/_tensor
     bad: list[str] = []
     comms = {
         "auto": Communicator(datapath="cpu", timeout=20),
         # ring with pipelining and two lanes (two threads per process)
-        "ring": Communicator(datapath="cpu", timeout=20, strategy="ring", chunks=2, lanes=2),
+        "ring": Communicator(datapath="cpu", timeout=20,
+                             options=CommOptions(strategy="ring", chunks=2, lanes=2)),
         # a 48 KiB area: the larger sizes evict the smaller ones, again and again
-        "small": Communicator(datapath="cpu", timeout=20, staging_bytes=48 << 10,
-                              strategy="direct-pull"),
+        "small": Communicator(datapath="cpu", timeout=20, options=CommOptions(
+            staging_bytes=48 << 10, strategy="direct-pull")),
     }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", RuntimeWarning)
@@ -138,10 +139,10 @@ def _fallback_worker(rank, n):
     import torch
     import torch.distributed as dist
 
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
     warnings.simplefilter("ignore", FutureWarning)
-    comm = Communicator(datapath="cpu", timeout=20, staging_bytes=64 << 10)
+    comm = Communicator(datapath="cpu", timeout=20, options=CommOptions(staging_bytes=64 << 10))
     R = dist.ReduceOp
     bad, ok = [], []
     with warnings.catch_warnings(record=True) as caught:
@@ -182,7 +183,7 @@ def _custom_worker(rank, n):
     import torch
 
     from purlin.spec import Collective, reduce, reference
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
     comm = Communicator(datapath="cpu", timeout=20)
     # every rank gathers all chunks in reverse rank order; then a reduce to two roots
@@ -204,7 +205,7 @@ def _hierarchical_worker(rank, n, node_of_rank):
     import torch
     import torch.distributed as dist
 
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
     warnings.simplefilter("ignore", FutureWarning)
     comm = Communicator(datapath="cpu", timeout=20, node_of_rank=node_of_rank)
@@ -253,7 +254,7 @@ def _norm_worker(rank, n):
     import torch.distributed as dist
 
     from purlin.errors import SpecError
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
     comm = Communicator(timeout=10.0)
     bad, caught = [], []
@@ -315,9 +316,9 @@ def _killed_worker(rank, n, strategy, timeout):
 
     from purlin.errors import ExecutionError, PurlinTimeoutError
     from purlin.runtime import shm
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
-    comm = Communicator(datapath="cpu", timeout=timeout, strategy=strategy)
+    comm = Communicator(datapath="cpu", timeout=timeout, options=CommOptions(strategy=strategy))
     x = torch.arange(12, dtype=torch.float32) + rank
     comm.all_reduce(x)  # a whole call first: flags are in step, then rank 3 dies mid-call
     if rank == n - 1:
@@ -480,20 +481,23 @@ def test_unknown_protocols_are_refused(tmp_path):
     import torch.distributed as dist
 
     from purlin.errors import CapabilityError, SpecError
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
                             world_size=1)
     try:
         with pytest.raises(CapabilityError, match="one of simple, ll, fused, fused-ll, auto, "
                                                   "got 'lamport'"):
-            Communicator(datapath="cpu", protocol="lamport")
-        assert Communicator(datapath="cpu", protocol="fused-ll").protocol == "fused-ll"
+            CommOptions(protocol="lamport")
+        fused = CommOptions(protocol="fused-ll")
+        assert Communicator(datapath="cpu", options=fused).protocol == "fused-ll"
         for bad in ("columns", 48, 1024, 0):
             with pytest.raises(SpecError, match=f"epilogue_grid must be None, 'rows' or "
                                                 f"threads per block .* got {bad!r}"):
-                Communicator(datapath="cpu", epilogue_grid=bad)
-        assert Communicator(datapath="cpu", epilogue_grid="rows").epilogue_grid == "rows"
-        assert Communicator(datapath="cpu", epilogue_grid=64).epilogue_grid == 64
+                CommOptions(epilogue_grid=bad)
+        rows = CommOptions(epilogue_grid="rows")
+        assert Communicator(datapath="cpu", options=rows).epilogue_grid == "rows"
+        assert Communicator(datapath="cpu", options=CommOptions(epilogue_grid=64)) \
+            .epilogue_grid == 64
     finally:
         dist.destroy_process_group()

@@ -48,7 +48,8 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from purlin.atom import cpu
-from purlin.errors import ExecutionError, PurlinTimeoutError
+from purlin.errors import CallMismatchError, ExecutionError, PurlinTimeoutError
+from purlin.runtime import fingerprint
 from purlin.snac.ir import Consume, Flag, Notify, Schedule
 
 HEADER = 4096     # bytes at the start of every block, before the callers' regions
@@ -58,8 +59,11 @@ ALIGN = 256       # regions start at multiples of this (16-byte vectors on GPUs;
 H_PID, H_STATE, H_PEER, H_STEP, H_OWNER, H_SRC, H_LANE, H_TARGET = range(8)
 # ... its failure record ...
 H_FAILED, H_F_STEP, H_F_OWNER, H_F_SRC, H_F_LANE, H_F_TARGET, H_F_SEEN, H_F_BLAME = range(8, 16)
-# ... and, in rank 0's block, the abort word (1 + the rank that failed first)
+# ... and, in rank 0's block, the abort word (1 + the rank that failed first);
+# the call the rank has made ready (its flags zeroed), and the fingerprint of the call it makes
 H_ABORT = 16
+H_READY = 23
+H_CALL = 24       # fingerprint.WORDS int64 words: purlin.runtime.fingerprint.Call.encode()
 IDLE, RUNNING, WAITING = 0, 1, 2
 
 POLL_MIN, POLL_MAX = 20e-6, 1e-3   # seconds between two looks at a flag (doubling)
@@ -169,6 +173,82 @@ def open_arena(rank: int, nranks: int, nbytes: int, share) -> ShmArena:
     arena.unlink()
     arena.headers[rank][H_PID] = os.getpid()
     return arena
+
+
+def announce(arena: ShmArena, rank: int, call: fingerprint.Call) -> None:
+    """Write the fingerprint of the call ``rank`` is making into its header, where its peers
+    read it (:func:`calls`): the index last, after a zero, so a reader never takes half of
+    one call and half of another for a call."""
+    head = arena.headers[rank]
+    words = call.encode()
+    head[H_CALL] = 0
+    head[H_CALL + 1: H_CALL + fingerprint.WORDS] = words[1:]
+    head[H_CALL] = words[0]
+
+
+def calls(arena: ShmArena) -> list:
+    """Every rank's announced :class:`purlin.runtime.fingerprint.Call` (None: none yet)."""
+    out = []
+    for head in arena.headers:
+        for _ in range(100):
+            first = int(head[H_CALL])
+            words = head[H_CALL: H_CALL + fingerprint.WORDS].tolist()
+            if first == int(head[H_CALL]) == words[0]:
+                break
+        out.append(fingerprint.Call.decode(words))
+    return out
+
+
+def agree(arena: ShmArena, rank: int, call: fingerprint.Call, timeout: float) -> None:
+    """The barrier of a first use: return once every rank has announced ``call`` and made it
+    ready (its flags zeroed); raise :class:`CallMismatchError` as soon as a rank announces
+    another call at this index (and stop the others waiting), PurlinTimeoutError naming
+    where the others are after ``timeout`` seconds."""
+    head, abort = arena.headers[rank], arena.headers[0]
+    head[H_READY] = call.index
+    deadline = time.monotonic() + timeout
+    delay = POLL_MIN
+    while True:
+        seen = calls(arena)
+        why = fingerprint.disagreement(seen, call.index)
+        if why:
+            abort[H_ABORT] = abort[H_ABORT] or rank + 1
+            raise CallMismatchError(f"rank {rank}: {mismatch(arena, call.index) or why}")
+        if all(int(h[H_READY]) >= call.index for h in arena.headers):
+            return
+        if abort[H_ABORT]:
+            raise PurlinTimeoutError(
+                f"rank {rank} gave up waiting for the others to reach call {call.index} "
+                f"({call}): rank {int(abort[H_ABORT]) - 1} failed" + _where(seen, rank))
+        if time.monotonic() > deadline:
+            abort[H_ABORT] = rank + 1
+            late = [r for r, h in enumerate(arena.headers) if int(h[H_READY]) < call.index]
+            raise PurlinTimeoutError(
+                f"rank {rank} timed out after {timeout:.3g} s waiting for rank(s) "
+                f"{', '.join(map(str, late))} to reach call {call.index} ({call})" +
+                _where(seen, rank))
+        time.sleep(delay)
+        delay = min(2 * delay, POLL_MAX)
+
+
+GRACE = 2.0  # seconds a rank that saw a mismatch waits for the others to announce their call
+
+
+def mismatch(arena: ShmArena, index: int, grace: float = GRACE) -> str | None:
+    """How the ranks' calls differ at call ``index`` (None: they agree), once every rank has
+    announced it or ``grace`` seconds have passed -- so that every rank's message names what
+    every rank called, not only the first ones there."""
+    end = time.monotonic() + grace
+    while True:
+        seen = calls(arena)
+        if all(c is not None and c.index >= index for c in seen) or time.monotonic() > end:
+            return fingerprint.disagreement(seen, index)
+        time.sleep(POLL_MAX)
+
+
+def _where(seen, rank: int) -> str:
+    where = fingerprint.positions(seen, rank)
+    return f"; {where}" if where else ""
 
 
 # -- placing a schedule in the blocks ------------------------------------------------------------
@@ -364,7 +444,7 @@ class ShmRun:
                         cpu.copy_into(dst, srcs[0])
                     else:
                         cpu.reduce_into(dst, srcs, step.op, s.divisor(step))
-        except PurlinTimeoutError as exc:
+        except (PurlinTimeoutError, CallMismatchError) as exc:
             errors.append((0 if getattr(exc, "own", False) else 1, exc))
         except Exception as exc:  # a bug, not a timeout: stop the peers too
             self._abort()
@@ -391,12 +471,23 @@ class ShmRun:
         head[H_STATE] = WAITING
         abort = self.headers[0]
         delay = POLL_MIN
+        looks = 0
         while counters[i] < target:
             if abort[H_ABORT]:
                 head[H_STATE] = RUNNING
                 raise self._gave_up(flag, target, step, int(abort[H_ABORT]) - 1)
             if time.monotonic() > deadline:
                 raise self._timed_out(flag, target, step, int(counters[i]))
+            looks += 1
+            if looks % 16 == 0:  # a peer making another call never comes: say so now
+                why = self._disagreement()
+                if why:
+                    head[H_STATE] = IDLE
+                    self._abort()
+                    why = mismatch(self.arena, calls(self.arena)[self.rank].index) or why
+                    exc = CallMismatchError(f"rank {self.rank} step {step}: {why}")
+                    exc.own = True
+                    raise exc
             time.sleep(delay)
             delay = min(2 * delay, POLL_MAX)
         head[H_STATE] = RUNNING
@@ -404,6 +495,23 @@ class ShmRun:
     # -- failure -------------------------------------------------------------------------------
     def _abort(self) -> None:
         self.headers[0][H_ABORT] = self.rank + 1
+
+    def _disagreement(self) -> str | None:
+        """How the ranks' announced calls differ at this rank's call (None: they agree, or
+        no call was announced)."""
+        seen = calls(self.arena)
+        mine = seen[self.rank]
+        return None if mine is None else fingerprint.disagreement(seen, mine.index)
+
+    def _where(self) -> str:
+        """' (how the ranks' calls differ, or where the late ones are)', or ''."""
+        seen = calls(self.arena)
+        mine = seen[self.rank]
+        if mine is None:
+            return ""
+        text = fingerprint.disagreement(seen, mine.index) or fingerprint.positions(seen,
+                                                                                   self.rank)
+        return f" ({text})" if text else ""
 
     def _timed_out(self, flag, target, step, seen) -> PurlinTimeoutError:
         blame, chain = self._blame(flag.src)
@@ -416,7 +524,7 @@ class ShmRun:
         self._abort()
         exc = PurlinTimeoutError(
             f"rank {self.rank} step {step} timed out after {self.timeout:.3g} s waiting on "
-            f"{flag} >= {target} from rank {flag.src}: saw {seen} — {chain}")
+            f"{flag} >= {target} from rank {flag.src}: saw {seen} — {chain}{self._where()}")
         exc.own = True
         exc.missing = blame
         return exc
@@ -444,7 +552,13 @@ class ShmRun:
         return rank, f"{via}is rank {rank} alive?" + (
             f" (its process {int(self.headers[rank][H_PID])} has exited)" if gone else "")
 
-    def _gave_up(self, flag, target, step, first: int) -> PurlinTimeoutError:
+    def _gave_up(self, flag, target, step, first: int) -> ExecutionError:
+        why = self._disagreement()
+        if why:  # the rank that stopped us saw the ranks make different calls
+            why = mismatch(self.arena, calls(self.arena)[self.rank].index) or why
+            exc = CallMismatchError(f"rank {self.rank} step {step}: {why}")
+            exc.own = False
+            return exc
         head = self.headers[first]
         if first == self.rank or not head[H_FAILED]:
             cause = f"rank {first} failed"
@@ -456,7 +570,7 @@ class ShmRun:
                      f"{int(head[H_F_TARGET])} from rank {f.src}: saw {int(head[H_F_SEEN])}")
         exc = PurlinTimeoutError(
             f"rank {self.rank} step {step} gave up waiting on {flag} >= {target} from rank "
-            f"{flag.src}: {cause} — is rank {missing} alive?")
+            f"{flag.src}: {cause} — is rank {missing} alive?{self._where()}")
         exc.own = False
         exc.missing = missing
         return exc

@@ -1,50 +1,158 @@
 """Purlin for PyTorch applications: collectives on a ``torch.distributed`` process group.
 
-:class:`Communicator` is the whole API; ``init()`` makes a default one that the module-level
-functions use, for code that wants ``purlin.torch.all_reduce(x)`` next to
-``torch.distributed.all_reduce(x)``.
+:class:`Communicator` is the whole API (its knobs in :class:`CommOptions`); ``init(group)``
+makes the communicator of a group that the module-level functions use, so code can swap
+``torch.distributed.all_reduce(x)`` for ``purlin.torch.all_reduce(x)``. The functions take
+``torch.distributed``'s signatures (torch 2.13): ``all_reduce``, ``all_gather``,
+``all_gather_into_tensor`` (and ``all_gather_single``), ``reduce_scatter``,
+``reduce_scatter_tensor`` (and ``reduce_scatter_single``), ``all_to_all_single``,
+``broadcast``, ``reduce``; ``group=`` picks the communicator ``init`` made for that group (a
+group without one runs on ``torch.distributed``, warned once); ``async_op=True`` returns a
+finished work (``wait()``, ``is_completed()``, ``get_future()``: the collective ran before
+the call returned); ``group_src=`` / ``group_dst=`` name a root by its rank in the group. A
+tensor that requires grad is written in place as ``torch.distributed`` writes it (no autograd
+record). An ``op`` that is neither a ``ReduceOp`` nor one of ``"sum"``, ``"max"``, ``"min"``,
+``"avg"`` is refused before anything runs with a TypeError (:class:`purlin.errors.OpError`),
+AVG of integers with a RuntimeError (:class:`purlin.errors.OpDtypeError`; torch raises it
+after writing the sum).
+
+What runs on ``torch.distributed`` instead (the group's own backend, with the same result),
+warned once per function and reason, the warning saying which:
+
+- a reduce op other than SUM, MAX, MIN, AVG (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM);
+- a dtype the datapath does not move -- the cpu datapath moves float16, float32, float64,
+  int32 and int64; the sm datapath float32, float16, bfloat16 and int32 -- so e.g. int8,
+  uint8, bool, complex, bfloat16 on the CPU, float64 and int64 on GPUs;
+- tensors of different dtypes, or on another device than the communicator's;
+- sizes that do not fit the function: an all-gather output that is not world size x the
+  input, a reduce-scatter input that is not world size x the output, an all-to-all whose input
+  and output differ or do not divide by the world size, ``all_gather`` / ``reduce_scatter``
+  lists that are not world size tensors of the other argument's shape;
+- ``all_to_all_single`` with split sizes (Purlin runs the even all-to-all);
+- a message larger than the staging area (``CommOptions(staging_bytes=...)``);
+- a group of one rank; broadcast, reduce and all-to-all on a group that spans nodes;
+- on GPUs, the first call of a size inside a CUDA graph capture (call each size once eagerly).
+
+Results differ from gloo's in one documented way: MAX and MIN propagate NaN, as
+``torch.maximum`` does (an element is NaN if any rank's is); gloo keeps or drops a NaN
+depending on the rank order. Non-contiguous tensors run on Purlin (copied with their
+strides); ``reduce`` leaves non-root tensors untouched.
+
+Every rank must make the same calls in the same order. When they do not, each rank's error
+(:class:`purlin.errors.CallMismatchError`) names the ranks and what each called: every call's
+fingerprint (index, function, dtype, count, op, root) is written beside the flags on the CPU
+and compared by a waiting rank, and compared across ranks on the first call of each size on
+both datapaths (:mod:`purlin.runtime.fingerprint`).
 """
 
-from purlin.torch.comm import Communicator
+import warnings
 
-__all__ = ["Communicator", "all_gather_into_tensor", "all_reduce", "all_to_all_single",
-           "broadcast", "default", "init", "reduce", "reduce_scatter_tensor"]
+import torch.distributed as dist
 
+from purlin.torch.comm import CommOptions, Communicator
+from purlin.torch.common import Work, gather_into, scatter_into
+
+__all__ = ["CommOptions", "Communicator", "Work", "all_gather", "all_gather_into_tensor",
+           "all_gather_single", "all_reduce", "all_to_all_single", "broadcast", "default", "init",
+           "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor"]
+
+SUM = dist.ReduceOp.SUM
 _default: Communicator | None = None
+_by_group: dict = {}
+_warned: set = set()
 
 
-def init(group=None, **options) -> Communicator:
-    """Make the default communicator (see :class:`Communicator` for the options)."""
+def init(group=None, datapath: str = "auto", *, options: CommOptions | None = None,
+         **kwargs) -> Communicator:
+    """Make the communicator of ``group`` (default: the world) that the module-level
+    functions use for it (see :class:`Communicator` for the arguments)."""
     global _default
-    _default = Communicator(group, **options)
-    return _default
+    comm = Communicator(group, datapath, options=options, **kwargs)
+    _by_group[group if group is not None else dist.group.WORLD] = comm
+    _default = comm
+    return comm
 
 
 def default() -> Communicator:
+    """The communicator ``init`` made last."""
     if _default is None:
         raise RuntimeError("purlin.torch.init() has not been called in this process")
     return _default
 
 
-def all_reduce(tensor, op="sum"):
-    return default().all_reduce(tensor, op)
+def _for(fn: str, group):
+    """The communicator of ``group`` (None: the world), or None -- with a one-time warning --
+    where ``init`` made none for it: the call then runs on torch.distributed."""
+    default()  # none made at all: say so
+    comm = _by_group.get(group if group is not None else dist.group.WORLD)
+    if comm is not None and not comm.closed:
+        return comm
+    if fn not in _warned:
+        _warned.add(fn)
+        warnings.warn(f"purlin.torch: {fn} falls back to torch.distributed: no purlin.torch "
+                      "communicator for this group (call purlin.torch.init(group))",
+                      RuntimeWarning, stacklevel=3)
+    return None
 
 
-def all_gather_into_tensor(output, input):
-    return default().all_gather_into_tensor(output, input)
+def all_reduce(tensor, op=SUM, group=None, async_op=False):
+    comm = _for("all_reduce", group)
+    if comm is None:
+        return dist.all_reduce(tensor, op, group, async_op)
+    return comm.all_reduce(tensor, op, None, async_op)
 
 
-def reduce_scatter_tensor(output, input, op="sum"):
-    return default().reduce_scatter_tensor(output, input, op)
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    comm = _for("all_gather", group)
+    if comm is None:
+        return dist.all_gather(tensor_list, tensor, group, async_op)
+    return comm.all_gather(tensor_list, tensor, None, async_op)
 
 
-def all_to_all_single(output, input):
-    return default().all_to_all_single(output, input)
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    comm = _for("all_gather_into_tensor", group)
+    if comm is None:
+        return gather_into(output_tensor, input_tensor, group, async_op)
+    return comm.all_gather_into_tensor(output_tensor, input_tensor, None, async_op)
 
 
-def broadcast(tensor, src):
-    return default().broadcast(tensor, src)
+def reduce_scatter(output, input_list, op=SUM, group=None, async_op=False):
+    comm = _for("reduce_scatter", group)
+    if comm is None:
+        return dist.reduce_scatter(output, input_list, op, group, async_op)
+    return comm.reduce_scatter(output, input_list, op, None, async_op)
 
 
-def reduce(tensor, dst, op="sum"):
-    return default().reduce(tensor, dst, op)
+def reduce_scatter_tensor(output, input, op=SUM, group=None, async_op=False):
+    comm = _for("reduce_scatter_tensor", group)
+    if comm is None:
+        return scatter_into(output, input, op, group, async_op)
+    return comm.reduce_scatter_tensor(output, input, op, None, async_op)
+
+
+all_gather_single = all_gather_into_tensor
+reduce_scatter_single = reduce_scatter_tensor
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op=False):
+    comm = _for("all_to_all_single", group)
+    if comm is None:
+        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+                                      group, async_op)
+    return comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes, None,
+                                  async_op)
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    comm = _for("broadcast", group)
+    if comm is None:
+        return dist.broadcast(tensor, src, group, async_op, group_src)
+    return comm.broadcast(tensor, src, None, async_op, group_src)
+
+
+def reduce(tensor, dst=None, op=SUM, group=None, async_op=False, group_dst=None):
+    comm = _for("reduce", group)
+    if comm is None:
+        return dist.reduce(tensor, dst, op, group, async_op, group_dst)
+    return comm.reduce(tensor, dst, op, None, async_op, group_dst)

@@ -17,37 +17,44 @@ eagerly (the first call allocates and synchronizes the group).
     graph.replay(); torch.cuda.synchronize(); comm.check()   # raise recorded timeouts
 
 What it cannot do -- a dtype the datapath does not move, a reduce op other than sum, max, min,
-avg, a message larger than the staging area, all-to-all split sizes -- goes to
-``torch.distributed`` on the group's own backend instead, with a one-time warning per
-function and reason; never a silently wrong result. Non-contiguous tensors are copied into
-and out of the staging area with their strides (no temporary), so they need no fallback.
+avg, a message larger than the staging area, all-to-all split sizes; the full list is in
+:mod:`purlin.torch` -- goes to ``torch.distributed`` on the group's own backend instead, with a
+one-time warning per function and reason; never a silently wrong result. Non-contiguous
+tensors are copied into and out of the staging area with their strides (no temporary), so
+they need no fallback.
 
 A group whose ranks span nodes (told by ``ranks_per_node``/``node_of_rank``, else by hostname)
 runs all-reduce, all-gather and reduce-scatter hierarchically (:mod:`purlin.snac.hierarchical`):
 inside each node on Purlin, between nodes on the group's backend.
 
 Calls of one communicator must be ordered on every rank (one stream, or streams that wait on
-each other), and every rank must make the same calls in the same order -- as with NCCL.
+each other), and every rank must make the same calls in the same order -- as with NCCL; where
+they do not, every rank's CallMismatchError names what each rank called
+(:mod:`purlin.runtime.fingerprint`).
 """
 
 from __future__ import annotations
 
 import importlib
 import socket
+import sys
 import warnings
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from purlin.atom.sm import LL_MAX_BYTES  # LL transfers up to this size; larger: flags
-from purlin.errors import CapabilityError, ExecutionError, PurlinError, PurlinTimeoutError, \
-    SpecError
+from purlin.errors import CallMismatchError, CapabilityError, ExecutionError, OpDtypeError, \
+    PurlinError, PurlinTimeoutError, SpecError
+from purlin.runtime.fingerprint import Call
 from purlin.runtime.shm import layout
 from purlin.snac.planner import plan, split
 from purlin.spec import collectives
 from purlin.spec.collective import Collective
-from purlin.torch.common import Shape, capturing as _capturing, dtype_name as _dtype_name, \
-    op_name as _op_name, overlap, torch_op as _torch_op
+from purlin.torch.common import Shape, Work, capturing as _capturing, \
+    dtype_name as _dtype_name, gather_into, op_label, op_name as _op_name, overlap, \
+    scatter_into, torch_op as _torch_op
 from purlin.torch.hierarchy import Hierarchy
 from purlin.torch.staging import Staging
 
@@ -56,109 +63,157 @@ DEFAULT_TIMEOUT = 10.0
 DATAPATHS = {"cpu": ("purlin.torch.cpu_path", "CpuPath"),
              "sm": ("purlin.torch.sm_path", "SmPath")}
 PROTOCOLS = ("simple", "ll", "fused", "fused-ll", "auto")  # of the sm datapath
+_NO_OP = object()  # a function without a reduce op
 
 
+@dataclass(frozen=True)
+class CommOptions:
+    """The knobs of a :class:`Communicator` beyond its group, datapath and timeout: what the
+    defaults pick is right for a user; experiments and benchmarks set them.
+
+    ``staging_bytes``: the symmetric area per rank that prepared collectives share.
+    ``strategy``/``chunks``/``lanes``: as in :func:`purlin.snac.plan` (``"auto"`` picks per
+    size). ``protocol`` (sm datapath): ``"simple"`` runs the interpreter with flags; ``"ll"``
+    does so with the Stage+Notify pairs the lowering can prove safe carrying their flags
+    inside the data, for messages up to ``LL_MAX_BYTES`` (``purlin.atom.sm.bind``);
+    ``"fused"`` / ``"fused-ll"`` run the fused kernel (:mod:`purlin.kernels.fused`: one pass
+    per row, flag slots per block; LL up to ``LL_MAX_BYTES``) where it can run the size's plan,
+    else the interpreter; ``"auto"`` (the default) takes each size's protocol from the tuning
+    table (``purlin.runtime.auto``), else ``"simple"``. ``pdl``: programmatic dependent launch
+    (default: the table's choice under ``"auto"``, on for the fused protocols, off otherwise).
+    ``zero_copy=True`` (sm datapath): where the plan has no peer touch this rank's input
+    (output), the executor reads (writes) the caller's tensor itself instead of a copy in (out)
+    of the staging area; each new pair of tensor addresses costs a relocated table once
+    (``SmPrepared.launch``). ``blocks_per_lane``/``threads``: the interpreter's grid (default:
+    per size). ``epilogue_grid`` (sm datapath): the fused kernel's grid for
+    :meth:`Communicator.all_reduce_add_rms_norm` -- None: the all-reduce's own (blocks trade
+    row sums); ``"rows"``: blocks owning whole rows (``purlin.atom.fused.row_grid``); an int:
+    blocks of that many threads, one item each. ``epilogue_kernel`` (sm datapath): ``"auto"``
+    -- the one-shot kernel (``purlin.kernels.fused.oneshot_norm``) where it runs the
+    epilogue's programs (the LL all-reduce), else the fused kernel with the NORM op;
+    ``"fused"`` -- always the latter.
+
+    >>> CommOptions(protocol="fused-ll").protocol
+    'fused-ll'
+    """
+
+    staging_bytes: int = DEFAULT_STAGING
+    strategy: str = "auto"
+    chunks: int | None = None
+    lanes: int | None = None
+    protocol: str = "auto"
+    zero_copy: bool = False
+    pdl: bool | None = None
+    blocks_per_lane: int | None = None
+    threads: int = 512
+    epilogue_grid: str | int | None = None
+    epilogue_kernel: str = "auto"
+
+    def __post_init__(self):
+        if self.protocol not in PROTOCOLS:
+            raise CapabilityError(f"Communicator protocol must be one of {', '.join(PROTOCOLS)}, "
+                                  f"got {self.protocol!r}")
+        grid = self.epilogue_grid
+        if not (grid in (None, "rows") or isinstance(grid, int) and not isinstance(grid, bool)
+                and 0 < grid <= 512 and grid % 32 == 0):
+            raise SpecError(f"epilogue_grid must be None, 'rows' or threads per block (a "
+                            f"multiple of 32 up to 512), got {grid!r}")
+        if self.epilogue_kernel not in ("auto", "fused"):
+            raise SpecError(f"epilogue_kernel must be 'auto' or 'fused', got "
+                            f"{self.epilogue_kernel!r}")
+        if not isinstance(self.staging_bytes, int) or self.staging_bytes <= 0:
+            raise SpecError(f"staging_bytes must be a positive int, got {self.staging_bytes!r}")
 
 
 class Communicator:
     """Purlin collectives on the ranks of ``group`` (default: the world).
 
     ``datapath``: ``"sm"`` (GPUs, symmetric memory), ``"cpu"`` (shared memory) or ``"auto"``
-    (``"sm"`` on an NCCL group with CUDA, else ``"cpu"``). ``staging_bytes``: the symmetric area
-    per rank that prepared collectives share. ``timeout``: seconds a wait may last (per wait on
-    GPUs, per call on the CPU). ``strategy``/``chunks``/``lanes``: as in
-    :func:`purlin.snac.plan` (``"auto"`` picks per size). ``ranks_per_node``/``node_of_rank``:
-    which ranks share a node (default: by hostname). ``protocol`` (sm datapath): ``"simple"``
-    runs the interpreter with flags; ``"ll"`` does so with the Stage+Notify pairs the lowering
-    can prove safe carrying their flags inside the data, for messages up to ``LL_MAX_BYTES``
-    (``purlin.atom.sm.bind``); ``"fused"`` / ``"fused-ll"`` run the fused kernel
-    (:mod:`purlin.kernels.fused`: one pass per row, flag slots per block; LL up to
-    ``LL_MAX_BYTES``) where it can run the size's plan, else the interpreter; ``"auto"`` (the
-    default) takes each size's protocol from the tuning table (``purlin.runtime.auto``), else
-    ``"simple"``.
-    ``pdl``: programmatic dependent launch (default: the table's choice under ``"auto"``, on
-    for the fused protocols, off otherwise). ``zero_copy=True`` (sm datapath):
-    where the plan has no peer touch this rank's input (output), the executor reads (writes)
-    the caller's tensor itself instead of a copy in (out) of the staging area; each new pair
-    of tensor addresses costs a relocated table once (``SmPrepared.launch``).
-    ``epilogue_grid`` (sm datapath): the fused kernel's grid for
-    :meth:`all_reduce_add_rms_norm` -- None: the all-reduce's own (blocks trade row sums);
-    ``"rows"``: blocks owning whole rows (``purlin.atom.fused.row_grid``); an int: blocks of
-    that many threads, one item each. ``epilogue_kernel`` (sm datapath): ``"auto"`` -- the
-    one-shot kernel (``purlin.kernels.fused.oneshot_norm``) where it runs the epilogue's
-    programs (the LL all-reduce), else the fused kernel with the NORM op; ``"fused"`` --
-    always the latter.
+    (``"sm"`` on an NCCL group with CUDA, else ``"cpu"``). ``timeout``: seconds a wait may last
+    (per wait on GPUs, per call on the CPU). ``options``: a :class:`CommOptions` (staging
+    size, strategy, protocol and the other knobs). ``ranks_per_node``/``node_of_rank``: which
+    ranks share a node (default: by hostname).
+
+        comm = Communicator()                                      # the common case
+        comm = Communicator(group, options=CommOptions(protocol="fused-ll", zero_copy=True))
+
+    The functions take ``torch.distributed``'s arguments (``group`` -- None or this
+    communicator's --, ``async_op``, ``group_src``/``group_dst``); see :mod:`purlin.torch`
+    for what falls back to the process group and why.
     """
 
-    def __init__(self, group=None, datapath: str = "auto", staging_bytes: int = DEFAULT_STAGING,
-                 timeout: float = DEFAULT_TIMEOUT, *, strategy: str = "auto",
-                 chunks: int | None = None, lanes: int | None = None,
-                 ranks_per_node: int | None = None, node_of_rank=None,
-                 blocks_per_lane: int | None = None, threads: int = 512,
-                 protocol: str = "auto", zero_copy: bool = False, pdl: bool | None = None,
-                 epilogue_grid: str | int | None = None, epilogue_kernel: str = "auto"):
+    def __init__(self, group=None, datapath: str = "auto", timeout: float = DEFAULT_TIMEOUT, *,
+                 options: CommOptions | None = None, ranks_per_node: int | None = None,
+                 node_of_rank=None):
         if not dist.is_available() or not dist.is_initialized():
             raise ExecutionError("purlin.torch.Communicator needs torch.distributed: call "
                                  "dist.init_process_group(...) first")
+        options = CommOptions() if options is None else options
+        if not isinstance(options, CommOptions):
+            raise SpecError(f"options must be a purlin.torch.CommOptions, got {options!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not 0 < timeout < float("inf"):
+            raise SpecError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.options = options
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.nranks = dist.get_world_size(self.group)
         self.global_ranks = dist.get_process_group_ranks(self.group)
         self.backend = str(dist.get_backend(self.group))
         self.datapath = _choose_datapath(datapath, self.backend)
-        if protocol not in PROTOCOLS:
-            raise CapabilityError(f"Communicator protocol must be one of {', '.join(PROTOCOLS)}, "
-                                  f"got {protocol!r}")
-        self.protocol, self.zero_copy, self.pdl = protocol, bool(zero_copy), pdl
-        if not (epilogue_grid in (None, "rows") or isinstance(epilogue_grid, int)
-                and 0 < epilogue_grid <= 512 and epilogue_grid % 32 == 0):
-            raise SpecError(f"rank {self.rank}: epilogue_grid must be None, 'rows' or threads "
-                            f"per block (a multiple of 32 up to 512), got {epilogue_grid!r}")
-        if epilogue_kernel not in ("auto", "fused"):
-            raise SpecError(f"rank {self.rank}: epilogue_kernel must be 'auto' or 'fused', got "
-                            f"{epilogue_kernel!r}")
-        self.epilogue_grid, self.epilogue_kernel = epilogue_grid, epilogue_kernel
-        self.timeout, self.strategy = float(timeout), strategy
-        self.chunks, self.lanes = chunks, lanes
-        self.staging_bytes = int(staging_bytes)
+        o = options
+        self.protocol, self.zero_copy, self.pdl = o.protocol, bool(o.zero_copy), o.pdl
+        self.epilogue_grid, self.epilogue_kernel = o.epilogue_grid, o.epilogue_kernel
+        self.timeout, self.strategy = float(timeout), o.strategy
+        self.chunks, self.lanes = o.chunks, o.lanes
+        self.staging_bytes = int(o.staging_bytes)
         self.broken: str | None = None      # why a call failed: the flags are out of step
         self._broken_as = PurlinTimeoutError
         self.closed = False
         self._warned: set = set()
         self._cache: dict = {}
         self._colls: dict = {}
+        self._agreed: set = set()           # fallback calls every rank agreed on once
+        self.calls = 0                      # calls made, for their fingerprints
         self.evictions = 0
         self.path = self.hierarchy = self.staging = None
-        options = dict(blocks_per_lane=blocks_per_lane, threads=threads)
         self.node_of_rank = self._nodes(ranks_per_node, node_of_rank)
         if len(set(self.node_of_rank)) > 1:
-            self.hierarchy = Hierarchy(self, options)
+            self.hierarchy = Hierarchy(self)
             self.device = self.hierarchy.device
         elif self.nranks > 1:
             module, cls = DATAPATHS[self.datapath]
             path_cls = getattr(importlib.import_module(module), cls)
             self.path = path_cls(self.group, self.rank, self.nranks, self.staging_bytes,
-                                 self.timeout, **options)
+                                 self.timeout, blocks_per_lane=o.blocks_per_lane,
+                                 threads=o.threads)
             self.device = self.path.device
             self.staging = Staging(self.staging_bytes)
         else:
             self.device = torch.device("cuda", torch.cuda.current_device()) \
                 if self.datapath == "sm" else torch.device("cpu")
 
-    # -- the torch.distributed-style functions ---------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    # -- the torch.distributed functions, with its signatures -------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
+                   async_op: bool = False):
         """Reduce ``tensor`` over the ranks, in place (``dist.all_reduce``)."""
-        name = _op_name(op)
-        why = self._refuse("all_reduce", [tensor], op, name)
-        if why is None and tensor.numel():
-            if self.hierarchy is not None:
-                why = self.hierarchy.run("all-reduce", name, tensor, tensor, tensor.numel())
-            else:
-                why = self._call(("all-reduce", tensor.numel(), tensor.dtype, name, 0),
-                                 tensor, tensor)
-        if why:
-            self._fallback("all_reduce", why, lambda t: dist.all_reduce(
-                t, op=_torch_op(op), group=self.group), tensor, written=(0,))
+        fn = "all_reduce"
+        name = self._start(fn, group, op)
+        with torch.no_grad():  # in place on a leaf that requires grad, as torch does
+            call = self._next(fn, tensor, tensor.numel(), op, name)
+            why = self._refuse(fn, [tensor], op, name)
+            if why is None and tensor.numel():
+                if self.hierarchy is not None:
+                    why = self.hierarchy.run("all-reduce", name, tensor, tensor, tensor.numel())
+                else:
+                    why = self._call(("all-reduce", tensor.numel(), tensor.dtype, name, 0),
+                                     tensor, tensor, call=call)
+            elif why is None:
+                self._announce(call)
+            if why:
+                self._fallback(fn, why, lambda t: dist.all_reduce(
+                    t, op=_torch_op(op), group=self.group), tensor, written=(0,), call=call)
+        return self._done(async_op, [tensor])
 
     def all_reduce_add_rms_norm(self, tensor: torch.Tensor, residual: torch.Tensor,
                                 weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -198,17 +253,26 @@ class Communicator:
             elif not (residual.is_contiguous() and weight.is_contiguous()):
                 why = "a strided residual or weight"
             else:
+                call = self._next(fn, tensor, tensor.numel(), "sum", "sum")
                 why = self._call(_norm_key(tensor.numel(), tensor.dtype, hidden), tensor,
-                                 tensor, norm=(residual, weight, float(eps)))
+                                 tensor, norm=(residual, weight, float(eps)), call=call)
         if why:
-            self._warn_once(fn, why, f"runs as all_reduce and then PyTorch: {why}", 2)
+            self._warn_once(fn, why, f"runs as all_reduce and then PyTorch: {why}")
             self.all_reduce(tensor)
             add_rms_norm(tensor, residual, weight, eps)
         return tensor
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """Rank r's ``input`` lands in part r of every rank's ``output``."""
-        why = self._refuse("all_gather_into_tensor", [output, input])
+    def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                               group=None, async_op: bool = False):
+        """Rank r's ``input_tensor`` lands in part r of every rank's ``output_tensor``."""
+        self._start("all_gather_into_tensor", group)
+        with torch.no_grad():
+            self._all_gather("all_gather_into_tensor", output_tensor, input_tensor)
+        return self._done(async_op, [output_tensor])
+
+    def _all_gather(self, fn, output, input) -> None:
+        call = self._next(fn, input, input.numel())
+        why = self._refuse(fn, [output, input])
         if why is None and output.numel() != self.nranks * input.numel():
             why = "output size is not world size x input size"
         if why is None and input.numel():
@@ -216,16 +280,24 @@ class Communicator:
                 why = self.hierarchy.run("all-gather", "copy", input, output, output.numel())
             else:
                 why = self._call(("all-gather", input.numel(), input.dtype, "copy", 0),
-                                 input, output)
+                                 input, output, call=call)
+        elif why is None:
+            self._announce(call)
         if why:
-            self._fallback("all_gather_into_tensor", why, lambda o, i: dist.all_gather_into_tensor(
-                o, i, group=self.group), output, input, written=(0,))
+            self._fallback(fn, why, lambda o, i: gather_into(o, i, group=self.group),
+                           output, input, written=(0,), call=call)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor,
-                              op=dist.ReduceOp.SUM) -> None:
+                              op=dist.ReduceOp.SUM, group=None, async_op: bool = False):
         """Part r of the reduction of every rank's ``input`` lands in rank r's ``output``."""
-        name = _op_name(op)
-        why = self._refuse("reduce_scatter_tensor", [output, input], op, name)
+        name = self._start("reduce_scatter_tensor", group, op)
+        with torch.no_grad():
+            self._reduce_scatter("reduce_scatter_tensor", output, input, op, name)
+        return self._done(async_op, [output])
+
+    def _reduce_scatter(self, fn, output, input, op, name) -> None:
+        call = self._next(fn, output, output.numel(), op, name)
+        why = self._refuse(fn, [output, input], op, name)
         if why is None and input.numel() != self.nranks * output.numel():
             why = "input size is not world size x output size"
         if why is None and output.numel():
@@ -233,65 +305,141 @@ class Communicator:
                 why = self.hierarchy.run("reduce-scatter", name, input, output, input.numel())
             else:
                 why = self._call(("reduce-scatter", output.numel(), output.dtype, name, 0),
-                                 input, output)
+                                 input, output, call=call)
+        elif why is None:
+            self._announce(call)
         if why:
-            self._fallback("reduce_scatter_tensor", why, lambda o, i: dist.reduce_scatter_tensor(
-                o, i, op=_torch_op(op), group=self.group), output, input, written=(0,))
+            self._fallback(fn, why, lambda o, i: scatter_into(
+                o, i, op=_torch_op(op), group=self.group), output, input, written=(0,),
+                call=call)
 
-    # the names newer PyTorch gives them
+    # the names torch 2.13 gives them
     all_gather_single = all_gather_into_tensor
     reduce_scatter_single = reduce_scatter_tensor
 
+    def all_gather(self, tensor_list: list, tensor: torch.Tensor, group=None,
+                   async_op: bool = False):
+        """Rank r's ``tensor`` lands in ``tensor_list[r]`` of every rank (``dist.all_gather``):
+        through one flat output where the list holds world size tensors of ``tensor``'s
+        shape, dtype and device, else on ``torch.distributed``."""
+        fn = "all_gather"
+        self._start(fn, group)
+        n, k = self.nranks, tensor.numel()
+        with torch.no_grad():
+            if len(tensor_list) == n and all(
+                    t.shape == tensor.shape and t.dtype == tensor.dtype and
+                    t.device == tensor.device for t in tensor_list):
+                flat = torch.empty(n * k, dtype=tensor.dtype, device=tensor.device)
+                self._all_gather(fn, flat, tensor)
+                for r, t in enumerate(tensor_list):
+                    t.copy_(flat[r * k:(r + 1) * k].view(t.shape))
+            else:
+                call = self._next(fn, tensor, k)
+                self._fallback(fn, "a list of tensors of other shapes, dtypes or devices",
+                               lambda t: dist.all_gather(tensor_list, t, group=self.group),
+                               tensor, call=call)
+        return self._done(async_op, list(tensor_list))
+
+    def reduce_scatter(self, output: torch.Tensor, input_list: list, op=dist.ReduceOp.SUM,
+                       group=None, async_op: bool = False):
+        """The reduction of every rank's ``input_list[r]`` lands in rank r's ``output``
+        (``dist.reduce_scatter``): through one flat input where the list holds world size
+        tensors of ``output``'s shape, dtype and device, else on ``torch.distributed``."""
+        fn = "reduce_scatter"
+        name = self._start(fn, group, op)
+        with torch.no_grad():
+            if len(input_list) == self.nranks and all(
+                    t.shape == output.shape and t.dtype == output.dtype and
+                    t.device == output.device for t in input_list):
+                flat = torch.cat([t.reshape(-1) for t in input_list])
+                self._reduce_scatter(fn, output, flat, op, name)
+            else:
+                call = self._next(fn, output, output.numel(), op, name)
+                self._fallback(fn, "a list of tensors of other shapes, dtypes or devices",
+                               lambda o: dist.reduce_scatter(o, input_list, op=_torch_op(op),
+                                                             group=self.group),
+                               output, written=(0,), call=call)
+        return self._done(async_op, [output])
+
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
-                          output_split_sizes=None, input_split_sizes=None) -> None:
+                          output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op: bool = False):
         """Part j of rank r's ``input`` lands in part r of rank j's ``output`` (even splits;
         given split sizes go to ``torch.distributed``)."""
+        fn = "all_to_all_single"
+        self._start(fn, group)
         n = self.nranks
-        why = self._refuse("all_to_all_single", [output, input])
-        if why is None and (output_split_sizes is not None or input_split_sizes is not None):
-            # even splits on this rank say nothing of the others': only None is the same
-            # promise everywhere, so every rank takes the same road
-            why = "split sizes given (Purlin runs the even all-to-all: pass None)"
-        if why is None and (input.numel() != output.numel() or input.numel() % n):
-            why = "input and output are not the same size, divisible by the world size"
-        if why is None and self.hierarchy is not None:
-            why = "the group spans nodes (all-to-all runs on the group's backend)"
-        if why is None and input.numel():
-            why = self._call(("all-to-all", input.numel() // n, input.dtype, "copy", 0), input,
-                             output)
-        if why:
-            self._fallback("all_to_all_single", why, lambda o, i: dist.all_to_all_single(
-                o, i, output_split_sizes, input_split_sizes, group=self.group), output, input,
-                written=(0,))
+        uneven = output_split_sizes is not None or input_split_sizes is not None
+        with torch.no_grad():  # with split sizes the ranks' sizes differ: -1 for any
+            call = self._next(fn, input, -1 if uneven else input.numel())
+            why = self._refuse(fn, [output, input])
+            if why is None and (output_split_sizes is not None or input_split_sizes is not None):
+                # even splits on this rank say nothing of the others': only None is the same
+                # promise everywhere, so every rank takes the same road
+                why = "split sizes given (Purlin runs the even all-to-all: pass None)"
+            if why is None and (input.numel() != output.numel() or input.numel() % n):
+                why = "input and output are not the same size, divisible by the world size"
+            if why is None and self.hierarchy is not None:
+                why = "the group spans nodes (all-to-all runs on the group's backend)"
+            if why is None and input.numel():
+                why = self._call(("all-to-all", input.numel() // n, input.dtype, "copy", 0),
+                                 input, output, call=call)
+            elif why is None:
+                self._announce(call)
+            if why:
+                self._fallback(fn, why, lambda o, i: dist.all_to_all_single(
+                    o, i, output_split_sizes, input_split_sizes, group=self.group), output,
+                    input, written=(0,), call=call)
+        return self._done(async_op, [output])
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        """``tensor`` of global rank ``src`` lands in ``tensor`` of every rank."""
-        why = self._refuse("broadcast", [tensor])
-        if why is None and self.hierarchy is not None:
-            why = "the group spans nodes (broadcast runs on the group's backend)"
-        if why is None and tensor.numel():
-            root = self._group_rank(src)
-            me = root == self.rank
-            why = self._call(("broadcast", tensor.numel(), tensor.dtype, "copy", root),
-                             tensor if me else None, None if me else tensor)
-        if why:
-            self._fallback("broadcast", why, lambda t: dist.broadcast(
-                t, src=src, group=self.group), tensor, written=(0,))
+    def broadcast(self, tensor: torch.Tensor, src: int | None = None, group=None,
+                  async_op: bool = False, group_src: int | None = None):
+        """``tensor`` of global rank ``src`` (or group rank ``group_src``) lands in
+        ``tensor`` of every rank."""
+        fn = "broadcast"
+        self._start(fn, group)
+        root = self._root(fn, src, group_src, "src")
+        with torch.no_grad():
+            call = self._next(fn, tensor, tensor.numel(), root=root)
+            why = self._refuse(fn, [tensor])
+            if why is None and self.hierarchy is not None:
+                why = "the group spans nodes (broadcast runs on the group's backend)"
+            if why is None and tensor.numel():
+                me = root == self.rank
+                why = self._call(("broadcast", tensor.numel(), tensor.dtype, "copy", root),
+                                 tensor if me else None, None if me else tensor, call=call)
+            elif why is None:
+                self._announce(call)
+            if why:
+                self._fallback(fn, why, lambda t: dist.broadcast(
+                    t, src=self.global_ranks[root], group=self.group), tensor, written=(0,),
+                    call=call)
+        return self._done(async_op, [tensor])
 
-    def reduce(self, tensor: torch.Tensor, dst: int, op=dist.ReduceOp.SUM) -> None:
+    def reduce(self, tensor: torch.Tensor, dst: int | None = None, op=dist.ReduceOp.SUM,
+               group=None, async_op: bool = False, group_dst: int | None = None):
         """The reduction of every rank's ``tensor`` lands in ``tensor`` of global rank ``dst``
-        (the others' tensors are left as they were)."""
-        name = _op_name(op)
-        why = self._refuse("reduce", [tensor], op, name)
-        if why is None and self.hierarchy is not None:
-            why = "the group spans nodes (reduce runs on the group's backend)"
-        if why is None and tensor.numel():
-            root = self._group_rank(dst)
-            why = self._call(("reduce", tensor.numel(), tensor.dtype, name, root), tensor,
-                             tensor if root == self.rank else None)
-        if why:
-            self._fallback("reduce", why, lambda t: dist.reduce(
-                t, dst=dst, op=_torch_op(op), group=self.group), tensor, written=(0,))
+        (or group rank ``group_dst``); the others' tensors are left as they were."""
+        fn = "reduce"
+        name = self._start(fn, group, op)
+        root = self._root(fn, dst, group_dst, "dst")
+        with torch.no_grad():
+            call = self._next(fn, tensor, tensor.numel(), op, name, root=root)
+            why = self._refuse(fn, [tensor], op, name)
+            if why is None and self.hierarchy is not None:
+                why = "the group spans nodes (reduce runs on the group's backend)"
+            if why is None and tensor.numel():
+                why = self._call(("reduce", tensor.numel(), tensor.dtype, name, root), tensor,
+                                 tensor if root == self.rank else None, call=call)
+            elif why is None:
+                self._announce(call)
+            if why:
+                # gloo writes its scratch into non-roots' tensors: they reduce a copy
+                me = root == self.rank
+                self._fallback(fn, why, lambda t: dist.reduce(
+                    t if me else t.clone(), dst=self.global_ranks[root], op=_torch_op(op),
+                    group=self.group), tensor, written=(0,) if me else (), call=call)
+        return self._done(async_op, [tensor])
 
     def run(self, collective: Collective, input: torch.Tensor | None = None,
             output: torch.Tensor | None = None, *, sizing=None, chunk_sizes=None,
@@ -344,7 +492,11 @@ class Communicator:
                    "broadcast": ("broadcast", count, dtype, "copy", root),
                    }.get(kind, (kind, count, dtype, _op_name(op) or "sum",
                                 root if kind == "reduce" else 0))
-        prepared = self._prepared(key)
+        call = self._next("input_buffer", torch.empty(0, dtype=dtype), count,
+                          op if kind in ("all-reduce", "reduce-scatter", "reduce") else None,
+                          _op_name(op) or "sum", root=root if kind in ("broadcast", "reduce")
+                          else None)
+        prepared = self._prepared(key, call=call)
         if isinstance(prepared, str):
             raise CapabilityError(f"{function} of {count} {dtype} elements cannot be staged: "
                                   f"{prepared}")
@@ -460,9 +612,11 @@ class Communicator:
             return f"dtype {name}"
         if op is not None:
             if op_name is None:
-                return f"reduce op {op}"
-            if op_name == "avg" and not first.is_floating_point():
-                return "avg of integers"
+                return f"reduce op {op_label(op)}"
+            if op_name == "avg" and not (first.is_floating_point() or first.is_complex()):
+                raise OpDtypeError(f"rank {self.rank}: {fn}: AVG of {name} tensors has no "
+                                   f"{name} result (torch.distributed writes the sum, then "
+                                   "raises); use SUM and divide, or a floating dtype")
         return None
 
     def _dtypes(self):
@@ -470,26 +624,99 @@ class Communicator:
             return self.hierarchy.dtypes
         return self.path.dtypes
 
-    def _warn_once(self, fn: str, why: str, text: str, stacklevel: int) -> None:
+    def _warn_once(self, fn: str, why: str, text: str) -> None:
         """Warn ``purlin.torch: {fn} {text}`` once per function and reason (``why`` up to a
-        parenthesis: sizes and counts do not make new reasons); ``stacklevel`` as the
-        caller's own ``warnings.warn`` would take it."""
+        parenthesis: sizes and counts do not make new reasons), at the caller's line."""
         key = (fn, why.split(" (")[0])
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"purlin.torch: {fn} {text}", RuntimeWarning,
-                          stacklevel=stacklevel + 1)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        level, frame = 1, sys._getframe(0)
+        while frame is not None and frame.f_globals.get("__name__", "").startswith(
+                "purlin.torch"):
+            frame, level = frame.f_back, level + 1
+        warnings.warn(f"purlin.torch: {fn} {text}", RuntimeWarning, stacklevel=level)
 
-    def _fallback(self, fn: str, why: str, call, *tensors, written=()) -> None:
-        """``call(*tensors)`` on torch.distributed, warning once per function and reason.
+    def _fallback(self, fn: str, why: str, call_fn, *tensors, written=(), call=None) -> None:
+        """``call_fn(*tensors)`` on torch.distributed, warning once per function and reason.
         Non-contiguous tensors travel as contiguous copies (gloo reduces a strided view's
-        storage, not the view), and those written are copied back."""
-        self._warn_once(fn, why, f"falls back to torch.distributed ({self.backend}): {why}", 3)
+        storage, not the view), and those written are copied back. ``call``: its fingerprint,
+        announced (and on the first such call compared with every rank's)."""
+        self._warn_once(fn, why, f"falls back to torch.distributed ({self.backend}): {why}")
+        if call is not None:
+            call = replace(call, fallback=True)
+            self._announce(call)
+            key = (call.function, call.dtype, call.count, call.op, call.root)
+            if key not in self._agreed and not _capturing():
+                self._agree(call)
+                self._agreed.add(key)
         dense = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-        call(*dense)
+        call_fn(*dense)
         for i in written:
             if dense[i] is not tensors[i]:
                 tensors[i].copy_(dense[i])
+
+    # -- arguments and call fingerprints ---------------------------------------------------------
+    def _start(self, fn: str, group, op=_NO_OP) -> str | None:
+        """Check what every function takes (before anything runs): ``group`` must be None or
+        this communicator's; returns the Purlin name of ``op`` (OpError for what is no op)."""
+        if group is not None and group != self.group:
+            raise SpecError(f"rank {self.rank}: {fn} got another group than this "
+                            f"communicator's ({self.nranks} ranks {self.global_ranks}): pass "
+                            "group=None, or use the communicator of that group "
+                            "(purlin.torch.init(group) and purlin.torch's functions route "
+                            "by group)")
+        return None if op is _NO_OP else _op_name(op)
+
+    def _root(self, fn: str, rank, group_rank, what: str) -> int:
+        """The group rank of ``rank`` (global) or ``group_rank``: exactly one of them, as
+        torch.distributed takes them."""
+        if (rank is None) == (group_rank is None):
+            raise SpecError(f"rank {self.rank}: {fn} needs exactly one of {what}= (a global "
+                            f"rank) and group_{what}= (a rank of the group); got {what}={rank!r}, "
+                            f"group_{what}={group_rank!r}")
+        value = rank if group_rank is None else group_rank
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(f"rank {self.rank}: {fn}: {what} must be an int, got {value!r}")
+        if group_rank is not None:
+            if not 0 <= group_rank < self.nranks:
+                raise SpecError(f"rank {self.rank}: {fn}: group_{what}={group_rank} is not a rank "
+                                f"of the group's {self.nranks}")
+            return int(group_rank)
+        if rank not in self.global_ranks:
+            raise SpecError(f"rank {self.rank}: {fn}: {what}={rank} is not in the group (global "
+                            f"ranks {self.global_ranks})")
+        return self.global_ranks.index(rank)
+
+    def _next(self, fn: str, tensor, count: int, op=None, name=None, root=None) -> Call | None:
+        """The fingerprint of this rank's next call (None where there is no staging area)."""
+        if self.path is None:
+            return None
+        self.calls += 1
+        label = None if op is None else (name or op_label(op).lower())
+        return Call(self.calls, fn, _dtype_name(tensor), int(count), label, root)
+
+    def _announce(self, call) -> None:
+        if call is not None and self.path is not None:
+            self.path.announce(call)
+
+    def _agree(self, call) -> None:
+        """Every rank reached ``call`` and it is the same call (the barrier of a first use)."""
+        try:
+            self.path.agree(call)
+        except (CallMismatchError, PurlinTimeoutError) as exc:
+            self.broken, self._broken_as = str(exc), type(exc)
+            raise
+
+    def _done(self, async_op: bool, tensors):
+        """None, or with ``async_op`` a finished :class:`purlin.torch.common.Work`."""
+        if not async_op:
+            return None
+        event = None
+        if self.device.type == "cuda" and not _capturing():
+            event = torch.cuda.Event()
+            event.record()
+        return Work(tensors, event)
 
     def _collective(self, kind: str, op: str, root: int) -> Collective:
         key = (kind, op, root)
@@ -555,13 +782,15 @@ class Communicator:
             pdl = protocol.startswith("fused")
         return protocol, bool(pdl)
 
-    def _prepared(self, key, sizing=None, capturing=None):
+    def _prepared(self, key, sizing=None, capturing=None, call=None):
         """The prepared collective for ``key``, preparing it on a miss; a string says why it
-        cannot be prepared."""
+        cannot be prepared. ``call``: the fingerprint to announce (on a miss: to compare with
+        every rank's, the barrier before anyone notifies the new flags)."""
         found = self._cache.get(key)
         if found is not None:
             if not isinstance(found, str):
                 self.staging.touch(key)
+                self._announce(call)
             return found
         if _capturing() if capturing is None else capturing:
             return ("first call of this size inside a CUDA graph capture (call each size once "
@@ -593,15 +822,23 @@ class Communicator:
             sm.update(row_bytes=key[5] * key[2].itemsize, epilogue_grid=self.epilogue_grid,
                       epilogue_kernel=self.epilogue_kernel)
         prepared = self.path.prepare(schedule, offset, lay, blocks_per_lane=blocks, **sm)
-        self.path.barrier()  # every rank zeroed its flags before anyone notifies them
+        if call is None:
+            call = self._next("run", torch.empty(0, dtype=getattr(torch, schedule.dtype)), 0)
+        self._announce(call)
+        try:
+            self._agree(call)  # every rank zeroed its flags before anyone notifies them
+        except PurlinError:
+            self.path.forget(prepared)
+            self.staging.free(key)
+            raise
         self._cache[key] = prepared
         return prepared
 
-    def _call(self, key, src, dst, sizing=None, norm=None) -> str | None:
+    def _call(self, key, src, dst, sizing=None, norm=None, call=None) -> str | None:
         """Run prepared ``key`` from ``src`` into ``dst`` (ending with the epilogue ``norm``,
         (residual, weight, eps), where given); a string says why it could not (nothing ran)."""
         capturing = _capturing()
-        prepared = self._prepared(key, sizing, capturing)
+        prepared = self._prepared(key, sizing, capturing, call)
         if isinstance(prepared, str):
             return prepared
         if norm is not None and not hasattr(prepared, "norm_problem"):
@@ -681,7 +918,9 @@ class Communicator:
                                 f"{sizing.dtype.name} tensor on {self.device}, got "
                                 f"{t.dtype} on {t.device}")
         key = ("run", collective, sizing.chunks, sizing.dtype.name)
-        return self._call(key, input, output, sizing=sizing)
+        ref = torch.empty(0, dtype=getattr(torch, sizing.dtype.name))
+        call = self._next("run", ref, sum(dict(sizing.chunks).values()))
+        return self._call(key, input, output, sizing=sizing, call=call)
 
 
 def add_rms_norm(tensor: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

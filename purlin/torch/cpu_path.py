@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from purlin.atom.cpu import DTYPES
+from purlin.runtime import shm
 from purlin.runtime.shm import HEADER, ShmRun, open_arena
 
 
@@ -65,6 +66,15 @@ class CpuPath:
         dist.barrier(group=self.group)
 
     quiesce = barrier
+
+    def announce(self, call) -> None:
+        """Write ``call``'s fingerprint beside the flags, where a waiting peer compares it."""
+        shm.announce(self.arena, self.rank, call)
+
+    def agree(self, call) -> None:
+        """The barrier of a first use: every rank announced the same ``call`` and zeroed its
+        flags (:func:`purlin.runtime.shm.agree`; else CallMismatchError on every rank)."""
+        shm.agree(self.arena, self.rank, call, self.timeout)
 
     def check(self, prepared) -> list[str]:
         """Nothing is asynchronous here: a failure was raised by the call itself."""

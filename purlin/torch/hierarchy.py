@@ -7,20 +7,22 @@ subgroups of the ranks with the same local index (NCCL on GPUs, gloo on the CPU)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
 from purlin.errors import PlanError
 from purlin.snac.hierarchical import Intra, nodes_of, plan_hierarchical
 from purlin.spec import collectives
-from purlin.torch.common import capturing, dtype_name, torch_op
+from purlin.torch.common import capturing, dtype_name, gather_into, scatter_into, torch_op
 
 
 class Hierarchy:
     """Runs split collectives: intra phases on a Purlin communicator of the node, inter phases
     on ``torch.distributed`` subgroups of the ranks with the same local index."""
 
-    def __init__(self, comm, options: dict):
+    def __init__(self, comm):
         self.comm = comm
         nodes = nodes_of(comm.node_of_rank)
         if len({len(r) for r in nodes}) != 1:
@@ -50,10 +52,11 @@ class Hierarchy:
         self.nodes = len(nodes)
         self.intra = None
         if L > 1:
-            self.intra = type(comm)(self.node_group, comm.datapath, comm.staging_bytes,
-                                    comm.timeout, strategy=comm.strategy, chunks=comm.chunks,
-                                    lanes=comm.lanes, node_of_rank=[0] * L,
-                                    protocol=comm.protocol, pdl=comm.pdl, **options)
+            # the intra phases read and write the hierarchy's own buffers: no zero copy
+            options = replace(comm.options, zero_copy=False, epilogue_grid=None,
+                              epilogue_kernel="auto")
+            self.intra = type(comm)(self.node_group, comm.datapath, comm.timeout,
+                                    options=options, node_of_rank=[0] * L)
             self.device = self.intra.device
             self.dtypes = self.intra.path.dtypes
         else:
@@ -108,8 +111,8 @@ class Hierarchy:
                 dst.copy_(src)
             dist.all_reduce(dst, op=op, group=self.inter_group)
         elif phase.collective == "all-gather":
-            dist.all_gather_into_tensor(dst, src, group=self.inter_group)
+            gather_into(dst, src, group=self.inter_group)
         else:
-            dist.reduce_scatter_tensor(dst, src, op=op, group=self.inter_group)
+            scatter_into(dst, src, op=op, group=self.inter_group)
         if phase.op == "avg":  # an average of equal-sized nodes' averages
             dst.div_(self.nodes)

@@ -434,6 +434,26 @@ class SmPath:
 
     quiesce = barrier
 
+    def announce(self, call) -> None:
+        """Nothing to write: the GPU path compares calls on first use only (:meth:`agree`)."""
+
+    def agree(self, call) -> None:
+        """:meth:`barrier` that also gathers every rank's fingerprint of ``call``
+        (:mod:`purlin.runtime.fingerprint`): CallMismatchError on every rank naming what each
+        called when they differ."""
+        from purlin.errors import CallMismatchError
+        from purlin.runtime.fingerprint import WORDS, Call, disagreement
+        from purlin.torch.common import gather_into
+
+        torch.cuda.synchronize(self.device)
+        mine = torch.tensor(call.encode(), dtype=torch.int64, device=self.device)
+        every = torch.empty(self.nranks * WORDS, dtype=torch.int64, device=self.device)
+        gather_into(every, mine, group=self.group)
+        seen = [Call.decode(w) for w in every.view(self.nranks, WORDS).tolist()]  # synchronizes
+        why = disagreement(seen, call.index)
+        if why:
+            raise CallMismatchError(f"rank {self.rank}: {why}")
+
     def check(self, prepared) -> list[str]:
         """Synchronize and return the errors recorded by any of ``prepared``."""
         torch.cuda.synchronize(self.device)
