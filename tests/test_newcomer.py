@@ -1,0 +1,141 @@
+"""The way in: ``./dev.sh`` checks what creating ``.venv`` needs and says what to install, and
+the README's command examples run and write nothing into the checkout.
+
+dev.sh runs here from a copy in a temporary folder with stub interpreters (``PYTHON``) and a
+stub ``df`` on ``PATH``: every case stops at a prerequisite, so no virtual environment is made.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BASH = shutil.which("bash")
+pytestmark = pytest.mark.skipif(BASH is None, reason="dev.sh is a bash script")
+
+
+def stub(folder: Path, name: str, body: str) -> Path:
+    path = folder / name
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return path
+
+
+def python_stub(folder: Path, version="3.11.4", bundled_pip="24.0") -> Path:
+    """An interpreter that answers dev.sh's probe: its version, then ensurepip's pip."""
+    return stub(folder, "python3-stub", f"echo {version}\necho {bundled_pip}")
+
+
+def df_stub(folder: Path, free_kb: int) -> Path:
+    bindir = folder / "bin"
+    bindir.mkdir(exist_ok=True)
+    stub(bindir, "df", "echo 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+                       f"echo '/dev/stub 99999999 1 {free_kb} 1% /'")
+    return bindir
+
+
+def dev_sh(tmp_path: Path, *argv, python=None, path_first=None):
+    """Run a copy of dev.sh in ``tmp_path/checkout`` (so a venv could never land in the real
+    checkout); returns (exit status, stderr, checkout)."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir(exist_ok=True)
+    shutil.copy(ROOT / "dev.sh", checkout / "dev.sh")
+    (checkout / "pyproject.toml").write_text("")
+    env = dict(os.environ)
+    env.pop("PURLIN_SKIP_TORCH", None)
+    if python is not None:
+        env["PYTHON"] = str(python)
+    if path_first is not None:
+        env["PATH"] = f"{path_first}{os.pathsep}{env['PATH']}"
+    done = subprocess.run([BASH, str(checkout / "dev.sh"), *argv], capture_output=True,
+                          text=True, env=env, timeout=60, cwd=tmp_path)
+    return done.returncode, done.stdout + done.stderr, checkout
+
+
+def assert_no_venv(checkout: Path):
+    assert not (checkout / ".venv").exists(), "a failed prerequisite must not leave a venv"
+
+
+def test_a_missing_python_says_what_to_install(tmp_path):
+    code, out, checkout = dev_sh(tmp_path, "purlin", "list", python=tmp_path / "no-python")
+    assert code == 2
+    assert "no-python not found. Install Python >= 3.10" in out
+    assert "sudo apt-get install python3 python3-venv" in out and "PYTHON=" in out
+    assert_no_venv(checkout)
+
+
+def test_an_old_python_is_refused_with_its_version(tmp_path):
+    code, out, checkout = dev_sh(tmp_path, "demo", python=python_stub(tmp_path, "3.8.10"))
+    assert code == 2
+    assert "is Python 3.8.10; Purlin needs >= 3.10" in out
+    assert "apt-get install python3.11 python3.11-venv" in out
+    assert_no_venv(checkout)
+
+
+def test_a_python_without_venv_names_the_debian_package(tmp_path):
+    code, out, checkout = dev_sh(tmp_path, "test", python=python_stub(tmp_path, "3.12.3", "none"))
+    assert code == 2
+    assert "(Python 3.12.3) has no venv module with ensurepip" in out
+    assert "sudo apt-get install python3.12-venv" in out and "python3-venv" in out
+    assert_no_venv(checkout)
+
+
+def test_a_python_that_does_not_run(tmp_path):
+    broken = stub(tmp_path, "python3-broken", "exit 1")
+    code, out, checkout = dev_sh(tmp_path, "purlin", python=broken)
+    assert code == 2 and "does not run" in out
+    assert_no_venv(checkout)
+
+
+def test_too_little_disk_is_refused_with_the_numbers(tmp_path):
+    bindir = df_stub(tmp_path, free_kb=1_200_000)  # 1.1 GB
+    code, out, checkout = dev_sh(tmp_path, "purlin", "list", python=python_stub(tmp_path),
+                                 path_first=bindir)
+    assert code == 2
+    assert re.search(r"only 1\.1 GB free on the disk of \S+checkout; \.venv takes about "
+                     r"2\.3 GB: free at least 3 GB", out), out
+    assert_no_venv(checkout)
+
+
+def test_the_real_python_passes_the_checks_up_to_the_disk(tmp_path):
+    """This machine's interpreter (the one running the tests) meets the version and venv
+    checks: with a stub df saying the disk is full, dev.sh stops at the disk only."""
+    bindir = df_stub(tmp_path, free_kb=10)
+    code, out, checkout = dev_sh(tmp_path, "purlin", python=sys.executable, path_first=bindir)
+    assert code == 2 and "GB free on the disk" in out, out
+    assert_no_venv(checkout)
+
+
+def test_help_lists_the_purlin_command(tmp_path):
+    code, out, _ = dev_sh(tmp_path, "help")
+    assert code == 0
+    assert "./dev.sh purlin ..." in out and "outputs/demo-timeline.html" in out
+
+
+def test_dev_sh_purlin_runs_where_it_was_called(tmp_path):
+    """``./dev.sh purlin`` goes back to the caller's folder before it runs, so ``--out x``
+    lands where the user is; a stub venv stands in for the installed one."""
+    checkout = tmp_path / "checkout"
+    venv_bin = checkout / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("")
+    shutil.copy(ROOT / "dev.sh", checkout / "dev.sh")
+    stub(venv_bin, "python", f'exec {sys.executable} "$@"')
+    stub(venv_bin, "purlin", 'echo "cwd=$PWD args=$*"')
+    # a stamp that says the notebook extra is installed: no pip runs
+    digest = subprocess.run(
+        [sys.executable, "-c", "import hashlib; print(hashlib.sha256(b'\\0skip_torch=0')"
+                               ".hexdigest())"], capture_output=True, text=True).stdout.strip()
+    (checkout / ".venv" / "purlin-install.stamp").write_text(f"{digest}\nnotebook\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    done = subprocess.run([BASH, str(checkout / "dev.sh"), "purlin", "trace", "--out", "t.html"],
+                          capture_output=True, text=True, timeout=60, cwd=elsewhere,
+                          env={k: v for k, v in os.environ.items() if k != "PURLIN_SKIP_TORCH"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"cwd={elsewhere} args=trace --out t.html"
