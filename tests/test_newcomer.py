@@ -139,3 +139,36 @@ def test_dev_sh_purlin_runs_where_it_was_called(tmp_path):
                           env={k: v for k, v in os.environ.items() if k != "PURLIN_SKIP_TORCH"})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"cwd={elsewhere} args=trace --out t.html"
+
+
+# -- the demo reads cleanly --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_demo_output_reads_cleanly(tmp_path, capsys):
+    pytest.importorskip("nbclient")
+    from purlin.cli import main
+
+    assert main(["demo", "--out", str(tmp_path / "demo")]) == 0
+    printed = capsys.readouterr().out
+    blocks = [b for b in printed.split("\n\n") if b.count("\n") >= 2]
+    twice = {b for b in blocks if blocks.count(b) > 1}
+    assert not twice, f"printed twice: {twice}"
+    assert "array(" not in printed, "no bare numpy repr"
+    assert "(measured (" not in printed
+    assert not re.search(r"\d us\b", printed), "microseconds are µs everywhere"
+    assert not [line for line in printed.splitlines() if line.endswith("\\")], \
+        "tables print whole, not wrapped"
+    assert "rank 0 gathered [0.0, 0.0, 1.0, 1.0" in printed
+    assert f"timeline page:     {tmp_path / 'demo' / 'demo-timeline.html'}" in printed
+
+
+def test_the_demo_writes_under_outputs_by_default():
+    from purlin.cli import build_parser
+
+    assert build_parser().parse_args(["demo"]).out == "outputs"
+    import inspect
+
+    from purlin.notebooks import demo
+
+    assert inspect.signature(demo).parameters["out"].default == "outputs"
