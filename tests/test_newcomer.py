@@ -172,3 +172,74 @@ def test_the_demo_writes_under_outputs_by_default():
     from purlin.notebooks import demo
 
     assert inspect.signature(demo).parameters["out"].default == "outputs"
+
+
+# -- the README's command examples ---------------------------------------------------------------
+
+
+def readme_code_lines() -> list[str]:
+    """The lines inside the README's fenced code blocks."""
+    inside, lines = False, []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.startswith("```"):
+            inside = not inside
+        elif inside:
+            lines.append(line)
+    return lines
+
+
+def readme_commands() -> list[str]:
+    """Every ``./dev.sh purlin ...`` line in the README's code blocks, comments dropped."""
+    return [line.split("  #")[0].strip() for line in readme_code_lines()
+            if line.startswith("./dev.sh purlin ")]
+
+
+QKV_MODULE = '''
+from purlin.spec import Collective, copy
+
+def qkv(n):
+    return Collective([[(p, r) for p in "qkv"] for r in range(n)],
+                      [[(p, r) for p in "qkv" for r in range(n)]] * n, copy, name="qkv")
+'''
+
+
+def test_the_readme_shows_purlin_through_dev_sh_only():
+    bare = [line for line in readme_code_lines() if line.startswith("purlin ")]
+    assert not bare, f"README commands run through ./dev.sh purlin: {bare}"
+    assert len(readme_commands()) >= 8
+
+
+@pytest.mark.slow
+def test_the_readme_commands_run_and_write_only_under_outputs(tmp_path, monkeypatch, capsys):
+    """Each example, as ``main([...])`` in an empty folder (bench is left to its own tests):
+    exit 0, and nothing written beside the folder but ``outputs/`` and the file the JSON
+    example redirects to."""
+    import shlex
+
+    pytest.importorskip("plotly")
+    from purlin.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "mymodule.py").write_text(QKV_MODULE)
+    redirected = tmp_path / "redirected.json"
+    ran = 0
+    for line in readme_commands():
+        line = line.replace("/tmp/ag3.json", str(redirected))
+        argv = shlex.split(line)[2:]
+        if argv[0] == "bench":
+            continue
+        target = None
+        if ">" in argv:
+            argv, target = argv[:argv.index(">")], argv[argv.index(">") + 1]
+        code = main(argv)
+        out, err = capsys.readouterr()
+        assert code == 0, f"{line}: {err}"
+        if target is not None:
+            Path(target).write_text(out)
+        ran += 1
+    assert ran >= 8
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert set(left) <= {"outputs", "mymodule.py", "redirected.json", "__pycache__"}, left
+    assert {p.name for p in (tmp_path / "outputs").iterdir()} == {
+        "timeline.html", "ring.html", "ring.json"}
