@@ -181,3 +181,30 @@ def test_a_repeated_output_name_that_would_outgrow_the_message_is_refused():
     with pytest.raises(SpecError, match="3 elements do not divide into the 2 chunks"):
         coll.sized(3)
     assert coll.sized(4).message_count == 4
+
+
+# -- the cpu datapath computes uneven splits right ----------------------------------------------
+
+
+@pytest.mark.parametrize("name, n, count, strategy, chunks", [
+    ("all-gather", 3, 10, "ring", 2),
+    ("all-gather", 3, 10, "direct-pull", 1),
+    ("reduce-scatter", 4, 10, "two-phase", 2),
+    ("all-to-all", 3, 10, "direct-push", 1),
+    ("all-reduce", 5, 13, "ring", 2),
+    pytest.param("all-reduce", 72, 725, "two-phase", 1, marks=pytest.mark.slow),
+])
+def test_uneven_splits_run_right_on_the_cpu_datapath(name, n, count, strategy, chunks):
+    import numpy as np
+
+    from purlin import Cluster, reference
+
+    coll = collectives.standard(name, n)
+    sizing = coll.sized(count)
+    assert not sizing.is_even
+    bound = Cluster.cpu(n).bind(coll, strategy, count=count, chunks=chunks, timeout=120)
+    rng = np.random.default_rng(n)
+    inputs = [rng.standard_normal(sizing.input_count(r)).astype("float32") for r in range(n)]
+    outputs = bound(inputs)
+    for got, want in zip(outputs, reference(sizing, inputs)):
+        assert np.allclose(got, want, atol=1e-4)
