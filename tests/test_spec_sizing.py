@@ -208,3 +208,31 @@ def test_uneven_splits_run_right_on_the_cpu_datapath(name, n, count, strategy, c
     outputs = bound(inputs)
     for got, want in zip(outputs, reference(sizing, inputs)):
         assert np.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("ll", [False, True], ids=["simple", "ll"])
+@pytest.mark.parametrize("name, strategy", [
+    ("all-gather", "ring"), ("all-gather", "direct-pull"), ("reduce-scatter", "two-phase"),
+    ("all-reduce", "ring"), ("all-reduce", "direct-push"), ("all-to-all", "direct-push"),
+    ("scatter", "ring"), ("reduce", "two-phase"),
+])
+@pytest.mark.parametrize("count", [2, 7, 97])  # fewer elements than chunks, odd, prime
+def test_uneven_splits_run_right_in_the_gpu_tables(name, strategy, count, ll):
+    """The sm datapath's lowered instruction tables, run by the host interpreter, with chunks
+    of unequal (and zero) length, pipelined over two pieces and two lanes."""
+    import numpy as np
+
+    from purlin.atom.host import HostBuffers, run_calls
+    from purlin.snac import plan
+    from purlin.spec import reference
+
+    coll = collectives.standard(name, 4, root=3)
+    schedule = plan(coll, strategy, count=count, chunks=2, lanes=2)
+    bufs = HostBuffers(schedule, ll=ll)
+    rng = np.random.default_rng(count)
+    xs = [[rng.integers(-40, 40, schedule.sizing.input_count(r)).astype(np.float64)
+           for r in range(4)] for _ in range(2)]
+    outs = run_calls(bufs.lower(), bufs, xs)
+    for call in range(2):
+        for r, want in enumerate(reference(schedule.sizing, xs[call])):
+            np.testing.assert_array_equal(outs[call][r], want, err_msg=f"call {call} rank {r}")
