@@ -17,8 +17,10 @@ def _checkout_kernels() -> None:
 
     here = _os.path.dirname(_os.path.abspath(__file__))
     init = _os.path.join(_os.path.dirname(here), "kernels", "__init__.py")
-    if ("purlin.kernels" in _sys.modules or _os.path.isdir(_os.path.join(here, "kernels"))
-            or not _os.path.isfile(init)):
+    # an installed package has purlin/kernels/__init__.py; a folder there without one (say,
+    # __pycache__ left from before kernels/ moved up) would import as an empty namespace
+    if ("purlin.kernels" in _sys.modules or not _os.path.isfile(init)
+            or _os.path.isfile(_os.path.join(here, "kernels", "__init__.py"))):
         return
     spec = importlib.util.spec_from_file_location(
         "purlin.kernels", init, submodule_search_locations=[_os.path.dirname(init)])

@@ -32,7 +32,7 @@ BAR_HEIGHT = 0.8  # of a row
 # two lines (label and schedule), the figure's title above everything.
 ROW_PX = 30
 MIN_PLOT_PX = 90
-HEAD_PX = 54  # the figure's title
+HEAD_PX = 64  # the figure's title (two lines where it has a subtitle)
 TITLE_PX = 52  # a subplot's two-line title
 AXIS_PX = 60  # the time axis and its title under the last plot
 MIN_BAR_FRACTION = 0.002  # zero-length steps are drawn this wide (of the span); hover is exact
