@@ -576,7 +576,23 @@ def bench_command(args: argparse.Namespace) -> int:
     """Sweep collectives over sizes: Purlin vs NCCL, nccl-tests-style table, JSON, figures."""
     from purlin.bench import commands
 
+    args.collectives = bench_collectives(args.collectives, args)
     return commands.bench(args, size_list(args.sizes))
+
+
+def bench_collectives(texts, args: argparse.Namespace) -> list:
+    """``purlin bench``'s collectives: standard names (and ``all``) as given, custom ones
+    through :func:`resolve_collective`; a custom collective's rank count becomes ``--ranks``
+    when none was given."""
+    out = []
+    for text in texts:
+        if text.lower() == "all" or text.replace("_", "-").lower() in STANDARD:
+            out.append(text)
+            continue
+        coll = resolve_collective(text, args.ranks)
+        args.ranks = coll.nranks
+        out.append(coll)
+    return out
 
 
 @command("tune",

@@ -103,3 +103,18 @@ def test_trace_a_custom_collective(capsys, custom):
     assert "purlin: created folder outputs" in out
     assert f"wrote {custom / 'outputs' / 'timeline.html'}" in out
     assert "µs" in out and " us" not in out
+
+
+def test_bench_a_custom_collective_on_the_cpu_datapath(capsys, custom):
+    code, out, err = run(capsys, "bench", "qkv.json", "-b", "1KiB", "--datapath", "cpu",
+                         "--providers", "purlin:ring", "--no-progress", "--repeats", "1",
+                         "--ops", "1")
+    assert code == 0, err
+    assert "# qkv all-gather | purlin:ring | 3 ranks" in out
+
+
+def test_bench_refuses_ranks_that_disagree_with_a_custom_collective(capsys, custom):
+    code, out, err = run(capsys, "bench", "qkv.json", "-n", "2", "--datapath", "cpu")
+    assert code == 2 and out == ""
+    assert err == ("purlin: error: --ranks 2 does not match qkv.json, a collective of 3 ranks; "
+                   "give --ranks 3 or leave it out\n")
