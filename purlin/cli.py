@@ -9,14 +9,20 @@ rank | input | output
 
 A new subcommand is one function: decorate it with :func:`command`, give its arguments as
 :func:`arg` entries (or reuse a group such as ``COLLECTIVE_ARGS``), return an exit code.
+
+Every mistake is answered with one line, ``purlin: error: ...``, and exit status 2, never a
+traceback (``PURLIN_DEBUG=1`` shows it). Files go under ``outputs/`` unless ``--out`` says
+otherwise; a missing folder is created.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 from purlin.errors import PurlinError, SpecError
@@ -66,26 +72,148 @@ def command(name: str, *args: Arg):
 # -- shared arguments --------------------------------------------------------------------------
 WARM_CALLS = 5  # calls before the one `purlin trace --measure` records on GPUs
 
+OUTPUTS = Path("outputs")  # where files go by default (git-ignored in the repository)
+
 COLLECTIVE_ARGS = (
-    arg("collective", help="a standard collective: " + ", ".join(STANDARD)),
-    arg("-n", "--ranks", type=int, required=True, metavar="N", help="number of ranks (>= 2)"),
+    arg("collective", metavar="COLLECTIVE",
+        help="a standard collective (" + ", ".join(STANDARD) + "), a JSON file written from "
+             "Collective.to_json, or module:attribute (a Collective, or a function of the rank "
+             "count returning one)"),
+    arg("-n", "--ranks", type=int, metavar="N",
+        help="number of ranks (>= 2); a custom collective's own count when left out"),
     arg("--root", type=int, metavar="R",
         help=f"root rank of {', '.join(ROOTED)} (default 0)"),
     arg("--op", choices=REDUCE_OPS, help=f"reduction of {', '.join(REDUCING)} (default sum)"),
 )
 
 
-def collective_from(args: argparse.Namespace) -> Collective:
-    """Build the collective that COLLECTIVE_ARGS name, refusing options it does not take."""
-    key = args.collective.replace("_", "-").lower()
+def resolve_collective(text: str, ranks: int | None = None, *, root: int | None = None,
+                       op: str | None = None) -> Collective:
+    """The collective ``text`` names: a standard name (``all-reduce``), a JSON file written
+    from :meth:`Collective.to_json` (``qkv.json``), or ``module:attribute`` (``mymod:qkv`` or
+    ``path/to/file.py:qkv``): a Collective, or a function of the rank count returning one.
+    ``ranks`` must agree with a custom collective's rank count; ``root`` and ``op`` apply to
+    the standard collectives only. Raises SpecError, saying what to give instead.
+
+    >>> resolve_collective("all-gather", 2).name
+    'all-gather'
+    >>> resolve_collective("no-such", 2)
+    Traceback (most recent call last):
+    purlin.errors.SpecError: unknown collective 'no-such'; the standard ones are all-gather, \
+reduce-scatter, all-reduce, all-to-all, broadcast, reduce, gather, scatter; or give a JSON \
+file written from Collective.to_json, or module:attribute
+    """
+    key = text.replace("_", "-").lower()
     if key in STANDARD:
-        if args.root is not None and key not in ROOTED:
+        if ranks is None:
+            raise SpecError(f"{key} needs a rank count: give --ranks N")
+        if root is not None and key not in ROOTED:
             raise SpecError(f"{key} has no root; --root applies to {', '.join(ROOTED)}")
-        if args.op is not None and key not in REDUCING:
+        if op is not None and key not in REDUCING:
             raise SpecError(f"{key} copies and takes no --op; --op applies to "
                             f"{', '.join(REDUCING)}")
-    root = 0 if args.root is None else args.root
-    return standard(args.collective, args.ranks, root=root, op=args.op or "sum")
+        return standard(key, ranks, root=0 if root is None else root, op=op or "sum")
+    if text.endswith(".json") or (os.path.isfile(text) and ":" not in text):
+        coll, what = _collective_from_file(text), text
+    elif ":" in text:
+        coll, what = _collective_from_attribute(text, ranks), text
+    else:
+        raise SpecError(f"unknown collective {text!r}; the standard ones are "
+                        f"{', '.join(STANDARD)}; or give a JSON file written from "
+                        "Collective.to_json, or module:attribute")
+    for flag, value in (("--root", root), ("--op", op)):
+        if value is not None:
+            raise SpecError(f"{flag} applies to the standard collectives; {what} carries its "
+                            f"own layouts and op ({coll.op})")
+    if ranks is not None and ranks != coll.nranks:
+        raise SpecError(f"--ranks {ranks} does not match {what}, a collective of "
+                        f"{coll.nranks} ranks; give --ranks {coll.nranks} or leave it out")
+    return coll
+
+
+def _collective_from_file(path: str) -> Collective:
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise SpecError(f"no file {path!r}: give a standard collective's name or the path of "
+                        "a JSON file written from Collective.to_json") from None
+    except OSError as exc:
+        raise SpecError(f"cannot read {path!r}: {exc.strerror}") from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path} is not JSON ({exc.msg} at line {exc.lineno}); write it with "
+                        "json.dump(collective.to_json(), file)") from None
+    if not isinstance(obj, dict) or not {"input", "output", "op"} <= set(obj):
+        raise SpecError(f"{path} is not a collective written from Collective.to_json: it needs "
+                        "the keys 'input', 'output' and 'op'")
+    try:
+        return Collective.from_json(obj)
+    except SpecError as exc:
+        raise SpecError(f"{path}: {exc}") from None
+    except (TypeError, ValueError, KeyError) as exc:
+        raise SpecError(f"{path} does not hold a valid collective: {exc}") from None
+
+
+def _collective_from_attribute(text: str, ranks: int | None) -> Collective:
+    import importlib
+    import importlib.util
+
+    module_name, _, attribute = text.rpartition(":")
+    if not module_name or not attribute:
+        raise SpecError(f"cannot read {text!r}: write module:attribute, e.g. mymodule:qkv")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise SpecError(f"no file {module_name!r} (named in {text!r})")
+            spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if os.getcwd() not in sys.path and "" not in sys.path:
+                sys.path.insert(0, os.getcwd())  # as `python -m` would: modules beside you
+            module = importlib.import_module(module_name)
+    except SpecError:
+        raise
+    except ImportError as exc:
+        raise SpecError(f"cannot import {module_name!r} (named in {text!r}): {exc}; is it on "
+                        "PYTHONPATH or in this folder?") from None
+    except Exception as exc:
+        raise SpecError(f"importing {module_name!r} raised {type(exc).__name__}: {exc}") from None
+    if not hasattr(module, attribute):
+        raise SpecError(f"module {module_name!r} has no attribute {attribute!r}")
+    obj, what = getattr(module, attribute), f"{text} is"
+    if not isinstance(obj, Collective) and callable(obj):
+        if ranks is None:
+            raise SpecError(f"{text} is a function of the rank count: give --ranks N")
+        try:
+            obj = obj(ranks)
+        except PurlinError:
+            raise
+        except Exception as exc:
+            raise SpecError(f"{text}({ranks}) raised {type(exc).__name__}: {exc}") from None
+        what = f"{text}({ranks}) returned"
+    if not isinstance(obj, Collective):
+        raise SpecError(f"{what} a {type(obj).__name__}, not a Collective (or a function "
+                        "of the rank count returning one)")
+    return obj
+
+
+def collective_from(args: argparse.Namespace) -> Collective:
+    """Build the collective that COLLECTIVE_ARGS name, refusing options it does not take."""
+    return resolve_collective(args.collective, args.ranks, root=args.root, op=args.op)
+
+
+def output_path(path) -> Path:
+    """``path`` ready to write: its folder created (and said so) when missing."""
+    path = Path(path)
+    if path.is_dir():
+        raise SpecError(f"{path} is a folder; give a file name, e.g. {path / 'timeline.html'}")
+    folder = path.parent
+    if not folder.exists():
+        folder.mkdir(parents=True)
+        print(f"purlin: created folder {folder}")
+    return path
 
 
 # -- subcommands -------------------------------------------------------------------------------
@@ -110,8 +238,8 @@ def describe(args: argparse.Namespace) -> int:
 
 
 @command("demo",
-         arg("--out", default="out", metavar="DIR",
-             help="where to write demo-timeline.html and demo-tour.ipynb (default out/)"),
+         arg("--out", default=str(OUTPUTS), metavar="DIR",
+             help="where to write demo-timeline.html and demo-tour.ipynb (default outputs/)"),
          arg("--gpu", action="store_true",
              help="run on the GPUs if there are any (default: the cpu datapath)"),
          arg("--timeout", type=int, default=120, metavar="S",
@@ -166,14 +294,8 @@ def plan_from(args: argparse.Namespace):
     from purlin.runtime.cluster import Cluster
     from purlin.snac import plan
 
-    from purlin.spec.sizing import fit_nbytes
-
     coll = collective_from(args)
-    asked = parse_size(args.bytes)
-    nbytes = fit_nbytes(coll, asked, args.dtype)
-    if nbytes != asked:
-        print(f"purlin: note: {asked} bytes do not split evenly into the chunks of "
-              f"{coll.name}; using {nbytes}", file=sys.stderr)
+    nbytes = parse_size(args.bytes)  # split as evenly as it goes into the collective's chunks
     strategy, chunks, lanes = args.strategy, args.chunks, args.lanes
     if strategy == "auto":
         strategy, chunks, lanes = choose(coll, Cluster.cpu(coll.nranks), nbytes=nbytes,
@@ -184,6 +306,8 @@ def plan_from(args: argparse.Namespace):
 
 @command("plan", *PLAN_ARGS,
          arg("--json", action="store_true", help="print the schedule as JSON"),
+         arg("--ir", action="store_true",
+             help="print the exact program (buffers, offsets, flags) instead of the summary"),
          arg("--rank", type=int, action="append", help="show only this rank (repeatable)"))
 def plan_command(args: argparse.Namespace) -> int:
     """Plan a collective, print its per-rank schedule and the verification report."""
@@ -194,14 +318,77 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"schedule": schedule.to_json(), "verified": report.ok,
                           "problems": report.errors + [r.message for r in report.races]}))
-    else:
-        print(schedule.render(args.rank))
-        summary = schedule.summary()
-        print(f"summary: {summary['steps']}, {summary['remote_hops']} remote hops, "
-              f"{summary['total_link_bytes']} bytes over links")
-        print(fused_line(schedule))
-        print(report)
+        return 0 if report.ok else 1
+    for r in args.rank or ():
+        if not 0 <= r < schedule.nranks:
+            raise SpecError(f"--rank {r} is outside the ranks 0..{schedule.nranks - 1}")
+    print(schedule.render(args.rank) if args.ir else schedule_summary(schedule, args.rank))
+    summary = schedule.summary()
+    steps = ", ".join(f"{count} {kind.capitalize()}" for kind, count in summary["steps"].items())
+    print(f"in all: {steps}; {summary['remote_hops']} remote hops, "
+          f"{_bytes(summary['total_link_bytes'])} over links")
+    print(fused_line(schedule))
+    print(report)
     return 0 if report.ok else 1
+
+
+def _bytes(n: int) -> str:
+    """``1536`` -> ``1.5 KiB``."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.4g} {unit}"
+    return f"{n} B"
+
+
+def schedule_summary(schedule, ranks=None) -> str:
+    """Per rank, its steps in order: Stage / Notify / Consume, the peer, the chunk names and
+    the bytes each moves (``purlin plan``; ``--ir`` prints the exact program instead)."""
+    from purlin.snac.ir import Consume, Notify, Stage
+    from purlin.spec.collective import _fmt
+    from purlin.spec.dtypes import dtype as as_dtype
+
+    item = as_dtype(schedule.dtype).itemsize
+    sizing = schedule.sizing
+    counts = sorted({c for _, c in sizing.chunks})
+    each = (f"{_bytes(counts[0] * item)} each" if len(counts) == 1 else
+            " or ".join(f"{c * item} B" for c in counts))
+    lines = [schedule.title(),
+             f"message {_bytes(sizing.message_bytes)}: {len(sizing.chunks)} chunks of {each}"]
+    lanes = schedule.lanes > 1
+
+    def names(step) -> str:
+        shown = ", ".join(_fmt(n) for n in step.names[:6]) + (" ..." if len(step.names) > 6
+                                                              else "")
+        return f"chunk{'s' if len(step.names) > 1 else ''} {shown}" if step.names else ""
+
+    def move(step) -> str:
+        nbytes = step.dst.count * item
+        peers = sorted({r.rank for r in step.srcs if r.rank != step.rank})
+        where = (f"to rank {step.dst.rank}" if step.dst.rank != step.rank else
+                 f"from rank {', '.join(map(str, peers))}" if peers else "local")
+        what = names(step)
+        return f"{step.op} {what + ' ' if what else ''}{_bytes(nbytes)} {where}".rstrip()
+
+    for rank in ranks if ranks is not None else range(schedule.nranks):
+        steps = schedule.steps[rank]
+        scratch = schedule.scratch[rank] * item * schedule.scratch_copies
+        lines.append(f"\nrank {rank}: {len(steps)} steps, scratch {_bytes(scratch)}")
+        for i, s in enumerate(steps):
+            lane = f"lane {s.lane}  " if lanes else ""
+            if isinstance(s, Stage):
+                text = f"Stage    {move(s)}"
+            elif isinstance(s, Notify):
+                text = f"Notify   rank {s.flag.owner} (its flag from here reaches {s.value})"
+            else:
+                assert isinstance(s, Consume)
+                waits = "; ".join(
+                    f"rank {w.flag.src}{f' lane {w.flag.lane}' if lanes else ''} >= {w.value}"
+                    + ("" if w.call == 0 else f" (call {w.call:+d})") for w in s.waits)
+                text = f"Consume  wait for {waits}" if waits else "Consume"
+                if s.moves_data:
+                    text += f"; then {move(s)}"
+            lines.append(f"  {i:3d}  {lane}{text}")
+    return "\n".join(lines)
 
 
 def fused_line(schedule) -> str:
@@ -259,8 +446,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 @command("trace", *PLAN_ARGS,
-         arg("--out", default="timeline.html", help="HTML file of the figure"),
-         arg("--perfetto", metavar="JSON", help="also write a Chrome/Perfetto trace"),
+         arg("--out", default=str(OUTPUTS / "timeline.html"), metavar="HTML",
+             help="HTML file of the figure (default outputs/timeline.html)"),
+         arg("--perfetto", metavar="JSON", help="also write a Chrome/Perfetto trace here"),
          arg("--profile", default="H200", help="hardware profile of the prediction"),
          arg("--measure", action="store_true",
              help="also run it (GPUs where present, else the cpu datapath) and draw the "
@@ -277,6 +465,8 @@ def trace_command(args: argparse.Namespace) -> int:
 
     schedule = plan_from(args)
     verify(schedule, raise_on_error=True)
+    out = output_path(args.out)
+    perfetto = output_path(args.perfetto) if args.perfetto else None
     profile = get_profile(args.profile)
     predicted = predict(schedule, profile, label=f"predicted (profile {profile.name})")
     shown, fig = predicted, None
@@ -304,19 +494,19 @@ def trace_command(args: argparse.Namespace) -> int:
         where = describe(cluster)
         fig = compare_figure(predicted, shown, title=f"{schedule.title()}<br><sup>predicted: "
                              f"profile {profile.name}; measured: {where}</sup>")
-        print(f"measured on the {where}: {shown.duration_ns / 1e3:.2f} us")
+        print(f"measured on the {where}: {shown.duration_ns / 1e3:.2f} µs")
     print(f"predicted by profile {profile.name} ({profile.source or 'no source'}): "
-          f"{predicted.end_ns / 1e3:.2f} us, launch included")
+          f"{predicted.end_ns / 1e3:.2f} µs, launch included")
     if args.measure and cluster.kind == "virtual":
         print(f"note: profile {profile.name} models one GPU per rank over links; these "
               f"{cluster.nranks} virtual ranks share one GPU's memory, so the two need not "
               "agree (--profile takes a profile JSON fitted by purlin.trace.calibrate)")
     fig = fig or timeline_figure(predicted, title=f"{schedule.title()}<br><sup>predicted: "
                                                   f"profile {profile.name}</sup>")
-    print(f"wrote {to_html(fig, args.out)}")
-    if args.perfetto:
-        to_perfetto(shown, args.perfetto)
-        print(f"wrote {args.perfetto} (open in ui.perfetto.dev or chrome://tracing)")
+    print(f"wrote {to_html(fig, out).resolve()}")
+    if perfetto is not None:
+        to_perfetto(shown, perfetto)
+        print(f"wrote {perfetto.resolve()} (open in ui.perfetto.dev or chrome://tracing)")
     return 0
 
 
@@ -386,7 +576,23 @@ def bench_command(args: argparse.Namespace) -> int:
     """Sweep collectives over sizes: Purlin vs NCCL, nccl-tests-style table, JSON, figures."""
     from purlin.bench import commands
 
+    args.collectives = bench_collectives(args.collectives, args)
     return commands.bench(args, size_list(args.sizes))
+
+
+def bench_collectives(texts, args: argparse.Namespace) -> list:
+    """``purlin bench``'s collectives: standard names (and ``all``) as given, custom ones
+    through :func:`resolve_collective`; a custom collective's rank count becomes ``--ranks``
+    when none was given."""
+    out = []
+    for text in texts:
+        if text.lower() == "all" or text.replace("_", "-").lower() in STANDARD:
+            out.append(text)
+            continue
+        coll = resolve_collective(text, args.ranks)
+        args.ranks = coll.nranks
+        out.append(coll)
+    return out
 
 
 @command("tune",
@@ -428,16 +634,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``purlin`` command; returns the exit status (2 for a usage or Purlin error)."""
+    """Run the ``purlin`` command; returns the exit status: 2 for a usage or Purlin error, each
+    answered with one line (``PURLIN_DEBUG=1`` raises instead, with the traceback)."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # argparse has printed usage or help already
         return exc.code if isinstance(exc.code, int) else 2
+    debug = os.environ.get("PURLIN_DEBUG", "") not in ("", "0")
     try:
         return args.run(args)
-    except PurlinError as exc:
-        print(f"purlin: error: {exc}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("purlin: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `purlin plan ... | head`: the reader has seen enough
+        sys.stderr.close()
+        return 0
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"purlin: error: {error_line(exc)}", file=sys.stderr)
+        return 2 if isinstance(exc, (PurlinError, OSError)) else 1
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for ``exc``: a PurlinError's message, an OSError's file and reason, anything
+    else with its type and a pointer to ``PURLIN_DEBUG=1``."""
+    if isinstance(exc, PurlinError):
+        text = str(exc)
+    elif isinstance(exc, OSError) and exc.filename is not None:
+        text = f"cannot write or read {exc.filename}: {exc.strerror or exc}"
+    else:
+        text = (f"unexpected {type(exc).__name__}: {exc} (a bug: PURLIN_DEBUG=1 shows the "
+                "traceback)")
+    first, _, rest = text.strip().partition("\n")
+    return first + (" (PURLIN_DEBUG=1 shows the rest)" if rest.strip() else "")
 
 
 if __name__ == "__main__":

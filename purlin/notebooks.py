@@ -109,10 +109,11 @@ def _failed_cell(nb) -> int | None:
 # -- the demo -----------------------------------------------------------------------------------
 
 
-def demo(out="out", *, cpu_only: bool = True, timeout: int = CELL_TIMEOUT,
+def demo(out="outputs", *, cpu_only: bool = True, timeout: int = CELL_TIMEOUT,
          print_fn: Callable[[str], None] = print) -> dict[str, Path]:
     """Execute the tour notebook headless, echoing its headings and text outputs, and write
-    into ``out``: ``demo-timeline.html`` (predicted and measured timelines of the tour, a
+    into ``out`` (created if missing; default ``outputs/``, which git ignores):
+    ``demo-timeline.html`` (predicted and measured timelines of the tour, a
     standalone page), ``demo-tour.ipynb`` (the executed notebook) and ``demo-kernel.log``
     (what the kernel process printed). Returns the page's and the notebook's paths."""
     out = Path(out).resolve()
@@ -142,6 +143,7 @@ class _Echo:
 
     def __init__(self, cells, print_fn):
         self.print = print_fn
+        self.printed = False
         self.headings: dict[int, list[str]] = {}
         pending: list[str] = []
         for i, cell in enumerate(cells):
@@ -153,14 +155,21 @@ class _Echo:
     def __call__(self, cell, index) -> None:
         if cell.cell_type != "code":
             return
-        for heading in self.headings.get(index, ()):
+        headings = self.headings.get(index, ())
+        for heading in headings:
             self.print(f"\n{heading.lstrip('#').strip()}\n{'-' * len(heading.lstrip('#').strip())}")
+        texts = []
         for output in cell.get("outputs", ()):
             kind = output.get("output_type")
             if kind == "stream":
-                self.print(output.get("text", "").rstrip("\n"))
+                texts.append(output.get("text", "").rstrip("\n"))
             elif kind in ("execute_result", "display_data"):
-                self.print(_describe(output.get("data", {})))
+                texts.append(_describe(output.get("data", {})))
+        if texts and not headings and self.printed:
+            self.print("")  # a cell's output apart from the previous cell's
+        for text in texts:
+            self.print(text)
+        self.printed = self.printed or bool(texts)
 
     # the tour's appended export cell has no heading and prints nothing
 

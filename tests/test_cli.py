@@ -55,6 +55,7 @@ def test_describe_json_round_trips(capsys):
     (["describe", "broadcast", "--ranks", "4", "--root", "4"], "root 4 is outside the ranks 0..3"),
     (["describe", "all-gather", "--ranks", "4", "--op", "max"], "all-gather copies and takes no --op"),
     (["describe", "all-reduce", "--ranks", "4", "--root", "1"], "all-reduce has no root"),
+    (["describe", "all-reduce"], "all-reduce needs a rank count: give --ranks N"),
 ])
 def test_user_errors_exit_2_with_one_line(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -63,7 +64,7 @@ def test_user_errors_exit_2_with_one_line(capsys, argv, message):
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv", [[], ["describe", "all-reduce"], ["frobnicate"],
+@pytest.mark.parametrize("argv", [[], ["frobnicate"],
                                   ["describe", "all-reduce", "-n", "4", "--op", "prod"]])
 def test_usage_errors_exit_2(capsys, argv):
     code, _, err = run(capsys, *argv)

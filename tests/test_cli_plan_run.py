@@ -17,7 +17,9 @@ def test_plan_prints_every_rank_and_a_passing_report(capsys):
                          "--bytes", "1MiB")
     assert code == 0 and err == ""
     for r in range(4):
-        assert f"rank {r}  (scratch" in out
+        assert f"rank {r}: " in out and f"\nrank {r}: " in out
+    assert "Stage    copy chunk" in out and "Notify   rank" in out and "Consume  wait for" in out
+    assert "{'" not in out, "no raw dict in the readable summary"
     assert "outputs correct, no races, no deadlock" in out
     assert "remote hops" in out
 
@@ -42,10 +44,32 @@ def test_plan_json_round_trips_to_a_verified_schedule(capsys):
     assert verify(schedule).ok
 
 
-def test_plan_rounds_sizes_that_do_not_split_and_says_so(capsys):
+def test_plan_splits_sizes_that_do_not_divide_as_evenly_as_it_can(capsys):
     code, out, err = run(capsys, "plan", "all-gather", "-n", "3", "-b", "64KiB")
+    assert code == 0 and err == ""
+    assert "message 64 KiB: 3 chunks of 21844 B or 21848 B" in out
+
+
+def test_plan_ir_prints_the_exact_program(capsys):
+    code, out, _ = run(capsys, "plan", "all-reduce", "-n", "2", "-s", "ring", "-b", "64", "--ir")
     assert code == 0
-    assert "using 65532" in err
+    assert "rank 0  (scratch 8 elements)" in out
+    assert "stage copy r0.input[8:16] -> r1.scratch[0:8]" in out
+
+
+def test_plan_summary_names_peers_chunks_and_bytes(capsys):
+    code, out, _ = run(capsys, "plan", "all-reduce", "-n", "2", "-s", "ring", "-b", "64",
+                       "--rank", "1")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[1] == "message 64 B: 2 chunks of 32 B each"
+    assert "rank 0:" not in out
+    steps = lines[lines.index("rank 1: 6 steps, scratch 32 B") + 1:][:6]
+    assert [line.split()[1] for line in steps] == ["Stage", "Notify", "Consume"] * 2
+    assert steps[0].split(None, 1)[1] == "Stage    copy chunk 0 32 B to rank 0"
+    assert steps[2].endswith("Consume  wait for rank 0 >= 1; then sum chunk 1 32 B local")
+    assert "in all: 4 Stage, 4 Notify, 4 Consume; 4 remote hops, 128 B over links" in out
+    assert "outputs correct, no races, no deadlock" in out
 
 
 def test_plan_refuses_two_phase_for_a_copy_collective(capsys):

@@ -90,9 +90,66 @@ def test_same_dependencies_and_pins():
             f"{name}: pyproject.toml asks for {ours[name]}, environment.yml for {env[name]}")
 
 
-def test_numpy_stays_below_2_5_everywhere():
+def test_numpy_range_is_1_24_through_2_5_everywhere():
     for spec, _ in (pyproject_requirements()["numpy"], environment_requirements()["numpy"]):
-        assert not spec.contains("2.5.0") and spec.contains("2.4.0") and spec.contains("1.26.4")
+        assert spec.contains("1.24.0") and spec.contains("2.4.6") and spec.contains("2.5.2")
+        assert not spec.contains("1.23.5") and not spec.contains("2.6.0")
+
+
+def test_numba_accepts_the_numpy_range_we_claim():
+    """numba (which numba-cuda brings) states the NumPy it supports: ours must lie inside."""
+    metadata = pytest.importorskip("importlib.metadata")
+    try:
+        requires = metadata.requires("numba") or []
+    except metadata.PackageNotFoundError:
+        pytest.skip("numba is not installed (pip install -e .[test])")
+    (numpy_req,) = [Requirement(r) for r in requires if Requirement(r).name == "numpy"]
+    for version in ("1.24.0", "2.4.6", "2.5.2"):
+        assert numpy_req.specifier.contains(version), (version, numpy_req)
+
+
+SIMULATED_NUMPY_2_5 = """
+import sys
+import numpy as np
+if hasattr(np, "row_stack"):  # NumPy < 2.5: remove it as 2.5 did
+    del np.row_stack
+from purlin.kernels import compat
+if sys.argv[1] == "without-compat":
+    compat.ensure_numpy_compat = lambda: None
+from numba import cuda, types
+
+def add_one(x):
+    i = cuda.grid(1)
+    if i < x.size:
+        x[i] += 1
+
+try:
+    ptx = compat.compile_ptx(add_one, (types.float32[::1],))
+except AttributeError as exc:
+    print("AttributeError:", exc)
+else:
+    print("compiled", ".entry" in ptx, hasattr(np, "row_stack"))
+"""
+
+
+@pytest.mark.parametrize("mode", ["without-compat", "with-compat"])
+def test_kernels_compat_makes_numba_cuda_compile_without_row_stack(mode):
+    """NumPy 2.5 removed ``np.row_stack``; numba-cuda 0.30.4 calls it on its first compile.
+    With the alias removed from the NumPy installed here, the compile fails as it does on 2.5
+    (the control) and succeeds once ``kernels/compat.py`` has restored it. The GPU runs use
+    NumPy 2.5.2 itself."""
+    pytest.importorskip("numba.cuda")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SIMULATED_NUMPY_2_5, mode],
+                          capture_output=True, text=True, timeout=240,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    if mode == "without-compat":
+        assert "AttributeError: module 'numpy' has no attribute 'row_stack'" in done.stdout
+    else:
+        assert done.stdout.strip() == "compiled True True", done.stdout + done.stderr
 
 
 def test_environment_installs_the_package_with_test_extras():

@@ -181,15 +181,17 @@ def test_other_reductions_of_integers_are_fine():
 
 
 @pytest.mark.parametrize("n, count", [(4, 10), (3, 7), (8, 12)])
-def test_size_that_does_not_divide_into_the_chunks(n, count):
-    with spec_error(f"{count} elements do not divide into the {n} chunks",
-                    "output of rank 0", "all-gather", f"multiple of {n}"):
-        collectives.all_gather(n).sized(count)
+def test_size_that_does_not_divide_splits_as_evenly_as_it_can(n, count):
+    s = collectives.all_gather(n).sized(count)
+    assert s.output_count(0) == count
+    assert sorted({c for _, c in s.chunks}) == sorted({count // n, count // n + 1})
 
 
-def test_size_that_does_not_divide_names_the_widest_input():
-    with spec_error("7 elements do not divide into the 3 chunks of the input of rank 2"):
-        collectives.scatter(3, root=2).sized(7)
+def test_size_that_would_grow_a_buffer_past_the_message_names_the_widest_input():
+    coll = Collective([["a", "b"], ["c"]], [["a", "a"], ["b", "c"]], "copy")
+    with spec_error("3 elements do not divide into the 2 chunks of the input of rank 0",
+                    "give chunk_sizes"):
+        coll.sized(3)
 
 
 def test_nbytes_that_is_not_whole_elements():

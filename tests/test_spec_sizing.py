@@ -134,3 +134,105 @@ def test_sizing_is_frozen():
     assert isinstance(s, Sizing)
     with pytest.raises(AttributeError):
         s.dtype = dtype("int32")
+
+
+# -- sizes that do not divide: as even as it can, the first count % k chunks one more ------------
+
+
+@pytest.mark.parametrize("name", sorted(CHUNKS_IN_MESSAGE))
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("count", [1, 7, 10, 841])
+def test_any_count_splits_as_evenly_as_it_can(name, n, count):
+    coll = collectives.standard(name, n, root=n - 1)
+    s = coll.sized(count)
+    assert s.message_count == count  # the largest buffer is the message, as with even counts
+    k = CHUNKS_IN_MESSAGE[name](n)
+    counts = [c for _, c in s.chunks]
+    assert max(counts) - min(counts) <= 1
+    widest = max(list(coll.input) + list(coll.output), key=len)
+    assert [s.chunk_count(x) for x in widest] == (
+        [count // k + 1] * (count % k) + [count // k] * (k - count % k))
+
+
+def test_the_issue_example_plans_a_72_rank_all_reduce_of_1_mib():
+    s = collectives.all_reduce(72).sized(nbytes=1 << 20)
+    assert [s.chunk_count(i) for i in (0, 63, 64, 71)] == [3641, 3641, 3640, 3640]  # 262144 = 72 * 3640 + 64
+    assert s.message_bytes == 1 << 20
+    assert all(s.input_count(r) == s.output_count(r) == 1 << 18 for r in range(72))
+
+
+def test_uneven_split_offsets_follow_the_counts():
+    s = collectives.all_gather(3).sized(10)
+    assert [s.chunk_count(r) for r in range(3)] == [4, 3, 3]
+    assert [s.output_offset(0, p) for p in range(3)] == [0, 4, 7]
+    assert [s.input_count(r) for r in range(3)] == [4, 3, 3]
+    assert not s.is_even
+
+
+def test_explicit_chunk_sizes_are_kept_as_given():
+    s = collectives.all_gather(3).sized(chunk_sizes={0: 1, 1: 5, 2: 2})
+    assert [c for _, c in s.chunks] == [1, 5, 2]
+
+
+def test_a_repeated_output_name_that_would_outgrow_the_message_is_refused():
+    from purlin.errors import SpecError
+
+    coll = Collective([["a", "b"], ["c"]], [["a", "a"], ["b", "c"]], copy)
+    with pytest.raises(SpecError, match="3 elements do not divide into the 2 chunks"):
+        coll.sized(3)
+    assert coll.sized(4).message_count == 4
+
+
+# -- the cpu datapath computes uneven splits right ----------------------------------------------
+
+
+@pytest.mark.parametrize("name, n, count, strategy, chunks", [
+    ("all-gather", 3, 10, "ring", 2),
+    ("all-gather", 3, 10, "direct-pull", 1),
+    ("reduce-scatter", 4, 10, "two-phase", 2),
+    ("all-to-all", 3, 10, "direct-push", 1),
+    ("all-reduce", 5, 13, "ring", 2),
+    pytest.param("all-reduce", 72, 725, "two-phase", 1, marks=pytest.mark.slow),
+])
+def test_uneven_splits_run_right_on_the_cpu_datapath(name, n, count, strategy, chunks):
+    import numpy as np
+
+    from purlin import Cluster, reference
+
+    coll = collectives.standard(name, n)
+    sizing = coll.sized(count)
+    assert not sizing.is_even
+    bound = Cluster.cpu(n).bind(coll, strategy, count=count, chunks=chunks, timeout=120)
+    rng = np.random.default_rng(n)
+    inputs = [rng.standard_normal(sizing.input_count(r)).astype("float32") for r in range(n)]
+    outputs = bound(inputs)
+    for got, want in zip(outputs, reference(sizing, inputs)):
+        assert np.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("ll", [False, True], ids=["simple", "ll"])
+@pytest.mark.parametrize("name, strategy", [
+    ("all-gather", "ring"), ("all-gather", "direct-pull"), ("reduce-scatter", "two-phase"),
+    ("all-reduce", "ring"), ("all-reduce", "direct-push"), ("all-to-all", "direct-push"),
+    ("scatter", "ring"), ("reduce", "two-phase"),
+])
+@pytest.mark.parametrize("count", [2, 7, 97])  # fewer elements than chunks, odd, prime
+def test_uneven_splits_run_right_in_the_gpu_tables(name, strategy, count, ll):
+    """The sm datapath's lowered instruction tables, run by the host interpreter, with chunks
+    of unequal (and zero) length, pipelined over two pieces and two lanes."""
+    import numpy as np
+
+    from purlin.atom.host import HostBuffers, run_calls
+    from purlin.snac import plan
+    from purlin.spec import reference
+
+    coll = collectives.standard(name, 4, root=3)
+    schedule = plan(coll, strategy, count=count, chunks=2, lanes=2)
+    bufs = HostBuffers(schedule, ll=ll)
+    rng = np.random.default_rng(count)
+    xs = [[rng.integers(-40, 40, schedule.sizing.input_count(r)).astype(np.float64)
+           for r in range(4)] for _ in range(2)]
+    outs = run_calls(bufs.lower(), bufs, xs)
+    for call in range(2):
+        for r, want in enumerate(reference(schedule.sizing, xs[call])):
+            np.testing.assert_array_equal(outs[call][r], want, err_msg=f"call {call} rank {r}")

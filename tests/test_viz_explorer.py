@@ -62,10 +62,11 @@ def test_plan_errors_show_as_text_and_clear_the_figure(ex):
     assert ex.update(strategy="ring") is not None and "cannot plan" not in ex.summary.value
 
 
-def test_sizes_that_ranks_do_not_divide_are_rounded(ex):
+def test_sizes_that_ranks_do_not_divide_split_as_evenly_as_they_can(ex):
     t = ex.update(ranks=3, size=1 << 20)
     assert t is not None and ex.schedule.collective.nranks == 3
-    assert "rounded" in ex.summary.value
+    assert ex.schedule.sizing.message_bytes == 1 << 20
+    assert "1,048,576 B;" in ex.summary.value and "rounded" not in ex.summary.value
 
 
 def test_unknown_settings_are_refused(ex):

@@ -84,3 +84,22 @@ def test_to_html_inlines_plotly_js(predicted, tmp_path):
     assert path.stat().st_size > 1_000_000 and "<script src=\"https://cdn.plot.ly" not in text
     small = to_html(fig, tmp_path / "c.html", include_plotlyjs="cdn")
     assert small.stat().st_size < 1_000_000
+
+
+def test_compare_figure_gives_each_plot_its_rows_and_its_title_room(predicted):
+    from purlin.viz.timeline import MIN_PLOT_PX, ROW_PX, TITLE_PX
+
+    measured = predict(plan(collectives.all_reduce(2), "direct-push", count=8))
+    fig = compare_figure(predicted, measured, title="both")
+    layout = fig.layout
+    area = layout.height - layout.margin.t - layout.margin.b
+    (lo1, hi1), (lo2, hi2) = layout.yaxis.domain, layout.yaxis2.domain
+    assert (hi1 - lo1) * area == pytest.approx(ROW_PX * len(predicted.rows()))
+    assert (hi2 - lo2) * area == pytest.approx(MIN_PLOT_PX)  # two rows get the minimum
+    assert hi1 == 1.0 and lo2 == 0.0
+    assert (lo1 - hi2) * area >= TITLE_PX, "the lower title fits between the plots"
+    assert layout.margin.t >= TITLE_PX + 40, "the upper title fits under the figure's title"
+    titles = layout.annotations
+    assert [t.y for t in titles] == [hi1, hi2]
+    assert all(t.yanchor == "bottom" and t.yshift > 0 for t in titles), "titles sit above"
+    assert layout.title.yref == "container" and layout.title.y == 1

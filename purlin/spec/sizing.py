@@ -1,12 +1,16 @@
 """Sizing: a collective plus a message size and dtype gives chunk sizes and buffer offsets.
 
 The message size follows nccl-tests: it is the largest per-rank buffer (input or output) of the
-collective. Even chunks split it into equal parts; uneven chunks are given per name.
+collective. A message size splits into the chunks of that buffer as evenly as it can (the
+first ``count % chunks`` get one element more, as NCCL takes any count); uneven chunks of your
+own are given per name.
 
 >>> from purlin.spec import collectives
 >>> s = collectives.all_gather(4).sized(nbytes=1024, dtype="float32")
 >>> s.chunk_count(0), s.output_count(1), s.output_offset(1, 3)
 (64, 256, 192)
+>>> [c for _, c in collectives.all_reduce(3).sized(10).chunks]
+[4, 3, 3]
 >>> v = collectives.all_gather(2).sized(chunk_sizes={0: 3, 1: 5})
 >>> v.output_count(0), v.output_offset(0, 1)
 (8, 3)
@@ -98,8 +102,8 @@ def size(collective: Collective, count: int | None = None, *, nbytes: int | None
          dtype="float32", chunk_sizes: Mapping | Callable | None = None) -> Sizing:
     """Give every chunk of ``collective`` an element count.
 
-    Either ``count`` (elements) or ``nbytes`` sets the message size, split evenly over the
-    chunks of the largest buffer; or ``chunk_sizes`` (a mapping or a function of the name)
+    Either ``count`` (elements) or ``nbytes`` sets the message size, split as evenly as it can
+    over the chunks of the largest buffer (the first ``count % chunks`` one element more); or ``chunk_sizes`` (a mapping or a function of the name)
     sets each chunk's element count directly, for uneven (all-to-all-v style) collectives.
     """
     dt = as_dtype(dtype)
@@ -143,14 +147,19 @@ def size(collective: Collective, count: int | None = None, *, nbytes: int | None
     rows = [(f"input of rank {r}", collective.input[r]) for r in range(n)]
     rows += [(f"output of rank {r}", collective.output[r]) for r in range(n)]
     where, widest = max(rows, key=lambda item: len(item[1]))
-    if count % len(widest):
+    k = len(widest)
+    each, extra = divmod(count, k) if k else (0, 0)
+    # As NCCL takes any count: the first count % k chunks of the largest buffer get one element
+    # more; every other name gets the even share, so no buffer exceeds the message.
+    more = set(widest[:extra])
+    sizing = Sizing(collective, dt, tuple((name, each + (name in more)) for name in names))
+    if sizing.message_count != count:  # a buffer that repeats a name with the extra element
         raise SpecError(
-            f"{count} elements do not divide into the {len(widest)} chunks of the {where} "
-            f"(the largest buffer of {collective.name}); use a multiple of {len(widest)} or "
-            "give chunk_sizes"
+            f"{count} elements do not divide into the {k} chunks of the {where} "
+            f"(the largest buffer of {collective.name}) without another buffer growing past "
+            f"the message; use a multiple of {k} or give chunk_sizes"
         )
-    each = count // len(widest)
-    return Sizing(collective, dt, tuple((name, each) for name in names))
+    return sizing
 
 
 def _lookup(mapping: Mapping):

@@ -141,8 +141,8 @@ def _explorer_class():
                     else:
                         trace.update(showlegend=bool(d["x"]), **d)
                 layout = _layout(tl, None)
-                self.figure.layout.title = (_title(tl) if self.timeline is not None else
-                                            "no schedule: see below")
+                self.figure.layout.title.text = (_title(tl) if self.timeline is not None else
+                                                 "no schedule: see below")
                 self.figure.layout.height = layout["height"]
                 self.figure.layout.yaxis.update(**_yaxis(tl))
                 self.figure.layout.xaxis.autorange = True

@@ -28,6 +28,13 @@ KIND_COLORS = {"stage": "#4C78A8", "notify": "#F58518", "wait": "#C9C3BE",
 FLOW_NAME = "notify → release"
 FLOW_COLOR = "rgba(80, 80, 80, 0.55)"
 BAR_HEIGHT = 0.8  # of a row
+# Figure layout in pixels: each plot is as tall as its rows, its title above it with room for
+# two lines (label and schedule), the figure's title above everything.
+ROW_PX = 30
+MIN_PLOT_PX = 90
+HEAD_PX = 64  # the figure's title (two lines where it has a subtitle)
+TITLE_PX = 52  # a subplot's two-line title
+AXIS_PX = 60  # the time axis and its title under the last plot
 MIN_BAR_FRACTION = 0.002  # zero-length steps are drawn this wide (of the span); hover is exact
 
 HOVER = ("<b>%{customdata[0]}</b> %{customdata[9]} · r%{customdata[6]} lane %{customdata[7]}"
@@ -54,20 +61,35 @@ def compare_figure(predicted: Timeline, measured: Timeline, *, flows: bool = Tru
     """Two timelines (predicted above, measured below) on one shared time axis."""
     from plotly.subplots import make_subplots
 
-    rows = [max(len(predicted.rows()), 1), max(len(measured.rows()), 1)]
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        row_heights=[r / sum(rows) for r in rows],
+    plots = [_plot_px(predicted), _plot_px(measured)]
+    gap = TITLE_PX + 8  # the lower plot's title sits between the two
+    area = sum(plots) + gap
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=gap / area,
+                        row_heights=[p / sum(plots) for p in plots],
                         subplot_titles=[_title(predicted), _title(measured)])
     for i, tl in enumerate((predicted, measured), start=1):
         for trace in _traces(tl, flows=flows, legend=(i == 1)):
             fig.add_trace(trace, row=i, col=1)
         fig.update_yaxes(row=i, col=1, **_yaxis(tl))
+    for note in fig.layout.annotations:  # subplot titles: left-aligned, clear of the bars
+        note.update(x=0, xanchor="left", yshift=6, align="left")
     fig.update_xaxes(title_text="time (µs)", row=2, col=1, zeroline=False)
     fig.update_layout(barmode="overlay", bargap=0, hovermode="closest",
-                      height=160 + 26 * sum(rows), margin=dict(l=70, r=20, t=90, b=50),
-                      title=title or f"{predicted.label} vs {measured.label}",
+                      height=HEAD_PX + TITLE_PX + area + AXIS_PX,
+                      margin=dict(l=70, r=20, t=HEAD_PX + TITLE_PX, b=AXIS_PX),
+                      title=_head(title or f"{predicted.label} vs {measured.label}"),
                       legend=dict(orientation="v", yanchor="top", y=1.0, x=1.01))
     return fig
+
+
+def _plot_px(timeline: Timeline) -> int:
+    return max(MIN_PLOT_PX, ROW_PX * max(len(timeline.rows()), 1))
+
+
+def _head(text: str) -> dict:
+    """The figure's title, pinned to the top of the page above every plot title."""
+    return dict(text=text, x=0.01, xanchor="left", y=1, yref="container", yanchor="top",
+                pad=dict(t=14))
 
 
 def to_html(fig, path, *, include_plotlyjs=True) -> Path:
@@ -152,9 +174,11 @@ def _title(timeline: Timeline) -> str:
 
 
 def _layout(timeline: Timeline, title) -> dict:
-    nrows = max(len(timeline.rows()), 1)
-    return dict(barmode="overlay", bargap=0, hovermode="closest", title=title or _title(timeline),
-                height=150 + 26 * nrows, margin=dict(l=70, r=20, t=80, b=50),
+    top = TITLE_PX + 36  # a two-line title, then the legend in one row above the plot
+    return dict(barmode="overlay", bargap=0, hovermode="closest",
+                title=_head(title or _title(timeline)),
+                height=top + _plot_px(timeline) + AXIS_PX,
+                margin=dict(l=70, r=20, t=top, b=AXIS_PX),
                 legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
 
 
