@@ -54,10 +54,11 @@ from purlin.errors import CapabilityError
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
                                 F_OP_MOVE, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
-                                F_REDOP, MAX_THREADS,
-                                F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_WIDTH,
-                                OPCODE_NAMES, PEER, PER_CALL, REDOP, REDUCE, SOURCE_WIDTH, SRC,
-                                STEP, VALUE, WAIT)
+                                F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES,
+                                F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_KIND,
+                                OP_WIDTH, OPCODE_NAMES, PEER, PER_CALL, PUT_BYTES, PUT_SRC, REDOP,
+                                REDUCE, SOURCE_ADDR, SOURCE_LL, SOURCE_WIDTH, SRC, STEP, VALUE,
+                                WAIT)
 
 __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Source",
            "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",
@@ -229,8 +230,9 @@ def _epilogue_problem(r: int, ops: list[tuple], epilogue: Epilogue, unit: int,
 
 def rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
     """The rank's rows as fused ops (:class:`Wait`, :class:`Notify`, :class:`Put`,
-    :class:`Move`), LL_GET rows folded into the moves that read them. Raises CapabilityError naming the rank and row when the rank cannot be fused. ``unit``:
-    the bytes a thread takes at a time (16, or 8 -- one LL unit each)."""
+    :class:`Move`), LL_GET rows folded into the moves that read them. Raises CapabilityError
+    naming the rank and row when the rank cannot be fused. ``unit``: the bytes a thread takes
+    at a time (16, or 8 -- one LL unit each)."""
     try:
         return _rank_ops(low, unit)
     except _Refused as exc:
@@ -483,21 +485,22 @@ def oneshot_problem(words: np.ndarray) -> str | None:
     if head[F_DTYPE] not in (0, 1, 2) or head[F_REDOP] != 0:
         return (f"rank {r}: it sums dtype code {head[F_DTYPE]} with reduce op code "
                 f"{head[F_REDOP]}, not a float sum")
-    kinds = [int(words[F_HEAD + k * OP_WIDTH]) for k in range(nops)]
+    kinds = [int(words[F_HEAD + k * OP_WIDTH + OP_KIND]) for k in range(nops)]
     if nops < 3 or kinds[-2:] != [F_OP_MOVE, F_OP_NORM] or \
             any(kind != F_OP_PUT for kind in kinds[:-2]):
         return f"rank {r}: its program is not PUTs, one MOVE and the NORM epilogue"
     move = F_HEAD + (nops - 2) * OP_WIDTH
-    nbytes, nsrc, first = (int(x) for x in words[move + 3: move + 6])
+    nbytes, nsrc, first = (int(words[move + w]) for w in (MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES))
     sources = [[int(x) for x in words[first + s * SOURCE_WIDTH:][:SOURCE_WIDTH]]
                for s in range(nsrc)]
-    plain = [s for s in sources if s[0] == 0]
+    plain = [s for s in sources if s[SOURCE_LL] == 0]
     if len(plain) != 1 or len(sources) - 1 != nops - 2:
         return (f"rank {r}: its move reads {len(plain)} plain and {len(sources) - len(plain)} "
                 f"LL sources; the one-shot kernel reads its input and one LL source per PUT")
     for k in range(nops - 2):
         put = F_HEAD + k * OP_WIDTH
-        if int(words[put + 1]) != plain[0][1] or int(words[put + 4]) != nbytes:
+        if int(words[put + PUT_SRC]) != plain[0][SOURCE_ADDR] or \
+                int(words[put + PUT_BYTES]) != nbytes:
             return f"rank {r}: PUT {k} sends other bytes than the move's input"
     return None
 
