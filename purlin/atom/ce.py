@@ -33,6 +33,7 @@ from purlin.kernels import isa
 from purlin.snac.planner import Capabilities
 
 CAPABILITIES = Capabilities(name="ce", can_reduce=False, reduce_engine="sm")
+RUNS_ON = ("local", "virtual", "cpu")  # a cpu cluster runs its mixed plans on the cpu path
 TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float64")
 DEFAULT_THREADS = 512
 # where copy engines beat the sm datapath on 2 x H200 (with side copies): all-gather and
