@@ -61,6 +61,7 @@ class Cluster:
         """One rank per visible GPU (or the first ``n``), peer access enabled both ways."""
         if n is not None:
             _rank_count(n, "Cluster.local")
+        atom.load("ce").ask_for_queues()  # before CUDA starts: ce binds on it need them
         devices = atom.load("sm").local_devices(n)
         return cls("local", len(devices), devices)
 
@@ -68,6 +69,7 @@ class Cluster:
     def virtual(cls, n: int, device: int = 0) -> "Cluster":
         """n ranks on one GPU, all resident in one launch."""
         _rank_count(n, "Cluster.virtual")
+        atom.load("ce").ask_for_queues()  # before CUDA starts: ce binds on it need them
         atom.load("sm").check_device(device)
         return cls("virtual", n, (device,) * n)
 
