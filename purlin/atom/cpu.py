@@ -98,10 +98,6 @@ class CpuMemory:
                 cond.wait(min(left, 0.05))
 
 
-# raw trace record: (rank, lane, step index, kind, start ns, end ns)
-TraceRecord = tuple
-
-
 class CpuRun:
     """A schedule bound to numpy buffers on the cpu datapath; call it once per collective."""
 

@@ -9,8 +9,6 @@ and replays need no reset.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
@@ -504,13 +502,3 @@ def _check_resident(torch, device, launcher, kind) -> None:
             f"{launcher.grid} blocks of {launcher.threads} threads cannot all be resident on GPU "
             f"{device} ({sms} SMs); use fewer lanes or blocks per lane"
             + (" or fewer virtual ranks" if kind == "virtual" else ""))
-
-
-def wall_clock_us(fn, repeat: int = 100) -> float:
-    """Median host time of ``fn()`` in microseconds (for eager-call measurements)."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e6)
