@@ -1,60 +1,11 @@
-"""The fused kernel: a rank's one-lane table run block-matched, in one pass per row.
+"""The fused kernel: a rank's one-lane program (built by :mod:`purlin.atom.fused`; layout in
+``isa``) run block-matched -- every thread takes the same items of every row on every rank, and
+each flag has a slot per block, so a block waits only for the same block of its peers.
 
-``fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters)``,
-all int64, runs the programs :mod:`purlin.atom.fused` builds (layout in ``isa``: header, ops,
-sources). Rank slot ``s`` of a launch reads its program at ``desc_ptr + s * stride_words * 8``
-(``stride_words``: a program's length) and counts its calls in the ``F_MAX_BLOCKS`` words at
-``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b; zero before the first call); its
-``blocks_per_rank`` blocks share the work.
-
-Every thread of a rank takes items (the program's unit: 16 data bytes, 8 -- one LL unit -- or
-4, half an LL unit, for rows of 4-byte multiples)
-``g, g + stride, ...`` of every row, where ``g`` is its index in the rank's grid -- the same
-items on every rank, since every rank runs the same grid. So a block only ever meets the
-items its own threads and the same block of its peers touch, and flags have one slot per
-block:
-
-* WAIT: thread 0 spins (acquire, system scope) on its block's slot until it reaches
-  ``(epoch + offset) * per_call + value``; then the block synchronizes;
-* NOTIFY: the block synchronizes, then thread 0 adds to its block's slot on the peer with a
-  system-scope release (cumulative over the block's writes);
-* PUT (LL): each item as LL units ({data, tag, data, tag} per 8 bytes, tag = ``epoch %
-  LL_TAG_MOD + 1``; a 4-byte item as one 8-byte {data, tag} half) into a peer's LL area --
-  the tags are the flag;
-* NORM (the epilogue of an all-reduce, the op after the MOVE into its output; run by the
-  ``fused_norm`` kernels only, the others are compiled without it): over the
-  MOVE's own items, ``residual += result`` (rounded to the element type), then row by row
-  ``result = rms_norm(residual) * weight`` (float32 inside, one rounding). The threads of a
-  block cover ``threads * unit`` bytes of one row at a time (a chunk); each chunk's sum of
-  squares goes to a 16-byte slot of the row sums area as {float32 bits, tag}, and every
-  block reads the slots of its chunks' rows, in order, before it normalizes: the rank's
-  blocks meet only through those slots, and every rank's result is the same bits. A block
-  that owns every chunk of its rows (a row is one chunk, or the grid one block) keeps its
-  sums in shared memory instead and adds them in the same order: the same bits, no slots;
-* MOVE: each item of the destination from its sources in order (a copy for one source, else
-  the reduction, bfloat16 / float16 accumulated in float32 as the interpreter does); an LL
-  source is polled until both tags of its units are this call's. With 16-byte items, plain
-  copies keep four items in flight per thread and plain bfloat16 / float16 reductions two.
-
-``oneshot_norm`` (and ``oneshot_norm_pdl``), the one-shot epilogue kernel, runs the programs
-of one shape that ``purlin.atom.fused.oneshot_problem`` accepts: the direct-push all-reduce on
-LL transfers ending with the NORM -- a PUT of the rank's input to each peer, one MOVE summing
-the peers' LL units and the input into the target, then the epilogue, on 8-byte items of a
-float type. ``fused_norm`` runs them op by op: its MOVE stores each item of the sum, and its
-NORM reads the item back, then the residual and the weight. Here a thread's item of the sum
-stays in its registers and goes straight into ``residual += sum``, and the residual and
-weight items of the block's first chunk are read with the call counter and the input item,
-so their latency hides behind the exchange. The row sums, their trade between blocks and
-the normalization are the same functions as ``fused_norm``'s: both kernels give the same
-bits.
-
-Data rows run back to back with no barrier (the builder refuses tables where one could meet
-another's items). A rank's program is read into shared memory once at block start (with PDL
-before waiting for the kernel before it: programs are nobody's output); then every thread
-reads its block's call counter, together with its item of a first PUT. Calls alternate
-between even and odd addresses (two scratch copies, two LL parities). A wait or poll that
-times out writes the rank's error record (the lowered flag, or the LL unit polled; the target
-or tag expected and seen; step and peer) and raises ABORT.
+``fused`` / ``fused_pdl`` run WAIT, NOTIFY, PUT (LL) and MOVE ops; ``fused_norm`` / ``_pdl`` add
+the NORM epilogue (residual add and RMSNorm); ``oneshot_norm`` / ``_pdl`` run the one-shot
+epilogue programs that ``purlin.atom.fused.oneshot_problem`` accepts, keeping each sum in
+registers. How it works: ARCHITECTURE.md, "The fused kernel".
 """
 
 from __future__ import annotations
@@ -596,7 +547,7 @@ def _chunk_sum(a, b, res_at, dt, unit, parts, sums, c, k, owned, tag):
 
 @device
 def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns, abort, res0):
-    """A NORM op (see the module docstring); ``res0``: this thread's residual item of the
+    """A NORM op (ARCHITECTURE.md, "The fused kernel"); ``res0``: this thread's residual item of the
     block's first chunk, read at block start (its weight item is read with the result, and
     waited for only after the row sums). Returns when the block is done or gave up."""
     parts = cuda.shared.array(MAX_THREADS, np.float32)  # a row's sums
@@ -824,7 +775,10 @@ _kernel = launch_bounded(MAX_THREADS)
 
 @_kernel
 def fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
-    """Run the fused programs of this launch (see the module docstring; no NORM op)."""
+    """Run the fused programs of this launch (no NORM op). Rank slot ``s`` reads its program
+    at ``desc_ptr + s * stride_words * 8`` and counts calls in the ``F_MAX_BLOCKS`` words at
+    ``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b; zero before the first call);
+    its ``blocks_per_rank`` blocks share the work."""
     _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
          False)
 
@@ -936,7 +890,7 @@ def _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride
 @_kernel
 def oneshot_norm(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
                  counters):
-    """Run the one-shot epilogue programs of this launch (see the module docstring): an LL
+    """Run the one-shot epilogue programs of this launch (arguments as ``fused``'s): an LL
     all-reduce's PUTs, then each item's sum kept in registers for the epilogue."""
     _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
                  False)
