@@ -1,233 +1,311 @@
 #!/usr/bin/env bash
-# One GPU session on 2 GPUs, stage by stage; logs and JSON go to $OUT (or ./out).
-# Usage (on the GPU machine, from the repo root): bash bench/gpu_session.sh [stage ...]
-#   env kernels tests allreduce      (the default set: ~5 minutes; cetests: the ce part alone;
-#                                    lltests: the LL and PDL cases alone; fusedtests: the
-#                                    fused kernel's, ~3.5 minutes, not part of tests)
-#   timeline    measured vs predicted timelines (needs plotly: bench/gpu_wheels.sh)
-#   tracecli    `purlin trace ... --measure` on the GPUs
-#   ce          the copy-engine datapath: correctness, bandwidth, matmul overlap (ce1g: 1 GiB;
-#               cehang: where the hang after a mixed collective comes from; ce1gprobe: the
-#               1 GiB ce+sm all-reduce that stalled a sweep, with thread stacks)
-#   process     purlin.torch against NCCL, and the TP=2 decoder layer (processll: with LL;
-#               processzc: zero_copy, the caller's tensors used in place of staging copies;
-#               processzcll: zero_copy with LL up to 4 MiB; processauto: protocol auto with
-#               zero_copy, and fused-ll -- the fused kernel; tp: the decoder layer alone;
-#               norm: all_reduce_add_rms_norm, the RMSNorm epilogue, test and checks;
-#               inlayer: a small all-reduce's cost after the decoder's GEMV, and the floor's)
-#   notebooks   01-tour and 04-benchmark executed on the GPUs (needs the wheels)
-#   stagetests  the GPU tests of lanes by stage and push-pull alone (cestage: both against
-#               NCCL from 64 MiB)
-#   floor       hand-written one-shot all-reduce kernels (flag, LL, Lamport) at 8 KiB .. 1 MiB
-#               against NCCL and Purlin's auto: what the protocol can reach without the executor
-#   tune sweep  the tuning table, then the six-collective sweep against NCCL (sweepsm: no ce;
-#               sweepce: the ce datapath's collectives, 1 MiB .. 1 GiB, against sm and NCCL)
+# Runs the bench/ scripts, the GPU tests and the CLI on a GPU machine, stage by stage; every
+# stage is bounded by `timeout` and writes its log (and JSON) under $OUT (default ./out).
+#
+#   bash bench/gpu_session.sh [--limit SECONDS] [--dry-run] stage ...
+#
+# --limit S  the whole session under S seconds; the stages write into a scratch folder that is
+#            packed into $OUT/session.tgz at the end (also when the limit cut it short), beside
+#            $OUT/session.log (a device call brings back only a few files)
+# --dry-run  print each stage's commands instead of running them
+#
+# One GPU (virtual ranks): one-gpu = env imports cli1 notebooks1 custom vtests
+#   env         nvidia-smi -L, the versions of python, torch, numba, numpy, the GPUs torch sees
+#   imports     purlin.kernels imported three ways (PYTHONPATH=. from the checkout, installed
+#               with pip --target, editable in a venv), each printing where purlin.kernels.isa is
+#   vtests      the GPU test files; on one GPU the tests that need one GPU per rank skip (-rs
+#               lists why) and the virtual-rank ones run
+#   cli1        purlin bench / run / trace --measure on 4 ranks (virtual on one GPU)
+#   notebooks1  notebooks/0*.ipynb executed headless (needs the wheels of bench/wheels.sh);
+#               executed copies and each notebook's error outputs under $OUT
+#   custom      bench/custom_vs_standard.py at 4 and 8 ranks, where the script exists
+#   demo1       `purlin demo --gpu` (not in one-gpu: notebooks1 runs the same tour)
+# Two GPUs and more: two-gpu = env tests allreduce
+#   tests lltests fusedtests cetests stagetests norm   GPU tests (parts of them)
+#   allreduce sweep sweepsm sweepce tune               bench/allreduce.py, bench/sweep.py, tune
+#   ce ce1g ceconfigs cestage                          the copy-engine datapath
+#   process processll processzc processzcll processauto tp tpgrids inlayer
+#                                                      bench/process_mode.py, tp_decoder, inlayer
+#   timeline tracecli notebooks                        timelines, `purlin trace`, notebooks
 # Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
 set -uo pipefail
+limit="" dry=0 stages=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        --limit) limit=$2; shift 2 ;;
+        --limit=*) limit=${1#--limit=}; shift ;;
+        --dry-run) dry=1; shift ;;
+        -h|--help) sed -n '2,/^set -uo/{/^set -uo/!p}' "$0"; exit 0 ;;
+        *) stages+=("$1"); shift ;;
+    esac
+done
+[ ${#stages[@]} -eq 0 ] && stages=(two-gpu)
+expanded=()
+for s in "${stages[@]}"; do
+    case $s in
+        one-gpu) expanded+=(env imports cli1 notebooks1 custom vtests) ;;
+        two-gpu) expanded+=(env tests allreduce) ;;
+        *) expanded+=("$s") ;;
+    esac
+done
+stages=("${expanded[@]}")
+
+if [ -n "$limit" ] && [ "$dry" = 0 ]; then  # the packing wrapper: run again under the limit
+    back=${OUT:-out}
+    scratch=/tmp/purlin-session
+    rm -rf "$scratch" && mkdir -p "$scratch" "$back"
+    OUT=$scratch timeout --kill-after=10 "$limit" bash "$0" "${stages[@]}" 2>&1 \
+        | tee "$scratch/session.log"
+    if [ -f "$scratch/.running" ]; then  # the stage the limit cut short, with its children
+        group=$(cat "$scratch/.running")
+        rm -f "$scratch/.running"
+        kill -TERM -- "-$group" 2>/dev/null && sleep 5 && kill -KILL -- "-$group" 2>/dev/null
+        echo "=== the limit of $limit s stopped the running stage (process group $group)" \
+            | tee -a "$scratch/session.log"
+    fi
+    cp "$scratch/session.log" "$back/session.log"
+    tar czf "$back/session.tgz" -C "$scratch" .
+    ls -la "$back"
+    exit 0
+fi
+
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1  # absolute: notebook kernels start in notebooks/
+export PYTHONUNBUFFERED=1
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then  # wheels the image lacks (plotly, ...), carried along
+OUT=$(cd "$OUT" && pwd)  # absolute: some stages run from another folder
+ROOT=$PWD
+site=/tmp/site  # wheels the image lacks (plotly, nbclient, ...), carried in .whl/
+if [ "$dry" = 0 ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -d "$site/plotly" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PWD:/tmp/site"
+        --target "$site" .whl/*.whl
 fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # absolute: notebook kernels start elsewhere
+[ -d "$site" ] && export PYTHONPATH="$PYTHONPATH:$site"
+
+step() {  # NAME SECONDS CMD...: CMD under timeout into $OUT/NAME.log; rc and the log's tail
+    local name=$1 secs=$2; shift 2
+    if [ "$dry" = 1 ]; then
+        local shown=() a
+        for a in "$@"; do [[ $a == *$'\n'* ]] && shown+=("<inline python>") || shown+=("$a"); done
+        echo "  timeout $secs ${shown[*]} > \$OUT/$name.log"
+        return 0
+    fi
+    # in the background so that its id is known: `timeout` leads a process group of its own,
+    # which --limit stops if the session's time runs out in the middle of this stage
+    timeout --kill-after=5 "$secs" "$@" > "$OUT/$name.log" 2>&1 &
+    local pid=$!
+    echo "$pid" > "$OUT/.running"
+    wait "$pid"
+    local rc=$?
+    rm -f "$OUT/.running"
+    echo "rc=$rc ($name)"
+    tail -n "${TAIL:-15}" "$OUT/$name.log"
+    return $rc
+}
+pytest_gpu() {  # NAME SECONDS PER_TEST PYTEST_ARGS...
+    local name=$1 secs=$2 per=$3; shift 3
+    TAIL=${TAIL:-30} step "$name" "$secs" python3 -m pytest -q -rs -p no:cacheprovider \
+        -o addopts="" --timeout "$per" "$@"
+}
 process_sections() {  # NAME ARGS...: process mode's correctness, graph and latency sections
     local name=$1; shift
-    timeout 150 python3 bench/process_mode_gpu.py "$@" --sections correctness,graph,latency \
-        --out "$OUT/process_mode_$name.json" > "$OUT/process_$name.log" 2>&1
-    echo "rc=$?"; tail -15 "$OUT/process_$name.log"
+    step "process_$name" 150 python3 bench/process_mode.py "$@" \
+        --sections correctness,graph,latency --out "$OUT/process_mode_$name.json"
 }
-stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env kernels tests allreduce)
+
+# the import, three ways, each from outside the checkout
+IMPORT_CHECK='import purlin, purlin.kernels.isa as isa; print(purlin.__file__, isa.__file__)'
+imports() {
+    echo "-- PYTHONPATH=. from the checkout"
+    (cd "$ROOT" && PYTHONPATH=. python3 -c "$IMPORT_CHECK")
+    echo "-- pip install --target /tmp/inst"
+    rm -rf /tmp/inst
+    python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/inst \
+        "$ROOT" && (cd /tmp && PYTHONPATH=/tmp/inst python3 -c "$IMPORT_CHECK")
+    echo "-- editable install in a venv (/tmp/ev)"
+    rm -rf /tmp/ev
+    # the image's python3 is itself a venv: its site-packages (torch, numba, pip) reach the new
+    # venv through a .pth file, as --system-site-packages would from a system python
+    python3 -m venv --without-pip --system-site-packages /tmp/ev \
+        && python3 -c 'import site; print("\n".join(site.getsitepackages()))' \
+            > "$(echo /tmp/ev/lib/python3*/site-packages)/_image.pth" \
+        && (cd "$ROOT" && env -u PYTHONPATH /tmp/ev/bin/python -m pip install -q --no-deps \
+            --no-build-isolation --no-cache-dir -e .) \
+        && (cd /tmp && env -u PYTHONPATH /tmp/ev/bin/python -c "$IMPORT_CHECK")
+}
+
+NOTEBOOKS_PY='
+import sys
+from pathlib import Path
+
+import nbclient
+import nbformat
+
+from purlin.notebooks import notebook_paths
+
+out, tag, only = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+bad = 0
+for path in notebook_paths():
+    if only and not path.name.startswith(tuple(only)):
+        continue
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=240, kernel_name="python3", allow_errors=True,
+                                     resources={"metadata": {"path": str(path.parent)}})
+    try:
+        client.execute()
+    except Exception as exc:  # a cell past its time, a dead kernel
+        print(f"{path.name}: stopped: {type(exc).__name__}: {str(exc)[:600]}")
+        bad += 1
+    errors = [(i, o.get("ename"), str(o.get("evalue"))[:400]) for i, c in enumerate(nb.cells)
+              for o in c.get("outputs", ()) if o.get("output_type") == "error"]
+    nbformat.write(nb, out / path.name.replace(".ipynb", f"-{tag}.ipynb"))
+    bad += bool(errors)
+    print(f"{path.name}: " + ("no error output" if not errors else
+                              "ERRORS " + "; ".join(f"cell {i}: {n}: {v}" for i, n, v in errors)))
+sys.exit(1 if bad else 0)
+'
+
 for stage in "${stages[@]}"; do
     echo "=== $stage ($(date +%T))"
     case $stage in
         env)
+            if [ "$dry" = 1 ]; then echo "  nvidia-smi -L; python3 -c <versions>"; continue; fi
             nvidia-smi -L; nvidia-smi topo -m 2>&1 | head -8
-            python3 -c 'import torch, numba, numpy; from numba import cuda; print("torch", torch.__version__, "numba", numba.__version__, "numpy", numpy.__version__, "gpus", torch.cuda.device_count())'
+            python3 -c 'import sys, torch, numba, numpy; print("python", sys.version.split()[0], "torch", torch.__version__, "numba", numba.__version__, "numpy", numpy.__version__, "gpus", torch.cuda.device_count(), [torch.cuda.get_device_name(d) for d in range(torch.cuda.device_count())])' 2>&1 | tee "$OUT/env.log"
             ;;
-        kernels)
-            timeout 200 python3 bench/gpu_kernels_check.py --out "$OUT" > "$OUT/kernels.log" 2>&1
-            echo "rc=$?"; tail -45 "$OUT/kernels.log"
+        imports)
+            if [ "$dry" = 1 ]; then
+                echo "  PYTHONPATH=. python3 -c '$IMPORT_CHECK'"
+                echo "  pip install --no-deps --no-build-isolation --target /tmp/inst . ; cd /tmp; PYTHONPATH=/tmp/inst python3 -c ..."
+                echo "  python3 -m venv --without-pip --system-site-packages /tmp/ev (+ .pth); /tmp/ev/bin/python -m pip install --no-deps --no-build-isolation -e . ; cd /tmp; /tmp/ev/bin/python -c ..."
+                continue
+            fi
+            export ROOT IMPORT_CHECK
+            export -f imports
+            TAIL=20 step imports 180 bash -c imports
+            ;;
+        vtests)  # on one GPU the local-cluster tests skip with their reason
+            pytest_gpu gpu_tests_virtual 300 120 -x tests/test_gpu_sm.py tests/test_gpu_ce.py \
+                tests/test_gpu_process.py
+            ;;
+        cli1)
+            run_gpu="--datapath sm"  # the run command's GPU switch, whichever this tree has
+            [ "$dry" = 0 ] && python3 -m purlin run --help 2>/dev/null | grep -q -- "--gpu" \
+                && run_gpu="--gpu"
+            step cli_bench 200 python3 -m purlin bench all-reduce -n 4 -b 8KiB:1MiB \
+                --no-progress --json "$OUT/cli_bench.json"
+            step cli_run 100 python3 -m purlin run all-reduce -n 4 $run_gpu -b 1MiB \
+                --dtype bfloat16
+            step cli_trace 120 python3 -m purlin trace all-reduce -n 4 -b 1MiB --dtype bfloat16 \
+                --measure --out "$OUT/trace-4ranks-1MiB.html" \
+                --perfetto "$OUT/trace-4ranks-1MiB.json"
+            ;;
+        notebooks1)
+            TAIL=12 step notebooks_1gpu 400 python3 -c "$NOTEBOOKS_PY" "$OUT" 1xH200
+            ;;
+        demo1)  # `purlin demo --gpu`: the tour on the best cluster here (virtual ranks on one GPU)
+            TAIL=25 step demo_gpu 200 python3 -m purlin demo --gpu --out "$OUT/demo"
+            ;;
+        notebooks)
+            TAIL=12 step notebooks 400 python3 -c "$NOTEBOOKS_PY" "$OUT" 2xH200 01- 04-
+            ;;
+        custom)
+            if [ -f bench/custom_vs_standard.py ]; then
+                TAIL=60 step custom 240 python3 bench/custom_vs_standard.py --ranks 4,8 \
+                    --out "$OUT/custom.json"
+            else
+                echo "bench/custom_vs_standard.py is not in this tree: skipped"
+            fi
             ;;
         tests)  # all but the fused kernel's (fusedtests): ~5 minutes
-            timeout 400 python3 -m pytest -q tests/test_gpu_sm.py tests/test_gpu_ce.py \
-                -k "not fused" -p no:cacheprovider --maxfail 8 -o addopts="" --timeout 120 \
-                > "$OUT/gpu_tests.log" 2>&1
-            echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_tests.log" | tail -40
+            pytest_gpu gpu_tests 400 120 --maxfail 8 tests/test_gpu_sm.py tests/test_gpu_ce.py \
+                -k "not fused"
             ;;
-        lltests)
-            timeout 200 python3 -m pytest -q tests/test_gpu_sm.py -k "ll or pdl" \
-                -p no:cacheprovider --maxfail 8 -o addopts="" --timeout 120 \
-                > "$OUT/gpu_ll_tests.log" 2>&1
-            echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_ll_tests.log" | tail -30
-            ;;
-        fusedtests)
-            timeout 300 python3 -m pytest -q tests/test_gpu_sm.py -k fused -p no:cacheprovider \
-                --maxfail 8 -o addopts="" --timeout 120 > "$OUT/gpu_fused_tests.log" 2>&1
-            echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_fused_tests.log" | tail -30
-            ;;
-        cetests)
-            timeout 150 python3 -m pytest -q tests/test_gpu_ce.py -p no:cacheprovider \
-                -o addopts="" --timeout 60 > "$OUT/gpu_ce_tests.log" 2>&1
-            echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_ce_tests.log" | tail -20
-            ;;
-        timeline)
-            timeout 200 python3 bench/gpu_timeline.py --out "$OUT" > "$OUT/timeline.log" 2>&1
-            echo "rc=$?"; tail -25 "$OUT/timeline.log"
-            ;;
-        floor)
-            timeout 240 python3 bench/gpu_floor.py --out "$OUT" > "$OUT/floor.log" 2>&1
-            echo "rc=$?"; tail -12 "$OUT/floor.log"
-            ;;
-        tracecli)
-            timeout 120 python3 -m purlin trace all-reduce -n 2 -b 1MiB --dtype bfloat16 --measure \
-                --out "$OUT/trace-cli-allreduce-1MiB.html" --perfetto "$OUT/trace-cli-allreduce-1MiB.json" \
-                > "$OUT/tracecli.log" 2>&1
-            echo "rc=$?"; tail -15 "$OUT/tracecli.log"
-            ;;
-        ce)
-            timeout 300 python3 bench/gpu_ce.py --out "$OUT/ce.json" > "$OUT/ce.log" 2>&1
-            echo "rc=$?"; tail -30 "$OUT/ce.log"
-            ;;
-        cehang)
-            timeout 250 python3 bench/ce_hang_probe.py --out "$OUT/cehang" --limit 55 \
-                > "$OUT/cehang.log" 2>&1
-            echo "rc=$?"; tail -6 "$OUT/cehang.log"
-            ;;
-        ce1gprobe)
-            timeout 200 python3 bench/ce_hang_probe.py --out "$OUT/cehang" --variants allreduce1g \
-                --stall 60 --limit 150 > "$OUT/ce1gprobe.log" 2>&1
-            echo "rc=$?"; tail -4 "$OUT/ce1gprobe.log"; tail -40 "$OUT/cehang/allreduce1g.log"
-            ;;
-        ceprobe)
-            timeout 400 python3 bench/ce_hang_probe.py --out "$OUT/ceprobe" --stall 60 \
-                --limit 90 --variants ag50,ar1m-ag,ar1g-ag,sm-ag > "$OUT/ceprobe.log" 2>&1
-            echo "rc=$?"; cat "$OUT/ceprobe.log"; tail -n 14 "$OUT"/ceprobe/*.log
-            ;;
-        ceupload)
-            timeout 300 python3 bench/ce_hang_probe.py --out "$OUT/ceupload" --stall 30 \
-                --limit 45 --variants ag-50,ag-50-dry,ag-50-rev,ag-20,ag-4 \
-                > "$OUT/ceupload.log" 2>&1
-            echo "rc=$?"; cat "$OUT/ceupload.log"; tail -n 6 "$OUT"/ceupload/*.log
-            ;;
-        ce1g)
-            timeout 200 python3 bench/gpu_ce.py --correct-only --sizes 1GiB \
-                --out "$OUT/ce_1GiB.json" > "$OUT/ce_1GiB.log" 2>&1
-            echo "rc=$?"; tail -8 "$OUT/ce_1GiB.log"
-            ;;
-        process)
-            timeout 150 python3 bench/process_mode_gpu.py --out "$OUT" > "$OUT/process.log" 2>&1
-            echo "rc=$?"; tail -15 "$OUT/process.log"
-            timeout 240 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1
-            echo "rc=$?"; tail -20 "$OUT/tp.log"
-            ;;
-        processauto)  # the fused kernel in process mode: auto + zero-copy, then fused-ll
-            for args in "auto_zc --protocol auto --zero-copy" "fused_ll --protocol fused-ll"; do
-                set -- $args
-                name=$1; shift
-                timeout 200 python3 bench/process_mode_gpu.py "$@" \
-                    --out "$OUT/process_mode_$name.json" > "$OUT/process_$name.log" 2>&1
-                echo "rc=$?"; tail -28 "$OUT/process_$name.log"
-            done
+        lltests) pytest_gpu gpu_ll_tests 200 120 --maxfail 8 tests/test_gpu_sm.py -k "ll or pdl" ;;
+        fusedtests) pytest_gpu gpu_fused_tests 300 120 --maxfail 8 tests/test_gpu_sm.py -k fused ;;
+        cetests) pytest_gpu gpu_ce_tests 150 60 tests/test_gpu_ce.py ;;
+        stagetests)
+            pytest_gpu gpu_stage_tests 200 120 --maxfail 8 tests/test_gpu_sm.py \
+                tests/test_gpu_ce.py -k "stage or push_pull"
             ;;
         norm)  # all_reduce_add_rms_norm: the GPU test, then the norm section (auto, zero-copy)
-            timeout 200 python3 -m pytest -q tests/test_gpu_process.py -p no:cacheprovider \
-                -o addopts="" --timeout 180 > "$OUT/gpu_process_tests.log" 2>&1
-            echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_process_tests.log" | tail -20
-            timeout 200 python3 bench/process_mode_gpu.py --zero-copy --sections norm \
-                --out "$OUT/process_mode_norm.json" > "$OUT/process_norm.log" 2>&1
-            echo "rc=$?"; tail -28 "$OUT/process_norm.log"
+            pytest_gpu gpu_process_tests 200 180 tests/test_gpu_process.py
+            TAIL=28 step process_norm 200 python3 bench/process_mode.py --zero-copy \
+                --sections norm --out "$OUT/process_mode_norm.json"
             ;;
-        inlayer)  # what a small all-reduce costs after the decoder's GEMV, and why
-            timeout 200 python3 bench/gpu_inlayer.py --out "$OUT" > "$OUT/inlayer.log" 2>&1
-            echo "rc=$?"; tail -20 "$OUT/inlayer.log"
+        timeline) TAIL=25 step timeline 200 python3 bench/timelines.py --out "$OUT/timelines" ;;
+        tracecli)
+            step tracecli 120 python3 -m purlin trace all-reduce -n 2 -b 1MiB --dtype bfloat16 \
+                --measure --out "$OUT/trace-cli-allreduce-1MiB.html" \
+                --perfetto "$OUT/trace-cli-allreduce-1MiB.json"
             ;;
+        ce) TAIL=30 step ce 300 python3 bench/ce.py --out "$OUT/ce.json" ;;
+        ce1g)
+            TAIL=8 step ce_1GiB 200 python3 bench/ce.py --correct-only --sizes 1GiB \
+                --out "$OUT/ce_1GiB.json"
+            ;;
+        process)
+            step process 150 python3 bench/process_mode.py --out "$OUT/process_mode.json"
+            TAIL=20 step tp 240 python3 bench/tp_decoder.py --out "$OUT/tp_decoder.json"
+            ;;
+        processauto)  # the fused kernel in process mode: auto + zero-copy, then fused-ll
+            TAIL=28 step process_auto_zc 200 python3 bench/process_mode.py --protocol auto \
+                --zero-copy --out "$OUT/process_mode_auto_zc.json"
+            TAIL=28 step process_fused_ll 200 python3 bench/process_mode.py \
+                --protocol fused-ll --out "$OUT/process_mode_fused_ll.json"
+            ;;
+        inlayer) TAIL=20 step inlayer 200 python3 bench/inlayer.py --out "$OUT/inlayer.json" ;;
         tpgrids)  # the decoder at hidden 4096 with the epilogue on blocks of 32 and 64 threads
             for g in 32 64; do
-                timeout 150 python3 bench/apps/tp_decoder.py --hidden 4096 --prefill 0 \
-                    --epi-grid $g --out "$OUT/tp_decoder_epi$g.json" > "$OUT/tp_epi$g.log" 2>&1
-                echo "rc=$?"; tail -7 "$OUT/tp_epi$g.log"
+                TAIL=7 step "tp_epi$g" 150 python3 bench/tp_decoder.py --hidden 4096 \
+                    --prefill 0 --epi-grid $g --out "$OUT/tp_decoder_epi$g.json"
             done
             ;;
-        tp)  # the TP=2 decoder layer: NCCL against protocol auto, in place, zero-copy
-            timeout 300 python3 bench/apps/tp_decoder.py --out "$OUT" > "$OUT/tp.log" 2>&1
-            echo "rc=$?"; tail -16 "$OUT/tp.log"
-            ;;
+        tp) TAIL=16 step tp 300 python3 bench/tp_decoder.py --out "$OUT/tp_decoder.json" ;;
         processll) process_sections ll --protocol ll --max-bytes 4194304 ;;
         processzc) process_sections zc --zero-copy ;;
         processzcll) process_sections zc_ll --zero-copy --protocol ll --max-bytes 4194304 ;;
-        notebooks)
-            timeout 400 python3 - "$OUT" > "$OUT/notebooks.log" 2>&1 <<'PY'
-import sys
-from pathlib import Path
-
-import nbformat
-
-from purlin.notebooks import execute, notebook_paths
-
-out = Path(sys.argv[1])
-for path in notebook_paths():
-    if path.name.startswith(("01-", "04-")):
-        nb = execute(path, timeout=300)
-        nbformat.write(nb, out / path.name.replace(".ipynb", "-2xH200.ipynb"))
-        print("executed", path.name)
-PY
-            echo "rc=$?"; tail -10 "$OUT/notebooks.log"
-            ;;
         tune)
-            timeout 200 python3 bench/gpu_tune.py --time-limit 130 --out "$OUT/tune" > "$OUT/tune.log" 2>&1
-            echo "rc=$?"; tail -15 "$OUT/tune.log"
+            step tune 200 python3 -m purlin tune --time-limit 130 --no-progress \
+                --out "$OUT/tuning.json" --json "$OUT/tune_candidates.json"
             ;;
         sweep)
-            timeout 330 python3 bench/gpu_sweep.py --ce --time-limit 170 \
-                --sizes 8,64,512,4KiB,8KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB,1GiB --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
-            echo "rc=$?"; tail -40 "$OUT/sweep.log"
-            ;;
-        sweepce)
-            timeout 300 python3 bench/gpu_sweep.py --ce --time-limit 200 --strategies '' \
-                --collectives all-reduce,all-gather,all-to-all,broadcast --no-eager \
-                --sizes 1MiB,16MiB,64MiB,128MiB,256MiB,1GiB --out "$OUT/sweepce" > "$OUT/sweepce.log" 2>&1
-            echo "rc=$?"; tail -40 "$OUT/sweepce.log"
-            ;;
-        ceconfigs)
-            # reductions with copy-engine transfers pipelined over chunks (sm reduces), 64 MiB up
-            timeout 200 python3 -m purlin bench all-reduce -b 64MiB,256MiB,1GiB --no-progress \
-                -p nccl,purlin:auto,ce:two-phase,ce:two-phase/c2,ce:two-phase/c4,ce:two-phase/c8,ce:two-phase/c4/l2,ce:direct-pull/c4 \
-                --time-limit 120 --json "$OUT/ceconfigs-allreduce.json" > "$OUT/ceconfigs.log" 2>&1
-            echo "rc=$?"
-            timeout 150 python3 -m purlin bench reduce -b 64MiB,256MiB,1GiB --no-progress \
-                -p nccl,purlin:auto,ce:direct-push,ce:direct-push/c4,ce:direct-push/c8,ce:two-phase/c4 \
-                --time-limit 90 --json "$OUT/ceconfigs-reduce.json" >> "$OUT/ceconfigs.log" 2>&1
-            echo "rc=$?"; grep -v "^#  " "$OUT/ceconfigs.log" | tail -60
-            ;;
-        stagetests)
-            timeout 200 python3 -m pytest -q tests/test_gpu_sm.py tests/test_gpu_ce.py -k "stage or push_pull" \
-                -p no:cacheprovider --maxfail 8 -o addopts="" --timeout 120 \
-                > "$OUT/gpu_stage_tests.log" 2>&1
-            echo "rc=$?"; grep -E "passed|failed|Error|error|assert" "$OUT/gpu_stage_tests.log" | tail -20
-            ;;
-        cestage)
-            # the copy engines and the SMs on NVLink together (push-pull), and lanes by stage
-            timeout 220 python3 -m purlin bench all-reduce -b 64MiB,256MiB,1GiB --no-progress \
-                -p nccl,purlin:auto,ce:push-pull/c2/l2,ce:push-pull/c4/l4,ce:push-pull/c8/l8,purlin:push-pull/c8/l8,ce:direct-push/c8/l2/stage \
-                --time-limit 150 --json "$OUT/cestage-allreduce.json" > "$OUT/cestage.log" 2>&1
-            echo "rc=$?"
-            timeout 100 python3 -m purlin bench all-gather -b 64MiB,256MiB,1GiB --no-progress \
-                -p nccl,ce:auto,ce:push-pull/c2/l2,ce:push-pull/c4/l4 \
-                --time-limit 60 --json "$OUT/cestage-all-gather.json" >> "$OUT/cestage.log" 2>&1
-            echo "rc=$?"
-            grep -E "^ +[0-9]|^# [a-z-]+ \||x +[0-9.]+x" "$OUT/cestage.log" | tail -70
+            TAIL=40 step sweep 330 python3 bench/sweep.py --ce --time-limit 170 \
+                --sizes 8,64,512,4KiB,8KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB,1GiB \
+                --out "$OUT/sweep"
             ;;
         sweepsm)
-            timeout 300 python3 bench/gpu_sweep.py --time-limit 170 \
-                --sizes 8,64,512,4KiB,8KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB,1GiB --out "$OUT/sweep" > "$OUT/sweep.log" 2>&1
-            echo "rc=$?"; tail -40 "$OUT/sweep.log"
+            TAIL=40 step sweep 300 python3 bench/sweep.py --time-limit 170 \
+                --sizes 8,64,512,4KiB,8KiB,32KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB,1GiB \
+                --out "$OUT/sweep"
             ;;
-        allreduce)
-            timeout 280 python3 bench/gpu_allreduce.py --out "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
-            echo "rc=$?"; tail -40 "$OUT/allreduce.log"
+        sweepce)
+            TAIL=40 step sweepce 300 python3 bench/sweep.py --ce --time-limit 200 --strategies '' \
+                --collectives all-reduce,all-gather,all-to-all,broadcast --no-eager \
+                --sizes 1MiB,16MiB,64MiB,128MiB,256MiB,1GiB --out "$OUT/sweepce"
             ;;
+        ceconfigs)  # reductions with copy-engine transfers pipelined over chunks, 64 MiB up
+            TAIL=40 step ceconfigs_allreduce 200 python3 -m purlin bench all-reduce \
+                -b 64MiB,256MiB,1GiB --no-progress --time-limit 120 \
+                -p nccl,purlin:auto,ce:two-phase,ce:two-phase/c2,ce:two-phase/c4,ce:two-phase/c8,ce:two-phase/c4/l2,ce:direct-pull/c4 \
+                --json "$OUT/ceconfigs-allreduce.json"
+            TAIL=40 step ceconfigs_reduce 150 python3 -m purlin bench reduce \
+                -b 64MiB,256MiB,1GiB --no-progress --time-limit 90 \
+                -p nccl,purlin:auto,ce:direct-push,ce:direct-push/c4,ce:direct-push/c8,ce:two-phase/c4 \
+                --json "$OUT/ceconfigs-reduce.json"
+            ;;
+        cestage)  # the copy engines and the SMs on NVLink together (push-pull), lanes by stage
+            TAIL=40 step cestage_allreduce 220 python3 -m purlin bench all-reduce \
+                -b 64MiB,256MiB,1GiB --no-progress --time-limit 150 \
+                -p nccl,purlin:auto,ce:push-pull/c2/l2,ce:push-pull/c4/l4,ce:push-pull/c8/l8,purlin:push-pull/c8/l8,ce:direct-push/c8/l2/stage \
+                --json "$OUT/cestage-allreduce.json"
+            TAIL=40 step cestage_all_gather 100 python3 -m purlin bench all-gather \
+                -b 64MiB,256MiB,1GiB --no-progress --time-limit 60 \
+                -p nccl,ce:auto,ce:push-pull/c2/l2,ce:push-pull/c4/l4 \
+                --json "$OUT/cestage-all-gather.json"
+            ;;
+        allreduce) TAIL=40 step allreduce 280 python3 bench/allreduce.py --out "$OUT/allreduce.json" ;;
+        *) echo "unknown stage $stage (see the head of bench/gpu_session.sh)" ;;
     esac
 done

@@ -1,11 +1,12 @@
 """How long planning and verification take, fresh (uncached), on one core.
 
+    python3 bench/plan_verify.py [--out outputs/plan_verify.json]
+
 Cases: an 8-rank all-to-all (64 chunk names; also cut into 64 pieces per transfer) and a 72-rank
 all-reduce, for every strategy that applies. ``plan()`` verifies what it returns, so its time is
-plan + verify; ``verify`` alone is timed again on the finished schedule. Goals (from the issue):
-all-to-all < 1 s, 72-rank all-reduce < 5 s.
-
-    PYTHONPATH=. python bench/plan_verify.py --out bench/results/plan_verify.json
+plan + verify; ``verify`` alone is timed again on the finished schedule. Goals: all-to-all
+< 1 s, 72-rank all-reduce < 5 s. Prints the table and writes the records as JSON (no GPU
+needed).
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")  # before numpy is imported
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
+from purlin.bench.scripts import output, write_json  # noqa: E402
 from purlin.snac import plan, verify  # noqa: E402
 from purlin.snac.planner import _plan  # noqa: E402
 from purlin.spec import collectives  # noqa: E402
@@ -97,7 +97,7 @@ def table(records) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="write the records as JSON here")
+    parser.add_argument("--out", default=None, help="JSON file or folder (default outputs/)")
     parser.add_argument("--repeat", type=int, default=3, help="fresh plans per case (median)")
     args = parser.parse_args(argv)
     where = pin_one_core()
@@ -105,12 +105,10 @@ def main(argv=None) -> int:
     print(f"plan + verify, fresh, {where}; python {platform.python_version()}, "
           f"{platform.processor() or platform.machine()}")
     print(table(records))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"python": platform.python_version(), "machine": platform.machine(),
-                "cpu": where, "repeat": args.repeat}
-        args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
-        print(f"wrote {args.out}")
+    meta = {"python": platform.python_version(), "machine": platform.machine(),
+            "cpu": where, "repeat": args.repeat}
+    path = write_json(output(args.out, "plan_verify.json"), {"meta": meta, "records": records})
+    print(f"wrote {path}")
     return 0 if all(r["meets_goal"] and r["verified"] for r in records) else 1
 
 

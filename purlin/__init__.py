@@ -17,8 +17,10 @@ def _checkout_kernels() -> None:
 
     here = _os.path.dirname(_os.path.abspath(__file__))
     init = _os.path.join(_os.path.dirname(here), "kernels", "__init__.py")
-    if ("purlin.kernels" in _sys.modules or _os.path.isdir(_os.path.join(here, "kernels"))
-            or not _os.path.isfile(init)):
+    # an installed package has purlin/kernels/__init__.py; a folder there without one (say,
+    # __pycache__ left from before kernels/ moved up) would import as an empty namespace
+    if ("purlin.kernels" in _sys.modules or not _os.path.isfile(init)
+            or _os.path.isfile(_os.path.join(here, "kernels", "__init__.py"))):
         return
     spec = importlib.util.spec_from_file_location(
         "purlin.kernels", init, submodule_search_locations=[_os.path.dirname(init)])
@@ -39,12 +41,12 @@ from purlin.spec import (Collective, Layout, Op, collectives, copy, dtype, reduc
 from purlin.runtime import Cluster, run
 from purlin.runtime import auto as _auto
 from purlin.snac import Schedule, plan, verify
-from purlin import trace as _trace
+from purlin.trace import predict_latency as _predict_latency
 
 # strategy="auto" ranks strategies with the trace layer's cost model where no tuning table
 # answers. The runtime sits below the trace layer and must not import it, so the package, which
 # sees both, hands the model over here -- the one place the two meet.
-_auto.set_latency_model(_trace.predict_latency)
+_auto.set_latency_model(_predict_latency)
 
 __version__ = "0.1.0"
 

@@ -225,21 +225,22 @@ def run_command(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from purlin.runtime.cluster import Cluster
     from purlin.spec.reference import reference
 
     schedule = plan_from(args)
     from purlin.snac import verify
 
     verify(schedule, raise_on_error=True)
+    from purlin.bench.clusters import choose, describe
+
     n = schedule.nranks
-    cluster = Cluster.cpu(n) if args.datapath == "cpu" else Cluster.best(n)
+    cluster = choose(n, args.datapath)
     bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
                          chunks=schedule.chunks, lanes=schedule.lanes,
                          lanes_by=schedule.lanes_by)
     sizing = schedule.sizing
     rng = np.random.default_rng(args.seed)
-    print(f"{schedule.title()} on {cluster}")
+    print(f"{schedule.title()} on the {describe(cluster)}")
     worst = 0.0
     for call in range(args.calls):
         inputs = [_random_input(rng, sizing.input_count(r), schedule.dtype) for r in range(n)]
@@ -268,17 +269,19 @@ def trace_command(args: argparse.Namespace) -> int:
     """Draw the predicted (and optionally measured) SNAC timeline of a collective."""
     import numpy as np
 
-    from purlin.runtime.cluster import Cluster
+    from purlin.bench.clusters import choose, describe
     from purlin.snac import verify
     from purlin.trace import from_cpu, from_sm, predict, to_perfetto
+    from purlin.trace.profiles import get_profile
     from purlin.viz import compare_figure, timeline_figure, to_html
 
     schedule = plan_from(args)
     verify(schedule, raise_on_error=True)
-    predicted = predict(schedule, args.profile)
+    profile = get_profile(args.profile)
+    predicted = predict(schedule, profile, label=f"predicted (profile {profile.name})")
     shown, fig = predicted, None
     if args.measure:
-        cluster = Cluster.best(schedule.nranks)
+        cluster = choose(schedule.nranks)
         options = {} if cluster.kind == "cpu" else {"trace_rows": 256}
         bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
                              chunks=schedule.chunks, lanes=schedule.lanes,
@@ -298,10 +301,18 @@ def trace_command(args: argparse.Namespace) -> int:
             # the GPUs' clocks drift by microseconds per second: align them right after
             clocks = measure_clocks(clock_pair, sorted(set(cluster.devices)))
             shown = from_sm(bound, clocks)
-        fig = compare_figure(predicted, shown, title=schedule.title())
-        print(f"measured on {cluster}: {shown.duration_ns / 1e3:.2f} us")
-    print(f"predicted ({args.profile}): {predicted.end_ns / 1e3:.2f} us, launch included")
-    fig = fig or timeline_figure(predicted, title=schedule.title())
+        where = describe(cluster)
+        fig = compare_figure(predicted, shown, title=f"{schedule.title()}<br><sup>predicted: "
+                             f"profile {profile.name}; measured: {where}</sup>")
+        print(f"measured on the {where}: {shown.duration_ns / 1e3:.2f} us")
+    print(f"predicted by profile {profile.name} ({profile.source or 'no source'}): "
+          f"{predicted.end_ns / 1e3:.2f} us, launch included")
+    if args.measure and cluster.kind == "virtual":
+        print(f"note: profile {profile.name} models one GPU per rank over links; these "
+              f"{cluster.nranks} virtual ranks share one GPU's memory, so the two need not "
+              "agree (--profile takes a profile JSON fitted by purlin.trace.calibrate)")
+    fig = fig or timeline_figure(predicted, title=f"{schedule.title()}<br><sup>predicted: "
+                                                  f"profile {profile.name}</sup>")
     print(f"wrote {to_html(fig, args.out)}")
     if args.perfetto:
         to_perfetto(shown, args.perfetto)

@@ -81,7 +81,7 @@ def test_trace_writes_html_and_perfetto_with_a_measured_cpu_timeline(capsys, tmp
     code, out, err = run(capsys, "trace", "all-gather", "-n", "3", "-s", "ring", "-b", "3KiB",
                          "--measure", "--out", str(html), "--perfetto", str(trace))
     assert code == 0, err
-    assert "measured on Cluster.cpu(3 ranks)" in out and "predicted (H200)" in out
+    assert "measured on the cpu datapath, 3 ranks" in out and "predicted by profile H200" in out
     assert html.stat().st_size > 10_000 and "plotly" in html.read_text()[:200_000].lower()
     events = json.loads(trace.read_text())["traceEvents"]
     assert {e["ph"] for e in events} >= {"X", "s", "f"}

@@ -7,7 +7,7 @@ on ordinary tensors and on the epilogue's own input region, on the all-reduce's 
 blocks owning whole rows (``epilogue_grid="rows"``), on the one-shot kernel (LL sizes, by
 default) and on the fused kernel with the NORM op (``epilogue_kernel="fused"``);
 rows the kernel's blocks do not divide run unfused and are right too. The full sweep over
-dtypes and sizes, and the timings, are ``bench/process_mode_gpu.py``'s norm section.
+dtypes and sizes, and the timings, are ``bench/process_mode.py``'s norm section.
 """
 
 from __future__ import annotations

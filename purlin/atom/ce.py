@@ -460,7 +460,7 @@ class CeBound:
         launched before it on the other GPU was running; a 50-call all-gather graph whose
         first GPU waited for the second so hung at its first replay (20 calls ran).
         ``cuGraphUpload`` beforehand did not help; a first launch in which nothing waits
-        did (bench/ce_hang_probe.py, variants ``ag-*``)."""
+        did (the ce hang probe, in git history: its ``ag-*`` variants)."""
         if how not in ("dry", "none"):
             raise ValueError(f"upload must be 'dry' or 'none', got {how!r}")
         if how == "none":

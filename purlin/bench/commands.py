@@ -15,12 +15,9 @@ TUNE_SIZES = (8 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20)
 
 
 def gpu_count() -> int:
-    from purlin.atom.sm import device_count
+    from purlin.bench import clusters
 
-    try:
-        return device_count()
-    except Exception:
-        return 0
+    return clusters.gpu_count()
 
 
 def collectives_from(names) -> list[str]:
@@ -37,14 +34,13 @@ def bench(args, sizes) -> int:
         datapath = "model"
     elif args.datapath:
         datapath = args.datapath
-    elif gpus >= max(2, args.ranks or 2):
+    elif gpus >= 1:  # one GPU runs the sm datapath too, on virtual ranks
         datapath = "sm"
     else:
         datapath = "cpu"
-        seen = f"only {gpus} CUDA GPU is" if gpus else "no CUDA GPU is"
-        print(f"purlin bench: {seen} visible here; running the cpu datapath (numpy, host "
-              "threads): its times are NOT GPU numbers. Use --predict for the cost model's "
-              "predicted GPU times.", file=sys.stderr)
+        print("purlin bench: no CUDA GPU is visible here; running the cpu datapath (numpy, "
+              "host threads): its times are NOT GPU numbers. Use --predict for the cost "
+              "model's predicted GPU times.", file=sys.stderr)
     if datapath == "sm" and gpus < 1:
         print("purlin bench: --datapath sm needs GPUs; none is visible here (try --predict "
               "or --datapath cpu)", file=sys.stderr)
@@ -57,9 +53,16 @@ def bench(args, sizes) -> int:
         sizes = [s for s in sizes if s <= CPU_MAX_BYTES] or [CPU_MAX_BYTES]
     dtypes = (args.dtype or ("float32" if datapath == "cpu" else "bfloat16")).split(",")
     providers = (args.providers or (GPU_PROVIDERS if datapath == "sm" else HOST_PROVIDERS))
+    nranks = args.ranks or (max(2, gpus) if datapath == "sm" else 2)
+    cluster = None
+    if datapath == "sm":
+        from purlin.bench import clusters
+
+        cluster = clusters.choose(nranks)
+        print(f"purlin bench: {clusters.describe(cluster)}", file=sys.stderr)
     sweep = Sweep(collectives=collectives_from(args.collectives), sizes=sizes, dtypes=dtypes,
                   providers=[p for p in providers.split(",") if p], mode=args.mode,
-                  nranks=args.ranks or (gpus if datapath == "sm" else 2), datapath=datapath,
+                  nranks=nranks, datapath=datapath, cluster=cluster,
                   op=args.op or "sum", ops=args.ops, repeats=args.repeats,
                   profile=args.profile, table=args.tuning, time_limit=args.time_limit)
     res = sweep.run(progress=not args.no_progress)
@@ -115,9 +118,10 @@ def tune(args, sizes) -> int:
         print(f"purlin tune: measuring needs GPUs ({gpus} visible, {n} ranks); "
               "`purlin tune --list` shows the candidates without one", file=sys.stderr)
         return 1
-    from purlin.runtime.cluster import Cluster
+    from purlin.bench import clusters
 
-    cluster = Cluster.local(n) if gpus >= n else Cluster.virtual(n)
+    cluster = clusters.choose(n)
+    print(f"# {clusters.describe(cluster)}")
     result = tuning.tune(cluster, names, sizes, args.dtype, limit=args.limit,
                          threads=args.threads, time_limit=args.time_limit,
                          progress=not args.no_progress, log=sys.stdout)

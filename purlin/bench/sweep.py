@@ -12,7 +12,9 @@ nccl-tests table, JSON, plotly figures). Providers are named by text:
 Datapaths: ``"sm"`` (GPUs; ``mode`` "graph": device time per op over CUDA-graph replays of
 many ops, or "eager": host-inclusive time per call), ``"cpu"`` (numpy and host threads, wall
 time: the harness works anywhere, the numbers are not GPU numbers) and ``"model"`` (the cost
-model's prediction; nothing runs). Baselines run only on ``"sm"``.
+model's prediction; nothing runs). On ``"sm"`` the ranks run on ``Cluster.best`` (one GPU
+per rank, else virtual ranks on one GPU); the baselines run only with one GPU per rank and are
+otherwise skipped with the reason in ``Results.skipped``.
 
 >>> sweep = Sweep(collectives=["all-gather"], sizes=[1024, 4096], dtypes=["float32"],
 ...               providers=["purlin:auto", "purlin:ring"], datapath="cpu", nranks=2)
@@ -131,11 +133,19 @@ class Provider:
     def __repr__(self) -> str:
         return f"Provider({self.name!r})"
 
-    def skip_reason(self, collective: Collective, datapath: str) -> str | None:
-        """Why this provider cannot run ``collective`` here (None: it can)."""
+    def skip_reason(self, collective: Collective, datapath: str,
+                    gpus: int | None = None) -> str | None:
+        """Why this provider cannot run ``collective`` here (None: it can); ``gpus``: the
+        distinct GPUs the sweep has (None: not checked)."""
         if self.is_baseline:
             if datapath != "sm":
                 return f"{self.kind} needs GPUs (datapath {datapath})"
+            if gpus is not None:
+                from purlin.bench.clusters import baseline_reason
+
+                why = baseline_reason(self.kind, collective.nranks, gpus)
+                if why:
+                    return why
             if self.kind == "nccl" and collective.name not in SIX:
                 return f"nccl runs the six standard collectives, not {collective.name}"
             if self.kind.startswith("symm") and (collective.name != "all-reduce"
@@ -199,7 +209,8 @@ class Sweep:
     """Collectives (standard names or :class:`Collective` objects) x sizes (bytes of the
     largest per-rank buffer, as nccl-tests) x dtypes x providers, in one mode on one datapath.
 
-    ``nranks`` defaults to the visible GPUs (or 2); ``table`` is a tuning table (path or
+    ``nranks`` defaults to the visible GPUs (or 2); ``cluster`` to ``Cluster.best(nranks)``
+    on ``"sm"`` (virtual ranks where there are fewer GPUs than ranks); ``table`` is a tuning table (path or
     TuningTable) for the Purlin configurations; ``time_limit`` (seconds) skips the Purlin
     points still to run when it is reached (baselines run first, then providers in order)."""
 
@@ -245,6 +256,14 @@ class Sweep:
 
         return max(2, device_count()) if self.datapath == "sm" else 2
 
+    def gpus(self) -> int:
+        """The distinct GPUs the ranks run on (what the baselines need one per rank of)."""
+        if self.cluster is not None:
+            return len(set(self.cluster.devices))
+        from purlin.bench.clusters import gpu_count
+
+        return min(gpu_count(), self.ranks())
+
     def built(self) -> list[Collective]:
         from purlin.spec.collectives import REDUCING, standard
 
@@ -267,11 +286,12 @@ class Sweep:
 
         mode = {"sm": self.mode, "cpu": "cpu", "model": "model"}[self.datapath]
         points, skipped = [], []
+        gpus = self.gpus() if self.datapath == "sm" else None
         ordered = ([p for p in self.providers if p.is_baseline]
                    + [p for p in self.providers if not p.is_baseline])
         for provider in ordered:
             for coll in self.built():
-                why = provider.skip_reason(coll, self.datapath)
+                why = provider.skip_reason(coll, self.datapath, gpus)
                 if why:
                     skipped.append(f"{provider.name} {coll.name}: {why}")
                     continue
@@ -303,9 +323,17 @@ class Sweep:
         try:
             base = [p for p in points if p.provider.is_baseline]
             if base:
-                records += self._baselines(base, bar)
+                try:
+                    records += self._baselines(base, bar)
+                except Exception as exc:  # the Purlin points still run; say why in one line
+                    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+                    names = ", ".join(sorted({p.provider.name for p in base}))
+                    skipped.append(f"{names}: the baseline processes failed: "
+                                   f"{lines[-1].strip()[:300]}")
+                    bar.update(len(base))
             cluster = self._cluster() if any(not p.provider.is_baseline for p in points) \
                 else None
+            info["cluster"] = self.where(cluster)
             late = 0
             for p in points:
                 if p.provider.is_baseline:
@@ -332,9 +360,23 @@ class Sweep:
     def _cluster(self):
         if self.cluster is not None or self.datapath != "sm":
             return self.cluster
-        from purlin.runtime.cluster import Cluster
+        from purlin.bench.clusters import choose
 
-        return Cluster.local(self.ranks())
+        self.cluster = choose(self.ranks())
+        return self.cluster
+
+    def where(self, cluster=None) -> str:
+        """Where the Purlin points run, in words (``purlin.bench.clusters.describe``)."""
+        from purlin.bench.clusters import describe
+
+        if self.datapath == "model":
+            return f"cost model (profile {self.profile}), {self.ranks()} ranks: nothing runs"
+        if self.datapath == "cpu":
+            from purlin.runtime.cluster import Cluster
+
+            return describe(Cluster.cpu(self.ranks()))
+        cluster = cluster or self.cluster
+        return describe(cluster) if cluster is not None else f"{self.ranks()} GPU ranks"
 
     def configure(self, cluster, point: Point):
         """The Purlin configuration of a point: fixed options win, then the tuning table,
@@ -502,6 +544,8 @@ class Results:
             if mode in ("cpu", "model"):
                 extra = (f" (profile {self.info.get('profile')})" if mode == "model" else "")
                 head.append(f"# NOTE: {MODE_NOTES[mode]}{extra}")
+        if self.info.get("cluster"):
+            head.append(f"# cluster: {self.info['cluster']}")
         text = "\n".join(head + ["#", nccl_table(self.records)])
         if self.skipped:
             text += "\n#\n" + "\n".join(f"# skipped: {s}" for s in self.skipped)
@@ -536,6 +580,38 @@ class Results:
             lines.append(f"{coll:<15} {dt:<9} {mode:<6} {prov:<28} {lo:>10} {hi:>10}")
         if len(lines) == 2:
             lines.append(f"(no {baseline} points to compare with)")
+        text = "\n".join(lines)
+        if file is not None:
+            print(text, file=file)
+        return text
+
+    def best(self, baseline: str = "nccl", file=None) -> str:
+        """Per collective and size: the fastest correct Purlin record of the graph mode, its
+        configuration, and ``baseline`` beside it (ratio > 1: Purlin faster)."""
+        from purlin.bench.tune import launch_suffix
+
+        by: dict = {}
+        for r in self.records:
+            if r.mode != "graph" or not r.ok:
+                continue
+            slot = by.setdefault((r.collective, r.nbytes, r.dtype), {})
+            if r.provider == baseline:
+                slot["base"] = r
+            elif r.provider.startswith(("purlin", "ce:")) and r.wrong == 0:
+                if "best" not in slot or r.time_us < slot["best"].time_us:
+                    slot["best"] = r
+        lines = [f"{'collective':<15} {'size':>11} {'purlin best':<34} {'us':>9} "
+                 f"{baseline + ' us':>9} {'ratio':>6}"]
+        for (coll, nbytes, _), slot in sorted(by.items()):
+            if "best" not in slot:
+                continue
+            b, e = slot["best"], slot["best"].extra
+            cfg = (f"{b.provider.split(':')[0]}={e.get('strategy')} c{e.get('chunks')} "
+                   f"l{e.get('lanes')} b{e.get('blocks_per_lane')}"
+                   f"{launch_suffix(e.get('protocol', 'simple'), e.get('pdl'))}")
+            base = slot["base"].time_us if "base" in slot else float("nan")
+            lines.append(f"{coll:<15} {nbytes:>11} {cfg:<34} {b.time_us:9.2f} {base:9.2f} "
+                         f"{base / b.time_us:6.2f}")
         text = "\n".join(lines)
         if file is not None:
             print(text, file=file)
