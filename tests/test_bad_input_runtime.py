@@ -147,3 +147,20 @@ def test_torch_input_of_the_wrong_dtype_is_refused_before_anything_is_written():
     with pytest.raises(ExecutionError, match="input of rank 0 is float64"):
         bound([torch.ones(4, dtype=torch.float64)] * 2, out=out)
     assert all(torch.equal(o, torch.full((4,), -7.0)) for o in out)
+
+
+def test_a_bfloat16_tensor_is_refused_by_name_before_anything_is_written():
+    bound = Cluster.cpu(2).bind(collectives.all_reduce(2), count=4, dtype="float32")
+    out = [torch.full((4,), -7.0), torch.full((4,), -7.0)]
+    with pytest.raises(ExecutionError, match="input of rank 0 is bfloat16; this binding moves "
+                                             "float32"):
+        bound([torch.ones(4, dtype=torch.bfloat16)] * 2, out=out)
+    with pytest.raises(ExecutionError, match="output of rank 1 must hold 4 float32 elements, "
+                                             "got 4 bfloat16"):
+        bound([torch.ones(4)] * 2, out=[out[0], torch.zeros(4, dtype=torch.bfloat16)])
+    assert all(torch.equal(o, torch.full((4,), -7.0)) for o in out)
+
+
+def test_purlin_run_refuses_bfloat16_on_the_cpu_datapath_with_what_to_use():
+    with pytest.raises(PurlinError, match="not bfloat16 .*use the sm datapath on a GPU"):
+        purlin.run(collectives.all_reduce(2), [torch.ones(4, dtype=torch.bfloat16)] * 2)

@@ -223,9 +223,10 @@ class CpuBound:
             if x is None:
                 flat_in.append(np.zeros(0, dtype=dt))
                 continue
+            if _dtype_name(x) != dt.name:
+                raise ExecutionError(f"input of rank {r} is {_dtype_name(x)}; this binding "
+                                     f"moves {dt}")
             x = _host_view(x)
-            if x.dtype != dt:
-                raise ExecutionError(f"input of rank {r} is {x.dtype}; this binding moves {dt}")
             given_in.append(x)  # reshape may copy (non-contiguous): check overlap on the original
             flat_in.append(x.reshape(-1))
         sizing = s.sizing
@@ -237,10 +238,11 @@ class CpuBound:
                                  f"outputs, got {len(out)}")
         flat_out, copy_back = [], []
         for r, o in enumerate(out):
-            host = _host_view(o)
-            if host.size != sizing.output_count(r) or host.dtype != dt:
+            size = o.numel() if _is_tensor(o) else np.size(o)
+            if size != sizing.output_count(r) or _dtype_name(o) != dt.name:
                 raise ExecutionError(f"output of rank {r} must hold {sizing.output_count(r)} "
-                                     f"{dt} elements, got {host.size} {host.dtype}")
+                                     f"{dt} elements, got {size} {_dtype_name(o)}")
+            host = _host_view(o)
             if any(np.shares_memory(host, x) for x in given_in if x.size):
                 raise ExecutionError(f"output of rank {r} shares memory with an input: in-place "
                                      "collectives are not supported; pass a separate output")
@@ -286,6 +288,13 @@ def check_inputs(schedule: Schedule, inputs) -> list:
 
 def _is_tensor(x) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+def _dtype_name(x) -> str:
+    """The element type of an array, tensor or sequence, as Purlin spells it."""
+    if _is_tensor(x):
+        return str(x.dtype).removeprefix("torch.")
+    return np.asarray(x).dtype.name
 
 
 def _host_view(x) -> np.ndarray:
