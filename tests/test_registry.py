@@ -100,3 +100,12 @@ def _call_arguments(source: str) -> set[str]:
         if isinstance(node, ast.Call):
             names.update(a.id for a in node.args if isinstance(a, ast.Name))
     return names
+
+
+def test_import_purlin_hands_the_cost_model_to_auto_and_trace_does_not_import_the_runtime():
+    import purlin.trace
+    from purlin.runtime import auto
+
+    assert auto._latency_model is purlin.trace.predict_latency
+    for path in (ROOT / "purlin" / "trace").glob("*.py"):
+        assert not any(m.startswith("purlin.runtime") for m in _imports(path)), path.name
