@@ -15,6 +15,10 @@ import pytest
 
 collect_ignore = ["kernels"]
 
+# The GPU check below starts CUDA before any test builds a cluster, so ask here for the 32
+# hardware queues per device a copy-engine cluster needs (ARCHITECTURE.md, "Knobs")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 
 @lru_cache(maxsize=None)
 def no_gpu_reason() -> str | None:

@@ -1,34 +1,6 @@
 """The executor kernel: interprets the per-rank instruction table of ``isa.py``.
 
-``executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns)``, all int64:
-
-* ``desc_ptr`` -- address of ``nranks_in_launch`` descriptors of ``DESC_WIDTH`` int64 each;
-* the grid is split evenly by rank: block ``b`` serves rank slot ``b // blocks_per_rank``,
-  lane ``(b % blocks_per_rank) // blocks_per_lane`` and sub-block ``b % blocks_per_lane``
-  (``blocks_per_rank = gridDim.x // nranks_in_launch``; every rank of a launch has the same
-  lane count, padded with empty lanes). Blocks whose lane has no rows only check in at the end;
-* ``timeout_ns`` -- how long one WAIT may spin before it records a timeout (must be > 0);
-* ``head_words`` -- for a one-rank launch whose descriptor starts a contiguous block of at least
-  that many int64 words (``purlin.atom.lowering.build_blob``), read them all at block start to
-  warm the L1; 0 for none.
-
-Thread 0 reads the rank's EPOCH once at block start; on odd epochs the rows come from
-``D_TABLE_ODD`` (same lane offsets and source pool; 0 means "use D_TABLE"). Each block walks
-its lane's rows in order, with a ``syncthreads`` after every row. COPY and REDUCE split the
-elements over the lane's blocks x threads. NOTIFY: after that barrier, thread 0
-adds VALUE with a system-scope release, which is cumulative over the block's
-writes (each block of the lane adds separately). WAIT: thread 0 spins with acquire loads; on
-expiry it writes the error record, raises the shared ABORT word and the block leaves its
-rows; a block that sees ABORT while waiting leaves too, recording ``ERR_ABORTED`` if its rank
-has no record yet.
-
-LL_PUT / LL_GET (``isa``: flags inside the data): every thread of the lane stores, or polls
-and unpacks, its own 16-byte units; the tag is this call's ``epoch % LL_TAG_MOD + 1``; an LL_GET
-that times out records the units' address, the tag expected and the tag seen.
-
-Every block, finished or aborted, then adds one to DONE; the block that brings it to
-``blocks_per_rank`` resets DONE to 0 and bumps EPOCH. After an error the host must reset the
-flags, EPOCH, ABORT and the error record before the next call (the flags no longer match).
+Details: the notes after the imports; the design: ARCHITECTURE.md, "Atom datapaths".
 """
 
 from __future__ import annotations
@@ -49,6 +21,38 @@ from purlin.kernels.isa import (COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, 
                                 MAX_THREADS, NOTIFY, NSRC, OP,
                                 PEER, PER_CALL, REDOP, REDUCE, ROW_WIDTH, SRC, STEP, TRACE_WIDTH,
                                 VALUE, WAIT)
+
+# How the executor runs a table:
+#
+# ``executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns)``, all int64:
+#
+# * ``desc_ptr`` -- address of ``nranks_in_launch`` descriptors of ``DESC_WIDTH`` int64 each;
+# * the grid is split evenly by rank: block ``b`` serves rank slot ``b // blocks_per_rank``,
+#   lane ``(b % blocks_per_rank) // blocks_per_lane`` and sub-block ``b % blocks_per_lane``
+#   (``blocks_per_rank = gridDim.x // nranks_in_launch``; every rank of a launch has the same
+#   lane count, padded with empty lanes). Blocks whose lane has no rows only check in at the end;
+# * ``timeout_ns`` -- how long one WAIT may spin before it records a timeout (must be > 0);
+# * ``head_words`` -- for a one-rank launch whose descriptor starts a contiguous block of at least
+#   that many int64 words (``purlin.atom.lowering.build_blob``), read them all at block start to
+#   warm the L1; 0 for none.
+#
+# Thread 0 reads the rank's EPOCH once at block start; on odd epochs the rows come from
+# ``D_TABLE_ODD`` (same lane offsets and source pool; 0 means "use D_TABLE"). Each block walks
+# its lane's rows in order, with a ``syncthreads`` after every row. COPY and REDUCE split the
+# elements over the lane's blocks x threads. NOTIFY: after that barrier, thread 0
+# adds VALUE with a system-scope release, which is cumulative over the block's
+# writes (each block of the lane adds separately). WAIT: thread 0 spins with acquire loads; on
+# expiry it writes the error record, raises the shared ABORT word and the block leaves its
+# rows; a block that sees ABORT while waiting leaves too, recording ``ERR_ABORTED`` if its rank
+# has no record yet.
+#
+# LL_PUT / LL_GET (``isa``: flags inside the data): every thread of the lane stores, or polls
+# and unpacks, its own 16-byte units; the tag is this call's ``epoch % LL_TAG_MOD + 1``; an LL_GET
+# that times out records the units' address, the tag expected and the tag seen.
+#
+# Every block, finished or aborted, then adds one to DONE; the block that brings it to
+# ``blocks_per_rank`` resets DONE to 0 and bumps EPOCH. After an error the host must reset the
+# flags, EPOCH, ABORT and the error record before the next call (the flags no longer match).
 
 SIGNATURE = "void(int64, int64, int64, int64, int64)"
 SPINS_PER_CHECK = 64  # acquire loads between two looks at the clock and the ABORT word
@@ -214,7 +218,7 @@ _kernel = launch_bounded(MAX_THREADS)
 
 @_kernel
 def executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words):
-    """Run every rank's table of this launch (see the module docstring)."""
+    """Run every rank's table of this launch (the notes after the imports)."""
     _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words)
 
 

@@ -1,60 +1,11 @@
-"""The fused kernel: a rank's one-lane table run block-matched, in one pass per row.
+"""The fused kernel: a rank's one-lane program (built by :mod:`purlin.atom.fused`; layout in
+``isa``) run block-matched -- every thread takes the same items of every row on every rank, and
+each flag has a slot per block, so a block waits only for the same block of its peers.
 
-``fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters)``,
-all int64, runs the programs :mod:`purlin.atom.fused` builds (layout in ``isa``: header, ops,
-sources). Rank slot ``s`` of a launch reads its program at ``desc_ptr + s * stride_words * 8``
-(``stride_words``: a program's length) and counts its calls in the ``F_MAX_BLOCKS`` words at
-``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b; zero before the first call); its
-``blocks_per_rank`` blocks share the work.
-
-Every thread of a rank takes items (the program's unit: 16 data bytes, 8 -- one LL unit -- or
-4, half an LL unit, for rows of 4-byte multiples)
-``g, g + stride, ...`` of every row, where ``g`` is its index in the rank's grid -- the same
-items on every rank, since every rank runs the same grid. So a block only ever meets the
-items its own threads and the same block of its peers touch, and flags have one slot per
-block:
-
-* WAIT: thread 0 spins (acquire, system scope) on its block's slot until it reaches
-  ``(epoch + offset) * per_call + value``; then the block synchronizes;
-* NOTIFY: the block synchronizes, then thread 0 adds to its block's slot on the peer with a
-  system-scope release (cumulative over the block's writes);
-* PUT (LL): each item as LL units ({data, tag, data, tag} per 8 bytes, tag = ``epoch %
-  LL_TAG_MOD + 1``; a 4-byte item as one 8-byte {data, tag} half) into a peer's LL area --
-  the tags are the flag;
-* NORM (the epilogue of an all-reduce, the op after the MOVE into its output; run by the
-  ``fused_norm`` kernels only, the others are compiled without it): over the
-  MOVE's own items, ``residual += result`` (rounded to the element type), then row by row
-  ``result = rms_norm(residual) * weight`` (float32 inside, one rounding). The threads of a
-  block cover ``threads * unit`` bytes of one row at a time (a chunk); each chunk's sum of
-  squares goes to a 16-byte slot of the row sums area as {float32 bits, tag}, and every
-  block reads the slots of its chunks' rows, in order, before it normalizes: the rank's
-  blocks meet only through those slots, and every rank's result is the same bits. A block
-  that owns every chunk of its rows (a row is one chunk, or the grid one block) keeps its
-  sums in shared memory instead and adds them in the same order: the same bits, no slots;
-* MOVE: each item of the destination from its sources in order (a copy for one source, else
-  the reduction, bfloat16 / float16 accumulated in float32 as the interpreter does); an LL
-  source is polled until both tags of its units are this call's. With 16-byte items, plain
-  copies keep four items in flight per thread and plain bfloat16 / float16 reductions two.
-
-``oneshot_norm`` (and ``oneshot_norm_pdl``), the one-shot epilogue kernel, runs the programs
-of one shape that ``purlin.atom.fused.oneshot_problem`` accepts: the direct-push all-reduce on
-LL transfers ending with the NORM -- a PUT of the rank's input to each peer, one MOVE summing
-the peers' LL units and the input into the target, then the epilogue, on 8-byte items of a
-float type. ``fused_norm`` runs them op by op: its MOVE stores each item of the sum, and its
-NORM reads the item back, then the residual and the weight. Here a thread's item of the sum
-stays in its registers and goes straight into ``residual += sum``, and the residual and
-weight items of the block's first chunk are read with the call counter and the input item,
-so their latency hides behind the exchange. The row sums, their trade between blocks and
-the normalization are the same functions as ``fused_norm``'s: both kernels give the same
-bits.
-
-Data rows run back to back with no barrier (the builder refuses tables where one could meet
-another's items). A rank's program is read into shared memory once at block start (with PDL
-before waiting for the kernel before it: programs are nobody's output); then every thread
-reads its block's call counter, together with its item of a first PUT. Calls alternate
-between even and odd addresses (two scratch copies, two LL parities). A wait or poll that
-times out writes the rank's error record (the lowered flag, or the LL unit polled; the target
-or tag expected and seen; step and peer) and raises ABORT.
+``fused`` / ``fused_pdl`` run WAIT, NOTIFY, PUT (LL) and MOVE ops; ``fused_norm`` / ``_pdl`` add
+the NORM epilogue (residual add and RMSNorm); ``oneshot_norm`` / ``_pdl`` run the one-shot
+epilogue programs that ``purlin.atom.fused.oneshot_problem`` accepts, keeping each sum in
+registers. How it works: ARCHITECTURE.md, "The fused kernel".
 """
 
 from __future__ import annotations
@@ -64,8 +15,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, itemsize, ll_tag,
-                                  pack_half2, unpack_half2)
+from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, ll_tag, pack_half2,
+                                  unpack_half2)
 from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
@@ -77,7 +28,13 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 E_RANK, E_SEEN, E_STEP, ERR_ABORTED, ERR_TIMEOUT, F16, F32,
                                 F_ABORT, F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS,
                                 F_NOPS, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
-                                F_REDOP, F_UNIT, MAX_THREADS, OP_WIDTH, SOURCE_WIDTH)
+                                F_REDOP, F_UNIT, MAX_THREADS, MOVE_BYTES, MOVE_DST, MOVE_NSRC,
+                                MOVE_SOURCES, NORM_CHUNKS, NORM_EPS, NORM_HIDDEN, NORM_PARAMS,
+                                NORM_RESIDUAL, NORM_ROW_CHUNKS, NORM_SUMS, NORM_TARGET,
+                                NORM_WEIGHT, NOTIFY_SLOT, NOTIFY_VALUE, OP_KIND, OP_WIDTH,
+                                PUT_BYTES, PUT_DST, PUT_SRC, SOURCE_ADDR, SOURCE_LL, SOURCE_PEER,
+                                SOURCE_STEP, SOURCE_WIDTH, WAIT_EPOCH_OFFSET, WAIT_FLAG,
+                                WAIT_PEER, WAIT_PER_CALL, WAIT_SLOT, WAIT_STEP, WAIT_VALUE)
 
 SPINS_PER_CHECK = 64
 WARPS = MAX_THREADS // 32
@@ -144,8 +101,8 @@ def _word(meta, head, k):
 def _source(meta, head, at, item, odd, tag, timeout_ns, abort):
     """Item ``item`` (16 bytes) of the source whose entry starts at word ``at``, as four
     uint32 words in int64: (code, tag seen, address polled, w0, w1, w2, w3)."""
-    addr = _word(meta, head, at + 1 + odd)
-    if _word(meta, head, at) == 0:
+    addr = _word(meta, head, at + SOURCE_ADDR + odd)
+    if _word(meta, head, at + SOURCE_LL) == 0:
         w = load_v4_u32(addr + item * 16)
         return (0, np.int64(0), addr, np.int64(w[0]), np.int64(w[1]), np.int64(w[2]),
                 np.int64(w[3]))
@@ -161,9 +118,9 @@ def _source(meta, head, at, item, odd, tag, timeout_ns, abort):
 def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns, abort):
     """Write item ``item`` of a MOVE. Returns (code, tag seen, address polled, word of the
     source entry) -- code 0 when written."""
-    dst = _word(meta, head, op_at + 1 + odd) + item * 16
-    nsrc = _word(meta, head, op_at + 4)
-    at = _word(meta, head, op_at + 5)
+    dst = _word(meta, head, op_at + MOVE_DST + odd) + item * 16
+    nsrc = _word(meta, head, op_at + MOVE_NSRC)
+    at = _word(meta, head, op_at + MOVE_SOURCES)
     code, seen, unit, w0, w1, w2, w3 = _source(meta, head, at, item, odd, tag, timeout_ns,
                                                abort)
     if code != 0:
@@ -213,7 +170,7 @@ def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns
 @device
 def _plain_words(meta, head, at, item, odd):
     """Item ``item`` of the plain source whose entry starts at word ``at``: four uint32."""
-    return load_v4_u32(_word(meta, head, at + 1 + odd) + item * 16)
+    return load_v4_u32(_word(meta, head, at + SOURCE_ADDR + odd) + item * 16)
 
 
 @device
@@ -259,8 +216,8 @@ def _reduce_pairs_half(meta, head, at, nsrc, dst, items, g, stride, odd, dt, red
 @device
 def _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort):
     """8-byte unit ``unit_i`` of a source: (code, tag seen, address polled, w0, w1)."""
-    addr = _word(meta, head, at + 1 + odd)
-    if _word(meta, head, at) == 0:
+    addr = _word(meta, head, at + SOURCE_ADDR + odd)
+    if _word(meta, head, at + SOURCE_LL) == 0:
         return (0, np.int64(0), addr, np.int64(load_u32(addr + unit_i * 8)),
                 np.int64(load_u32(addr + unit_i * 8 + 4)))
     unit = addr + unit_i * 16
@@ -272,8 +229,8 @@ def _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort):
 def _source4(meta, head, at, i, odd, tag, timeout_ns, abort):
     """4-byte item ``i`` of a source (half of an LL unit): (code, tag seen, address polled,
     word)."""
-    addr = _word(meta, head, at + 1 + odd)
-    if _word(meta, head, at) == 0:
+    addr = _word(meta, head, at + SOURCE_ADDR + odd)
+    if _word(meta, head, at + SOURCE_LL) == 0:
         return 0, np.int64(0), addr, np.int64(load_u32(addr + i * 4))
     unit = addr + (i >> 1) * 16
     code, seen, lo, hi = _poll(unit, tag, timeout_ns, abort, i & 1)
@@ -284,9 +241,9 @@ def _source4(meta, head, at, i, odd, tag, timeout_ns, abort):
 def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, abort):
     """:func:`_move_unit` for 4 bytes (half an LL unit: rows of 4-byte multiples, 4-byte
     aligned): two 16-bit or one 32-bit element."""
-    dst = _word(meta, head, op_at + 1 + odd) + i * 4
-    nsrc = _word(meta, head, op_at + 4)
-    at = _word(meta, head, op_at + 5)
+    dst = _word(meta, head, op_at + MOVE_DST + odd) + i * 4
+    nsrc = _word(meta, head, op_at + MOVE_NSRC)
+    at = _word(meta, head, op_at + MOVE_SOURCES)
     code, seen, unit, w = _source4(meta, head, at, i, odd, tag, timeout_ns, abort)
     if code != 0:
         return code, seen, unit, at
@@ -331,7 +288,7 @@ def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_
     code, seen, unit, entry, w0, w1 = _unit_result(meta, head, op_at, unit_i, odd, tag, dt,
                                                    redop, divisor, timeout_ns, abort)
     if code == 0:
-        dst = _word(meta, head, op_at + 1 + odd) + unit_i * 8
+        dst = _word(meta, head, op_at + MOVE_DST + odd) + unit_i * 8
         store_u32(dst, w0)
         store_u32(dst + 4, w1)
     return code, seen, unit, entry
@@ -342,8 +299,8 @@ def _unit_result(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeou
     """8-byte unit ``unit_i`` of a MOVE's result, accumulated as the interpreter does (each
     element type in its own loop, so no tuple ever changes type): (code, tag seen, address
     polled, word of the source entry, w0, w1) -- code 0 when every source was there."""
-    nsrc = _word(meta, head, op_at + 4)
-    at = _word(meta, head, op_at + 5)
+    nsrc = _word(meta, head, op_at + MOVE_NSRC)
+    at = _word(meta, head, op_at + MOVE_SOURCES)
     code, seen, unit, w0, w1 = _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort)
     if code != 0 or nsrc == 1:
         return code, seen, unit, at, w0, w1
@@ -423,11 +380,11 @@ def _record(meta, head, code, step, flag, expected, seen, peer, block):
 @device
 def _wait(meta, head, at, epoch, block, timeout_ns, abort):
     """Thread 0: a WAIT op on this block's slot; returns a nonzero code when it gave up."""
-    target = ((epoch + _word(meta, head, at + 4)) * _word(meta, head, at + 2)
-              + _word(meta, head, at + 3))
+    target = ((epoch + _word(meta, head, at + WAIT_EPOCH_OFFSET))
+              * _word(meta, head, at + WAIT_PER_CALL) + _word(meta, head, at + WAIT_VALUE))
     if target <= 0:
         return 0
-    flag = _word(meta, head, at + 1) + block * 8
+    flag = _word(meta, head, at + WAIT_SLOT) + block * 8
     seen = load_acquire(flag)
     deadline = np.int64(0)  # the clock is first read at the first check, not on a miss
     spins = 0
@@ -443,8 +400,9 @@ def _wait(meta, head, at, epoch, block, timeout_ns, abort):
             elif now > deadline:
                 code = ERR_TIMEOUT
             if code != 0:
-                _record(meta, head, code, _word(meta, head, at + 6), _word(meta, head, at + 7),
-                        target, seen, _word(meta, head, at + 5), block)
+                _record(meta, head, code, _word(meta, head, at + WAIT_STEP),
+                        _word(meta, head, at + WAIT_FLAG),
+                        target, seen, _word(meta, head, at + WAIT_PEER), block)
                 return code
         seen = load_acquire(flag)
     return 0
@@ -550,13 +508,13 @@ def _scale_word(r, w, inv, dt):
 def _norm_item(meta, head, at, c, unit):
     """(residual address, weight address) of this thread's item of chunk ``c`` of a NORM
     (an item never spans two rows: rows are whole chunks; no 64-bit division)."""
-    prm = _word(meta, head, at + 5)
-    per_row = _word(meta, head, at + 7)
+    prm = _word(meta, head, at + NORM_PARAMS)
+    per_row = _word(meta, head, at + NORM_ROW_CHUNKS)
     chunk = cuda.blockDim.x * unit
     within = np.int64(0) if per_row == 1 else np.int64(np.uint32(c) % np.uint32(per_row))
     off = cuda.threadIdx.x * unit
-    return _word(meta, head, prm) + c * chunk + off, _word(meta, head, prm + 1) + \
-        within * chunk + off
+    return (_word(meta, head, prm + NORM_RESIDUAL) + c * chunk + off,
+            _word(meta, head, prm + NORM_WEIGHT) + within * chunk + off)
 
 
 @device
@@ -589,15 +547,15 @@ def _chunk_sum(a, b, res_at, dt, unit, parts, sums, c, k, owned, tag):
 
 @device
 def _norm(meta, head, at, status, block, blocks, odd, tag, dt, unit, timeout_ns, abort, res0):
-    """A NORM op (see the module docstring); ``res0``: this thread's residual item of the
+    """A NORM op (ARCHITECTURE.md, "The fused kernel"); ``res0``: this thread's residual item of the
     block's first chunk, read at block start (its weight item is read with the result, and
     waited for only after the row sums). Returns when the block is done or gave up."""
     parts = cuda.shared.array(MAX_THREADS, np.float32)  # a row's sums
     nthreads = cuda.blockDim.x
-    target = _word(meta, head, at + 1 + odd)
-    chunks = _word(meta, head, at + 6)
-    sums = _word(meta, head, _word(meta, head, at + 5) + 2)
-    owned = _owned(chunks, _word(meta, head, at + 7), blocks)
+    target = _word(meta, head, at + NORM_TARGET + odd)
+    chunks = _word(meta, head, at + NORM_CHUNKS)
+    sums = _word(meta, head, _word(meta, head, at + NORM_PARAMS) + NORM_SUMS)
+    owned = _owned(chunks, _word(meta, head, at + NORM_ROW_CHUNKS), blocks)
     r0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))  # the first chunk's result
     w0 = r0  # and its weight
     c = block
@@ -625,13 +583,13 @@ def _normalize(meta, head, at, parts, status, block, blocks, odd, tag, dt, unit,
     ``r0`` / ``w0``: the block's first chunk's residual and weight items."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
-    target = _word(meta, head, at + 1 + odd)
-    chunks = _word(meta, head, at + 6)
-    per_row = _word(meta, head, at + 7)  # chunks per row
-    prm = _word(meta, head, at + 5)
-    sums = _word(meta, head, prm + 2)
-    hidden = _word(meta, head, prm + 3)
-    eps = bits_to_f32(_word(meta, head, prm + 4))
+    target = _word(meta, head, at + NORM_TARGET + odd)
+    chunks = _word(meta, head, at + NORM_CHUNKS)
+    per_row = _word(meta, head, at + NORM_ROW_CHUNKS)  # chunks per row
+    prm = _word(meta, head, at + NORM_PARAMS)
+    sums = _word(meta, head, prm + NORM_SUMS)
+    hidden = _word(meta, head, prm + NORM_HIDDEN)
+    eps = bits_to_f32(_word(meta, head, prm + NORM_EPS))
     c = block
     k = 0
     while c < chunks:  # the row's sums (every chunk's slot, in order), then the norm
@@ -703,9 +661,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     # a first PUT's first item is read with the call counter: one memory round trip, not two,
     # before the first store (every thread reads its block's counter: no barrier for it)
     p0, p1, p2, p3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
-    first_put = meta[F_NOPS] > 0 and meta[F_HEAD] == F_OP_PUT
-    if first_put and g < meta[F_HEAD + 4] >> shift:
-        src = meta[F_HEAD + 1]
+    first_put = meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUT
+    if first_put and g < meta[F_HEAD + PUT_BYTES] >> shift:
+        src = meta[F_HEAD + PUT_SRC]
         if unit_bytes == 4:
             p0 = load_u32(src + g * 4)
         elif unit_bytes == 8:
@@ -719,7 +677,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     res0 = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))
     last = F_HEAD + (meta[F_NOPS] - 1) * OP_WIDTH
     if norm and meta[F_NOPS] > 0 and _word(meta, head, last) == F_OP_NORM and \
-            block < _word(meta, head, last + 6):
+            block < _word(meta, head, last + NORM_CHUNKS):
         res_at, _ = _norm_item(meta, head, last, block, unit_bytes)
         res0 = _load_item(res_at, unit_bytes)
     epoch = load_i64(counter)
@@ -732,7 +690,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     abort = meta[F_ABORT]
     for k in range(meta[F_NOPS]):
         at = F_HEAD + k * OP_WIDTH
-        kind = _word(meta, head, at)
+        kind = _word(meta, head, at + OP_KIND)
         if kind == F_OP_WAIT:
             if tid == 0:
                 if _wait(meta, head, at, epoch, block, timeout_ns, abort) != 0:
@@ -741,14 +699,15 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         elif kind == F_OP_NOTIFY:
             cuda.syncthreads()
             if tid == 0:
-                red_release_add(_word(meta, head, at + 1) + block * 8, _word(meta, head, at + 2))
+                red_release_add(_word(meta, head, at + NOTIFY_SLOT) + block * 8,
+                                _word(meta, head, at + NOTIFY_VALUE))
         elif norm and kind == F_OP_NORM:
             _norm(meta, head, at, status, block, blocks_per_rank, odd, tag, dt, unit_bytes,
                   timeout_ns, abort, res0)
         elif kind == F_OP_PUT:
-            src = _word(meta, head, at + 1)
-            dst = _word(meta, head, at + 2 + odd)
-            items = _word(meta, head, at + 4) >> shift
+            src = _word(meta, head, at + PUT_SRC)
+            dst = _word(meta, head, at + PUT_DST + odd)
+            items = _word(meta, head, at + PUT_BYTES) >> shift
             i = g
             if k == 0 and i < items:  # the item read with the counter
                 if unit_bytes == 4:
@@ -771,21 +730,22 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                     store_volatile_v4_u32(dst + i * 32 + 16, (w[2], tag, w[3], tag))
                 i += stride
         else:
-            items = _word(meta, head, at + 3) >> shift
-            nsrc = _word(meta, head, at + 4)
-            first = _word(meta, head, at + 5)
+            items = _word(meta, head, at + MOVE_BYTES) >> shift
+            nsrc = _word(meta, head, at + MOVE_NSRC)
+            first = _word(meta, head, at + MOVE_SOURCES)
             plain = unit_bytes == 16
             for k2 in range(nsrc):
-                if _word(meta, head, first + k2 * SOURCE_WIDTH) != 0:
+                if _word(meta, head, first + k2 * SOURCE_WIDTH + SOURCE_LL) != 0:
                     plain = False
             i = g
             if plain and nsrc == 1:
-                copy_v16(_word(meta, head, at + 1 + odd),
-                         _word(meta, head, first + 1 + odd), items, g, stride)
+                copy_v16(_word(meta, head, at + MOVE_DST + odd),
+                         _word(meta, head, first + SOURCE_ADDR + odd), items, g, stride)
                 i = items
             elif plain and (dt == BF16 or dt == F16):
-                i = _reduce_pairs_half(meta, head, first, nsrc, _word(meta, head, at + 1 + odd),
-                                       items, g, stride, odd, dt, redop, divisor)
+                i = _reduce_pairs_half(meta, head, first, nsrc,
+                                       _word(meta, head, at + MOVE_DST + odd), items, g, stride,
+                                       odd, dt, redop, divisor)
             while i < items:
                 if unit_bytes == 4:
                     code, seen, unit, entry = _move_four(meta, head, at, i, odd, tag, dt, redop,
@@ -797,8 +757,8 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                     code, seen, unit, entry = _move_item(meta, head, at, i, odd, tag, dt, redop,
                                                          divisor, timeout_ns, abort)
                 if code != 0:
-                    _record(meta, head, code, _word(meta, head, entry + 4), unit, tag, seen,
-                            _word(meta, head, entry + 3), block)
+                    _record(meta, head, code, _word(meta, head, entry + SOURCE_STEP), unit, tag,
+                            seen, _word(meta, head, entry + SOURCE_PEER), block)
                     status[0] = 1
                     break
                 i += stride
@@ -815,7 +775,10 @@ _kernel = launch_bounded(MAX_THREADS)
 
 @_kernel
 def fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
-    """Run the fused programs of this launch (see the module docstring; no NORM op)."""
+    """Run the fused programs of this launch (no NORM op). Rank slot ``s`` reads its program
+    at ``desc_ptr + s * stride_words * 8`` and counts calls in the ``F_MAX_BLOCKS`` words at
+    ``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b; zero before the first call);
+    its ``blocks_per_rank`` blocks share the work."""
     _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
          False)
 
@@ -864,8 +827,8 @@ def _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride
     nthreads = cuda.blockDim.x
     norm = F_HEAD + (meta[F_NOPS] - 1) * OP_WIDTH
     move = norm - OP_WIDTH
-    chunks = _word(meta, head, norm + 6)
-    src = _word(meta, head, F_HEAD + 1)  # the input every PUT sends (the move's plain source)
+    chunks = _word(meta, head, norm + NORM_CHUNKS)
+    src = _word(meta, head, F_HEAD + PUT_SRC)  # the input every PUT sends (the move's plain source)
     g = block * nthreads + tid
     # read together: this thread's input item, the residual and weight items of the block's
     # first chunk, and the call counter -- one memory round trip before the first store
@@ -881,7 +844,7 @@ def _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride
     odd = epoch & 1
     stride = blocks_per_rank * nthreads
     for k in range(meta[F_NOPS] - 2):  # the PUTs: the input to every peer as LL units
-        dst = _word(meta, head, F_HEAD + k * OP_WIDTH + 2 + odd)
+        dst = _word(meta, head, F_HEAD + k * OP_WIDTH + PUT_DST + odd)
         i = g
         if block < chunks:
             store_volatile_v4_u32(dst + i * 16, (x0, tag, x1, tag))
@@ -893,8 +856,8 @@ def _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride
     # each of the block's chunks: the sum of the move's sources, + residual, row sums
     dt = meta[F_DTYPE]
     abort = meta[F_ABORT]
-    sums = _word(meta, head, _word(meta, head, norm + 5) + 2)
-    owned = _owned(chunks, _word(meta, head, norm + 7), blocks_per_rank)
+    sums = _word(meta, head, _word(meta, head, norm + NORM_PARAMS) + NORM_SUMS)
+    owned = _owned(chunks, _word(meta, head, norm + NORM_ROW_CHUNKS), blocks_per_rank)
     r0 = zero  # the first chunk's new residual
     c = block
     k = 0
@@ -904,8 +867,8 @@ def _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride
                                                        meta[F_REDOP], meta[F_DIVISOR],
                                                        timeout_ns, abort)
         if code != 0:  # (every thread of the block passes the same barriers before leaving)
-            _record(meta, head, code, _word(meta, head, entry + 4), unit, tag, seen,
-                    _word(meta, head, entry + 3), block)
+            _record(meta, head, code, _word(meta, head, entry + SOURCE_STEP), unit, tag, seen,
+                    _word(meta, head, entry + SOURCE_PEER), block)
             status[0] = 1
         res_at, _ = _norm_item(meta, head, norm, c, LL_ITEM)
         r = _chunk_sum((w0, w1, np.int64(0), np.int64(0)),
@@ -927,7 +890,7 @@ def _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride
 @_kernel
 def oneshot_norm(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
                  counters):
-    """Run the one-shot epilogue programs of this launch (see the module docstring): an LL
+    """Run the one-shot epilogue programs of this launch (arguments as ``fused``'s): an LL
     all-reduce's PUTs, then each item's sum kept in registers for the epilogue."""
     _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
                  False)

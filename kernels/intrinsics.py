@@ -1,37 +1,6 @@
 """Memory and timer intrinsics on raw int64 device addresses (unified virtual addressing).
 
-The executor never sees arrays: tables, flags and buffers are addresses, so one compiled kernel
-serves every collective. Each helper below exists twice, with the same name and meaning:
-
-* compiled: a Numba ``@intrinsic`` emitting a plain LLVM load or store through a global-space
-  pointer (``ld.global.v4.u32`` and friends in the PTX) or a line of inline PTX for what LLVM
-  cannot say (acquire/release at system scope, ``%globaltimer``, bf16/f16 conversions);
-* simulated: a Python function doing the same on host memory with ``ctypes``, used when
-  ``NUMBA_ENABLE_CUDASIM=1`` (there, "device" buffers are numpy arrays, so
-  ``arr.ctypes.data`` is a valid address). Fences are no-ops there; atomics take a lock.
-
-=========================== ====================================================================
-``load_v4_u32(a)``          16-byte load as a 4-tuple of uint32 (copy, bf16, f16)
-``load_v4_f32/_i32(a)``     16-byte load as 4 float32 / int32
-``load_v2_f64(a)``          16-byte load as 2 float64
-``store_v4_u32(a, t)``      16-byte store of a 4-tuple (``store_v4_f32/_i32``, ``store_v2_f64``)
-``load_u8/u16/u32(a)``      zero-extended to int64; ``load_i32``, ``load_i64``, ``load_f32/f64``
-``store_u8/u16/u32(a, v)``  truncating stores; ``store_i64``, ``store_f32``, ``store_f64``
-``load_volatile_v4_u32(a)`` ``ld.volatile.global.v4.u32`` (LL receivers poll with it)
-``store_volatile_v4_u32``   ``st.volatile.global.v4.u32`` (LL senders: two (data, tag) pairs;
-                            ``_v2``: one)
-``load_acquire(a)``         ``ld.acquire.sys.global.u64``
-``red_release_add(a, v)``   ``red.release.sys.global.add.u64``
-``atomic_add(a, v)``        ``atom.acq_rel.gpu.global.add.u64``, returns the old value
-``atomic_cas(a, old, new)`` ``atom.acq_rel.gpu.global.cas.b64``, returns the value found
-``fence_system()``          ``fence.acq_rel.sys``
-``globaltimer()``           ``mov.u64 %globaltimer`` (nanoseconds)
-``griddep_wait()``          ``griddepcontrol.wait`` (sm_90: programmatic dependent launch;
-                            ``griddep_launch_dependents()``: ``.launch_dependents``)
-``bits_to_f32(b)``          reinterpret the low 32 bits as float32 (``f32_to_bits`` back)
-``f16x2_to_f32(w)``         two float16 in a 32-bit word to (low, high) float32
-``f32x2_to_f16x2(lo, hi)``  round to nearest even, pack (``f32x2_to_bf16x2`` for bfloat16)
-=========================== ====================================================================
+Details: the notes after the imports; the design: ARCHITECTURE.md, "GPU facts".
 """
 
 from __future__ import annotations
@@ -39,6 +8,41 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from purlin.kernels.compat import ensure_numpy_compat
+
+# The helpers:
+#
+# The executor never sees arrays: tables, flags and buffers are addresses, so one compiled kernel
+# serves every collective. Each helper below exists twice, with the same name and meaning:
+#
+# * compiled: a Numba ``@intrinsic`` emitting a plain LLVM load or store through a global-space
+#   pointer (``ld.global.v4.u32`` and friends in the PTX) or a line of inline PTX for what LLVM
+#   cannot say (acquire/release at system scope, ``%globaltimer``, bf16/f16 conversions);
+# * simulated: a Python function doing the same on host memory with ``ctypes``, used when
+#   ``NUMBA_ENABLE_CUDASIM=1`` (there, "device" buffers are numpy arrays, so
+#   ``arr.ctypes.data`` is a valid address). Fences are no-ops there; atomics take a lock.
+#
+# =========================== ====================================================================
+# ``load_v4_u32(a)``          16-byte load as a 4-tuple of uint32 (copy, bf16, f16)
+# ``load_v4_f32/_i32(a)``     16-byte load as 4 float32 / int32
+# ``load_v2_f64(a)``          16-byte load as 2 float64
+# ``store_v4_u32(a, t)``      16-byte store of a 4-tuple (``store_v4_f32/_i32``, ``store_v2_f64``)
+# ``load_u8/u16/u32(a)``      zero-extended to int64; ``load_i32``, ``load_i64``, ``load_f32/f64``
+# ``store_u8/u16/u32(a, v)``  truncating stores; ``store_i64``, ``store_f32``, ``store_f64``
+# ``load_volatile_v4_u32(a)`` ``ld.volatile.global.v4.u32`` (LL receivers poll with it)
+# ``store_volatile_v4_u32``   ``st.volatile.global.v4.u32`` (LL senders: two (data, tag) pairs;
+#                             ``_v2``: one)
+# ``load_acquire(a)``         ``ld.acquire.sys.global.u64``
+# ``red_release_add(a, v)``   ``red.release.sys.global.add.u64``
+# ``atomic_add(a, v)``        ``atom.acq_rel.gpu.global.add.u64``, returns the old value
+# ``atomic_cas(a, old, new)`` ``atom.acq_rel.gpu.global.cas.b64``, returns the value found
+# ``fence_system()``          ``fence.acq_rel.sys``
+# ``globaltimer()``           ``mov.u64 %globaltimer`` (nanoseconds)
+# ``griddep_wait()``          ``griddepcontrol.wait`` (sm_90: programmatic dependent launch;
+#                             ``griddep_launch_dependents()``: ``.launch_dependents``)
+# ``bits_to_f32(b)``          reinterpret the low 32 bits as float32 (``f32_to_bits`` back)
+# ``f16x2_to_f32(w)``         two float16 in a 32-bit word to (low, high) float32
+# ``f32x2_to_f16x2(lo, hi)``  round to nearest even, pack (``f32x2_to_bf16x2`` for bfloat16)
+# =========================== ====================================================================
 
 ensure_numpy_compat()
 

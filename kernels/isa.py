@@ -93,12 +93,22 @@ F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT = range(8)
 F_HEAD = 8                   # F_UNIT: the bytes a thread takes at a time, 16 or 8 (one LL unit)
 F_OP_WAIT, F_OP_NOTIFY, F_OP_PUT, F_OP_MOVE, F_OP_NORM = 1, 2, 3, 4, 5
 OP_WIDTH = 8
+# An op's words (offsets from its first word; "+ odd" picks the address of odd calls):
+OP_KIND = 0                  # F_OP_* code, every op
 # WAIT:   kind, flag slot of block 0, per call, value, epoch offset, peer, step, lowered flag
+WAIT_SLOT, WAIT_PER_CALL, WAIT_VALUE, WAIT_EPOCH_OFFSET, WAIT_PEER, WAIT_STEP, WAIT_FLAG = \
+    1, 2, 3, 4, 5, 6, 7
 # NOTIFY: kind, flag slot of block 0 (on the peer), value
+NOTIFY_SLOT, NOTIFY_VALUE = 1, 2
 # PUT:    kind, source, LL units on even calls, on odd calls, bytes, peer, step (LL_PUT)
+PUT_SRC, PUT_DST, PUT_BYTES, PUT_PEER, PUT_STEP = 1, 2, 4, 5, 6
 # MOVE:   kind, destination on even calls, on odd calls, bytes, sources, first source word
+MOVE_DST, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES = 1, 3, 4, 5
 # NORM:   kind, target on even calls, on odd calls, bytes, 1, first parameter word, chunks,
 #         chunks per row -- the epilogue (residual add and RMSNorm) over a MOVE's
 #         destination, in chunks of threads x unit bytes; its parameters take one source
 #         entry: residual, weight, row sums area, row length, eps (f32 bits)
+NORM_TARGET, NORM_BYTES, NORM_PARAMS, NORM_CHUNKS, NORM_ROW_CHUNKS = 1, 3, 5, 6, 7
+NORM_RESIDUAL, NORM_WEIGHT, NORM_SUMS, NORM_HIDDEN, NORM_EPS = range(5)  # in its parameters
 SOURCE_WIDTH = 5             # is LL, address on even calls, on odd calls, peer rank, step
+SOURCE_LL, SOURCE_ADDR, SOURCE_PEER, SOURCE_STEP = 0, 1, 3, 4

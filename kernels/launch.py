@@ -1,26 +1,6 @@
 """Build once, launch cheaply: the executor on one device with a fixed grid.
 
-A :class:`Launcher` compiles (once per process) and loads the executor for its device when it
-is made; a call then only writes the int64 arguments that change into a parameter block made at
-construction and calls ``cuLaunchKernel`` from ``cuda.bindings`` -- no Numba argument typing,
-no array conversion. The kernel handle is a context-independent ``CUkernel``, so the launch
-runs on whichever device owns the stream; that also makes it capturable into a CUDA graph
-when the stream is capturing.
-
-    launcher = Launcher(device=0, nlanes=4, blocks_per_lane=8, threads=512)
-    launcher(desc_ptr, stream=torch.cuda.current_stream(0).cuda_stream)
-
-``Launcher(..., kernel="fused", stride_words=W)`` launches :mod:`purlin.kernels.fused` instead:
-rank slot ``s`` of the launch reads its program ``s * W`` words after ``desc_ptr`` and counts
-its calls in the ``isa.F_MAX_BLOCKS`` words ``s * F_MAX_BLOCKS`` words after the ``counters``
-address each call passes (``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank);
-``kernel="fused-norm"`` is the same kernel compiled with the NORM op (programs that end with
-an epilogue; the plain one leaves that code and its registers out), and
-``kernel="fused-norm-oneshot"`` ``fused.oneshot_norm`` (the programs of one such shape,
-``purlin.atom.fused.oneshot_problem``).
-
-Under ``NUMBA_ENABLE_CUDASIM=1`` the same object launches through the simulator (the stream is
-ignored there).
+Details: the notes after the imports; the design: ARCHITECTURE.md, "Atom datapaths".
 """
 
 from __future__ import annotations
@@ -31,6 +11,30 @@ from purlin.errors import ExecutionError, SpecError
 from purlin.kernels import fused
 from purlin.kernels.executor import MAX_THREADS, SIGNATURE, executor, executor_pdl
 from purlin.kernels.intrinsics import SIMULATOR
+
+# How a launch works:
+#
+# A :class:`Launcher` compiles (once per process) and loads the executor for its device when it
+# is made; a call then only writes the int64 arguments that change into a parameter block made at
+# construction and calls ``cuLaunchKernel`` from ``cuda.bindings`` -- no Numba argument typing,
+# no array conversion. The kernel handle is a context-independent ``CUkernel``, so the launch
+# runs on whichever device owns the stream; that also makes it capturable into a CUDA graph
+# when the stream is capturing.
+#
+#     launcher = Launcher(device=0, nlanes=4, blocks_per_lane=8, threads=512)
+#     launcher(desc_ptr, stream=torch.cuda.current_stream(0).cuda_stream)
+#
+# ``Launcher(..., kernel="fused", stride_words=W)`` launches :mod:`purlin.kernels.fused` instead:
+# rank slot ``s`` of the launch reads its program ``s * W`` words after ``desc_ptr`` and counts
+# its calls in the ``isa.F_MAX_BLOCKS`` words ``s * F_MAX_BLOCKS`` words after the ``counters``
+# address each call passes (``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank);
+# ``kernel="fused-norm"`` is the same kernel compiled with the NORM op (programs that end with
+# an epilogue; the plain one leaves that code and its registers out), and
+# ``kernel="fused-norm-oneshot"`` ``fused.oneshot_norm`` (the programs of one such shape,
+# ``purlin.atom.fused.oneshot_problem``).
+#
+# Under ``NUMBA_ENABLE_CUDASIM=1`` the same object launches through the simulator (the stream is
+# ignored there).
 
 KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
            "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE),

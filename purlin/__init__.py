@@ -33,27 +33,20 @@ def _checkout_kernels() -> None:
 _checkout_kernels()
 
 
-def _more_hardware_queues() -> None:
-    """Ask CUDA for 32 hardware queues per device (its default is 8) unless the user chose a
-    number or CUDA has already started: the ce datapath's stream waits hung under CUDA graphs
-    with 8 on 2 x H200 and ran with 32. Streams beyond the queue count share queues, and a
-    stream waiting on a counter then holds up the one behind it."""
-    torch = _sys.modules.get("torch")
-    started = torch is not None and torch.cuda.is_initialized()
-    if not started and "CUDA_DEVICE_MAX_CONNECTIONS" not in _os.environ:
-        _os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "32"
-
-
-_more_hardware_queues()
-
 from purlin.errors import (CapabilityError, ExecutionError, PlanError, PurlinError,
                            PurlinTimeoutError, SpecError, VerificationError)
 from purlin.spec import (Collective, Layout, Op, collectives, copy, dtype, reduce, reference,
                          standard)
 
 from purlin.runtime import Cluster, run
+from purlin.runtime import auto as _auto
 from purlin.snac import Schedule, plan, verify
-import purlin.trace  # noqa: E402,F401  (registers the cost model with strategy="auto")
+from purlin.trace import predict_latency as _predict_latency
+
+# strategy="auto" ranks strategies with the trace layer's cost model where no tuning table
+# answers. The runtime sits below the trace layer and must not import it, so the package, which
+# sees both, hands the model over here -- the one place the two meet.
+_auto.set_latency_model(_predict_latency)
 
 __version__ = "0.1.0"
 

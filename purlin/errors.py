@@ -12,7 +12,8 @@ class PurlinError(Exception):
 
 
 class SpecError(PurlinError, ValueError):
-    """A collective, layout, op, dtype or size that does not make sense."""
+    """An argument that does not make sense: a collective, layout, op, dtype, size, rank count
+    or timeout."""
 
 
 class OpError(SpecError, TypeError):

@@ -20,10 +20,10 @@ def gpus(monkeypatch):
 
     def visible(n):
         monkeypatch.setattr(sm, "device_count", lambda: n)
-        monkeypatch.setattr(sm, "virtual_cluster",
-                            lambda cls, k, device=0: cls("virtual", k, (device,) * k))
-        monkeypatch.setattr(sm, "local_cluster",
-                            lambda cls, k=None: cls("local", k, tuple(range(k))))
+        monkeypatch.setattr(sm, "check_device", lambda device: None)
+        monkeypatch.setattr(sm, "local_devices", lambda k=None: tuple(range(k)))
+        # a GPU cluster asks for the hardware queues in the environment: keep this process's
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
         monkeypatch.setattr(clusters, "gpu_names", lambda devs: ["NVIDIA H200"] * len(devs))
     return visible
 

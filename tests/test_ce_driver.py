@@ -121,20 +121,48 @@ def test_launch_is_only_on_devices_with_sm_steps():
     assert not any(isinstance(op, Launch) for p in low.programs.values() for op in p[0].head)
 
 
-def test_import_asks_for_32_hardware_queues_unless_told_otherwise():
+def _fresh(code: str, **env) -> str:
+    """stdout of ``code`` in a fresh interpreter whose environment lacks the variable."""
     import os
     import subprocess
     import sys
 
-    code = "import purlin, os; print(os.environ['CUDA_DEVICE_MAX_CONNECTIONS'])"
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert got == "32"
-    got = subprocess.run([sys.executable, "-c", code],
-                         env={**env, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}, capture_output=True,
-                         text=True, check=True).stdout.strip()
-    assert got == "8"
+    base = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env},
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_import_leaves_the_environment_alone():
+    code = "import os, purlin; print(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'))"
+    assert _fresh(code) == "None"
+
+
+def test_a_copy_engine_cluster_asks_for_32_hardware_queues_unless_told_otherwise():
+    code = ("import os; from purlin.atom import ce; ok = ce.ask_for_queues(); "
+            "print(ok, os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS'))")
+    assert _fresh(code) == "True 32"
+    assert _fresh(code, CUDA_DEVICE_MAX_CONNECTIONS="8") == "False 8"  # the user's choice
+
+
+def test_too_few_queues_warn_once_with_what_to_set(monkeypatch):
+    import warnings
+
+    from purlin.atom import ce
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    monkeypatch.setattr(ce, "_warned_queues", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ce._warn_few_queues()
+        ce._warn_few_queues()
+    assert len(caught) == 1 and caught[0].category is RuntimeWarning
+    assert "set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts" in str(caught[0].message)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    monkeypatch.setattr(ce, "_warned_queues", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ce._warn_few_queues()
+    assert not caught
 
 
 def test_a_gpu_left_stuck_refuses_further_binds_instead_of_hanging(monkeypatch):

@@ -196,7 +196,7 @@ def test_all_to_all_v(strategy, n, chunks, lanes):
     bound = run_and_check(coll, strategy, chunks=chunks, lanes=lanes, chunk_sizes=sizes,
                           dtype="float64", calls=3, seed=n)
     sizing = bound.schedule.sizing
-    assert not sizing.is_even
+    assert len({c for _, c in sizing.chunks}) > 1  # uneven
     assert [sizing.output_count(r) for r in range(n)] == [
         sum(sizes[(j, r)] for j in range(n)) for r in range(n)]
 

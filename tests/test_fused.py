@@ -125,15 +125,23 @@ def test_an_all_reduce_program_puts_to_every_peer_and_reduces_in_row_order(n):
 def test_flags_map_to_block_slots():
     low = lowered(collectives.all_reduce(2), ll=False)
     ops = rank_ops(low[0])
-    assert [op[0] for op in ops] == ["move", "notify", "wait", "move"]
+    assert [op.kind for op in ops] == ["move", "notify", "wait", "move"]
     slots = {}
     prog = program(low[0], 0, 0, flag_slot=lambda a: slots.setdefault(a, (1 + len(slots)) << 32))
     head = prog.words
     notify = head[isa.F_HEAD + isa.OP_WIDTH: isa.F_HEAD + 2 * isa.OP_WIDTH]
     wait = head[isa.F_HEAD + 2 * isa.OP_WIDTH: isa.F_HEAD + 3 * isa.OP_WIDTH]
-    assert notify[1] == slots[ops[1][1]] and wait[1] == slots[ops[2][1]]
-    assert wait[7] == ops[2][1]  # the lowered flag, for error messages
-    assert tuple(wait[2:5]) == (1, 1, 0)  # per call, value, this call
+    assert notify[isa.NOTIFY_SLOT] == slots[ops[1].flag]
+    assert wait[isa.WAIT_SLOT] == slots[ops[2].flag]
+    assert wait[isa.WAIT_FLAG] == ops[2].flag  # the lowered flag, for error messages
+    assert (wait[isa.WAIT_PER_CALL], wait[isa.WAIT_VALUE], wait[isa.WAIT_EPOCH_OFFSET]) == \
+        (ops[2].per_call, ops[2].value, ops[2].epoch_offset) == (1, 1, 0)  # this call
+    move = head[isa.F_HEAD + 3 * isa.OP_WIDTH:][:isa.OP_WIDTH]
+    assert (move[isa.MOVE_DST], move[isa.MOVE_BYTES], move[isa.MOVE_NSRC]) == \
+        (ops[3].dst_even, ops[3].nbytes, len(ops[3].sources))
+    first = head[move[isa.MOVE_SOURCES]:][:isa.SOURCE_WIDTH]
+    assert (first[isa.SOURCE_LL], first[isa.SOURCE_ADDR]) == \
+        (ops[3].sources[0].is_ll, ops[3].sources[0].even)
 
 
 def test_sizes_that_are_not_whole_16_byte_items_stay_on_the_interpreter():

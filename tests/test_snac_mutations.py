@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from purlin.errors import ExecutionError, PurlinTimeoutError, VerificationError
-from purlin.runtime.threads import CpuRun
+from purlin.atom.cpu import CpuRun
 from purlin.snac import Consume, Flag, Notify, Region, Stage, Wait, plan, verify
 from purlin.spec import collectives, reference, standard
 

@@ -27,7 +27,6 @@ def test_even_chunk_count_is_message_over_chunks_in_largest_buffer(name, n):
     count = 840  # divisible by 1..8
     s = collectives.standard(name, n, root=n - 1).sized(count)
     each = count // CHUNKS_IN_MESSAGE[name](n)
-    assert s.is_even
     assert {c for _, c in s.chunks} == {each}
     assert s.message_count == count
     assert s.message_bytes == count * 4  # float32 by default
@@ -83,7 +82,7 @@ def test_all_to_all_v_offsets():
     n = 3
     sizes = {(s, d): 10 * s + d + 1 for s in range(n) for d in range(n)}
     v = collectives.all_to_all(n).sized(chunk_sizes=sizes, dtype="int64")
-    assert not v.is_even
+    assert len({c for _, c in v.chunks}) > 1
     for s in range(n):
         # rank s's send buffer: (s,0), (s,1), (s,2) back to back
         assert v.input_count(s) == sum(sizes[s, d] for d in range(n))

@@ -185,6 +185,6 @@ def test_standard_ignores_root_and_op_where_they_do_not_apply():
 
 
 def test_output_names_in_first_appearance_order():
-    assert collectives.gather(4, root=2).output_names() == (0, 1, 2, 3)
-    assert collectives.all_to_all(2).output_names() == ((0, 0), (1, 0), (0, 1), (1, 1))
-    assert collectives.reduce(3, root=1).output_names() == ("x",)
+    assert collectives.gather(4, root=2).output.names() == (0, 1, 2, 3)
+    assert collectives.all_to_all(2).output.names() == ((0, 0), (1, 0), (0, 1), (1, 1))
+    assert collectives.reduce(3, root=1).output.names() == ("x",)

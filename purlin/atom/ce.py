@@ -33,13 +33,14 @@ from purlin.kernels import isa
 from purlin.snac.planner import Capabilities
 
 CAPABILITIES = Capabilities(name="ce", can_reduce=False, reduce_engine="sm")
+RUNS_ON = ("local", "virtual", "cpu")  # a cpu cluster runs its mixed plans on the cpu path
 TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float64")
 DEFAULT_THREADS = 512
 # where copy engines beat the sm datapath on 2 x H200 (with side copies): all-gather and
 # all-to-all from 128 MiB (235 µs against 256-258), broadcast even at 128 MiB and ahead from
 # 256 MiB; at 64 MiB sm was faster (138 against 145-160 µs), at 16 MiB twice as fast
 AUTO_MIN_BYTES = 128 << 20
-SAFE_CONNECTIONS = 32       # hardware queues per device under which ce graphs ran (purlin/__init__)
+SAFE_CONNECTIONS = 32       # hardware queues per device under which ce graphs ran (ask_for_queues)
 RELEASE_VALUE = 1 << 62     # written into every counter to free stuck waits after a timeout
 
 
@@ -54,6 +55,52 @@ def auto_datapath(collective, *, count=None, nbytes=None, dtype="float32", chunk
             return "sm"
         sizing = collective.sized(count, nbytes=nbytes, dtype=dtype, chunk_sizes=chunk_sizes)
     return "ce" if sizing.message_bytes >= AUTO_MIN_BYTES else "sm"
+
+
+def ask_for_queues() -> bool:
+    """Ask CUDA for SAFE_CONNECTIONS hardware queues per device (its default is 8) unless the
+    user chose a number or CUDA has already started in this process; return whether the
+    process has (or will get) that many. With 8, CUDA graphs of this datapath hung on 2 x H200
+    and with 32 they ran: streams beyond the queue count share queues, and a stream waiting on
+    a counter then holds up the one behind it. ``Cluster.local`` and ``Cluster.virtual`` ask
+    before they start CUDA, and a bind here asks again, so ``import purlin`` changes nothing."""
+    import os
+
+    from purlin.atom import ce_driver as drv
+
+    if "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ and not _cuda_started():
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = str(SAFE_CONNECTIONS)
+    return drv.max_connections() >= SAFE_CONNECTIONS
+
+
+def _cuda_started() -> bool:
+    """Has PyTorch or Numba started CUDA in this process (so the variable is read already)?"""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return True
+    numba_driver = sys.modules.get("numba.cuda.cudadrv.driver")
+    return bool(numba_driver is not None and getattr(numba_driver.driver, "pid", None))
+
+
+_warned_queues = False
+
+
+def _warn_few_queues() -> None:
+    """Warn, once per process, that CUDA runs with fewer queues than this datapath's graphs
+    need (a plain call still runs; ``CeBound._check_connections`` refuses what cannot)."""
+    global _warned_queues
+    if _warned_queues or ask_for_queues():
+        return
+    from purlin.atom import ce_driver as drv
+
+    _warned_queues = True
+    warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={drv.max_connections()}: CUDA graphs of the ce "
+                  "datapath hung with 8 hardware queues per device on 2 x H200 and ran with "
+                  f"{SAFE_CONNECTIONS}; set CUDA_DEVICE_MAX_CONNECTIONS={SAFE_CONNECTIONS} "
+                  "before CUDA starts (before the first torch.cuda call or Cluster.local)",
+                  RuntimeWarning, stacklevel=3)
 
 
 # GPU -> why: a ce collective could not be drained there. Anything that waits for that GPU
@@ -78,6 +125,7 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     if problem:
         raise CapabilityError(problem)
     refuse_stuck(cluster.devices)
+    _warn_few_queues()
     if trace_rows:
         raise CapabilityError("the ce datapath records no measured trace yet; use "
                               "purlin.trace.engines.predict_on_ce for its predicted timeline")
@@ -377,16 +425,9 @@ class CeBound:
         ``upload``: ``"dry"`` runs every graph once with its waits released before handing
         it out (see ``_upload``; the captured calls are then the graphs' second launches),
         ``"none"`` leaves the first launch to the first replay."""
-        from purlin.atom import ce_driver as drv
 
         torch = self.torch
-        queues = drv.max_connections()
-        if queues < SAFE_CONNECTIONS:
-            warnings.warn(f"CUDA_DEVICE_MAX_CONNECTIONS={queues}: CUDA graphs of "
-                          "the ce datapath hung with 8 hardware queues per device on 2 x H200 "
-                          f"and ran with {SAFE_CONNECTIONS} (`import purlin` asks for "
-                          f"{SAFE_CONNECTIONS} unless CUDA started first or the variable was "
-                          "set)", RuntimeWarning, stacklevel=2)
+        _warn_few_queues()
         self.synchronize()
         parities = self.lowered.parities
         starts = [self.calls % parities]

@@ -3,40 +3,7 @@
 Pure Python and numpy: bases and flag addresses in, lists of operations out, so the lowering is
 unit-tested without a GPU (``purlin.atom.ce_sim`` even runs it on fake memory).
 
-**Engines.** Every step runs on one engine: a data step where the planner put it (``engine``:
-copies on ``ce``, reductions on ``sm``); a Notify on the engine of the last data step before it
-in its lane (the data it announces), a wait-only Consume likewise; a lane with no data at all
-stays on ``ce`` (stream memory operations, no SM).
-
-**Streams.** One CUDA stream per (rank, lane) carries the lane's ce steps: ``Memcpy`` for a copy,
-``Add`` for a Notify, ``WaitGeq`` for a wait. The lane's sm steps become rows of the existing
-executor table (``purlin.kernels.isa``), one launch per device on the device's main stream.
-Where a lane switches engine the previous engine hands off to the next through a counter of
-its own (ce: ``Add``; sm: a NOTIFY row; the other side waits for it), so each lane keeps its
-program order. The main stream forks the lane streams (``Record`` / ``WaitEvent``), launches the
-executor, joins them, and then *rebases* the rank's counters.
-
-**Side copies.** A rank's copy of its own input into its own memory that no other step reads
-or writes (its own piece of an all-gather, all-to-all or broadcast output) leaves the lane for
-a side stream (lane ``schedule.lanes + lane``), forked where it stood and joined with the
-lane's end; the copies that cross NVLink then run beside it instead of after it. A copy that
-crosses NVLink never moves there: the Notify after it must mean the bytes have landed.
-
-**Counters that graphs can replay.** SNAC's flags only grow: call ``e`` waits for
-``(e + call) * per_call + value``. Stream operations bake their values in at capture, so a CUDA
-graph could not replay waits whose targets grow with ``e``. Instead every call ends, on the
-owner's main stream after the join, by adding ``-per_call`` to each of its own flags (the
-owner is the only one that waits on them, so all its waits of the call are done). Seen from
-any wait, a flag then holds ``bias + notifies - e * per_call``: the same at every call, so the
-targets are constants, ``(K + call) * per_call + value``. ``K`` (``bias = K * per_call``) is the
-farthest back any wait of the flag looks (2 for acknowledgements of ``call=-2``): it keeps every
-target positive and makes waits on calls before the first satisfied at once. Notifies are
-atomic adds (remote adds commute with the owner's rebase), waits compare ``>=`` as signed
-64-bit numbers (the driver's cyclic ``GEQ``; the executor's signed compare). Executor WAIT rows
-therefore carry ``PER_CALL = 0`` and the relative target in ``VALUE``.
-
-Units: an executor NOTIFY adds 1 per thread block of the lane, so every notify counts
-``unit = blocks_per_lane`` (a ce ``Add`` adds ``unit`` at once) and every target is in units.
+Details: the notes after the imports; the design: ARCHITECTURE.md, "Atom datapaths".
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import Capabilities, plan
@@ -64,6 +31,43 @@ from purlin.kernels.isa import (AVG, COPY, COUNT, DIVISOR, DST, DTYPE, DTYPE_COD
                                 SRC, STEP, VALUE, WAIT)
 from purlin.snac.ir import Flag, Notify, Region, Schedule
 from purlin.spec.dtypes import dtype as as_dtype
+
+# How the copy-engine lowering works:
+#
+# **Engines.** Every step runs on one engine: a data step where the planner put it (``engine``:
+# copies on ``ce``, reductions on ``sm``); a Notify on the engine of the last data step before it
+# in its lane (the data it announces), a wait-only Consume likewise; a lane with no data at all
+# stays on ``ce`` (stream memory operations, no SM).
+#
+# **Streams.** One CUDA stream per (rank, lane) carries the lane's ce steps: ``Memcpy`` for a copy,
+# ``Add`` for a Notify, ``WaitGeq`` for a wait. The lane's sm steps become rows of the existing
+# executor table (``purlin.kernels.isa``), one launch per device on the device's main stream.
+# Where a lane switches engine the previous engine hands off to the next through a counter of
+# its own (ce: ``Add``; sm: a NOTIFY row; the other side waits for it), so each lane keeps its
+# program order. The main stream forks the lane streams (``Record`` / ``WaitEvent``), launches the
+# executor, joins them, and then *rebases* the rank's counters.
+#
+# **Side copies.** A rank's copy of its own input into its own memory that no other step reads
+# or writes (its own piece of an all-gather, all-to-all or broadcast output) leaves the lane for
+# a side stream (lane ``schedule.lanes + lane``), forked where it stood and joined with the
+# lane's end; the copies that cross NVLink then run beside it instead of after it. A copy that
+# crosses NVLink never moves there: the Notify after it must mean the bytes have landed.
+#
+# **Counters that graphs can replay.** SNAC's flags only grow: call ``e`` waits for
+# ``(e + call) * per_call + value``. Stream operations bake their values in at capture, so a CUDA
+# graph could not replay waits whose targets grow with ``e``. Instead every call ends, on the
+# owner's main stream after the join, by adding ``-per_call`` to each of its own flags (the
+# owner is the only one that waits on them, so all its waits of the call are done). Seen from
+# any wait, a flag then holds ``bias + notifies - e * per_call``: the same at every call, so the
+# targets are constants, ``(K + call) * per_call + value``. ``K`` (``bias = K * per_call``) is the
+# farthest back any wait of the flag looks (2 for acknowledgements of ``call=-2``): it keeps every
+# target positive and makes waits on calls before the first satisfied at once. Notifies are
+# atomic adds (remote adds commute with the owner's rebase), waits compare ``>=`` as signed
+# 64-bit numbers (the driver's cyclic ``GEQ``; the executor's signed compare). Executor WAIT rows
+# therefore carry ``PER_CALL = 0`` and the relative target in ``VALUE``.
+#
+# Units: an executor NOTIFY adds 1 per thread block of the lane, so every notify counts
+# ``unit = blocks_per_lane`` (a ce ``Add`` adds ``unit`` at once) and every target is in units.
 
 ENGINES = ("ce", "sm")
 
@@ -236,7 +240,7 @@ def chain_lanes(lanes, rank: int, primary: int | None = None) -> list:
 
 # -- engines ------------------------------------------------------------------------------------
 def assign_engines(schedule: Schedule) -> tuple:
-    """The engine (``ce`` or ``sm``) of every step, per rank (see the module docstring).
+    """The engine (``ce`` or ``sm``) of every step, per rank (the notes after the imports).
 
     >>> from purlin.spec import collectives
     >>> from purlin.snac import plan
@@ -312,7 +316,7 @@ def lower_ce(schedule: Schedule, bases: dict, flag_bases: dict, epoch_addresses:
     address of the rank's ``ce_flag_slots`` uint64 counters; ``epoch_addresses[rank]``: the
     rank's executor call counter (D_EPOCH); ``devices[rank]``: its GPU. ``scratch_bytes[rank]``
     is the byte size of one scratch copy (default: from the schedule). ``side_copies``: move
-    the copies :func:`side_copies_of` finds onto side streams (module docstring).
+    the copies :func:`side_copies_of` finds onto side streams (the notes after the imports).
     """
     dt = as_dtype(schedule.dtype)
     item = dt.itemsize
@@ -513,7 +517,7 @@ def _sm_step(ctx: _Ctx, lane_rows, pool, rank, lane, index, step, parity) -> Non
                               FLAG=flag_address(ctx.flag_bases, step.flag, ctx.nlanes)))
         return
     for w in step.waits:
-        # PER_CALL stays 0: the target is relative to the rebased counter (module docstring)
+        # PER_CALL stays 0: the target is relative to the rebased counter (notes at the top)
         lane_rows.append(_row(WAIT, lane, index, PEER=w.flag.src, VALUE=ctx.target(w),
                               FLAG=flag_address(ctx.flag_bases, w.flag, ctx.nlanes)))
     if not step.moves_data:

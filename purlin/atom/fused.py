@@ -29,7 +29,7 @@ interpreter.
 ...          for i, b in enumerate(("input", "output", "scratch", "ll"))}
 >>> low = lower(s, bases, {r: (9 + r) << 20 for r in range(2)},
 ...             ll_bases={r: bases[(r, "ll")] for r in range(2)})
->>> fuse_problem(low) is None, [op[0] for op in rank_ops(low[0])]
+>>> fuse_problem(low) is None, [op.kind for op in rank_ops(low[0])]
 (True, ['put', 'move'])
 
 Rank 0's program can end with an epilogue over rows of 16 elements (32 bytes) where its
@@ -45,6 +45,7 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,12 +54,14 @@ from purlin.errors import CapabilityError
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
                                 F_OP_MOVE, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
-                                F_REDOP, MAX_THREADS,
-                                F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_WIDTH,
-                                OPCODE_NAMES, PEER, PER_CALL, REDOP, REDUCE, SOURCE_WIDTH, SRC,
-                                STEP, VALUE, WAIT)
+                                F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES,
+                                F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_KIND,
+                                OP_WIDTH, OPCODE_NAMES, PEER, PER_CALL, PUT_BYTES, PUT_SRC, REDOP,
+                                REDUCE, SOURCE_ADDR, SOURCE_LL, SOURCE_WIDTH, SRC, STEP, VALUE,
+                                WAIT)
 
-__all__ = ["Epilogue", "FusedProgram", "UNITS", "epilogue_problem", "fuse_problem",
+__all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Source",
+           "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",
            "fused_problems", "fused_unit", "grid", "oneshot_problem", "program", "rank_ops",
            "row_grid", "row_sums_bytes", "threads_grid"]
 
@@ -67,6 +70,86 @@ FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
 class _Refused(Exception):
     """A table the fused kernel must not run (the message says why)."""
+
+
+# A rank's fused ops (:func:`rank_ops`). Each record's first field names its kind, so that a
+# list of them reads as ("wait", ...), ("move", ...) in a repr and in a test.
+class Wait(NamedTuple):
+    """Wait until the lowered ``flag`` reaches ``(epoch + epoch_offset) * per_call + value``."""
+
+    kind: str  # "wait"
+    flag: int
+    per_call: int
+    value: int
+    epoch_offset: int
+    peer: int
+    step: int
+
+
+class Notify(NamedTuple):
+    """Add ``value`` to the lowered ``flag`` (a peer's)."""
+
+    kind: str  # "notify"
+    flag: int
+    value: int
+
+
+class Put(NamedTuple):
+    """Send ``nbytes`` at ``source`` as LL units to a peer's LL area (two parities)."""
+
+    kind: str  # "put"
+    source: int
+    dst_even: int
+    dst_odd: int
+    nbytes: int
+    peer: int
+    step: int
+
+
+class Reduction(NamedTuple):
+    """How a move combines its sources: isa reduce op code and the AVG divisor."""
+
+    redop: int
+    divisor: int
+
+
+class Source(NamedTuple):
+    """A move's source: plain memory, or (``is_ll``) a peer's LL units read in place, with the
+    address on even and on odd calls and, for LL, the sending peer and step (else -1)."""
+
+    is_ll: int
+    even: int
+    odd: int
+    peer: int
+    step: int
+
+
+class Move(NamedTuple):
+    """Write ``nbytes`` at ``dst_even`` / ``dst_odd`` from ``sources`` (a copy when ``how`` is
+    None, else their reduction)."""
+
+    kind: str  # "move"
+    dst_even: int
+    dst_odd: int
+    nbytes: int
+    sources: tuple
+    dtype: int
+    how: Reduction | None
+
+
+class Norm(NamedTuple):
+    """The epilogue after the last move."""
+
+    kind: str  # "norm"
+    epilogue: "Epilogue"
+
+
+class Span(NamedTuple):
+    """Bytes a data op touches: ``nbytes`` at ``even`` on even calls, at ``odd`` on odd."""
+
+    even: int
+    odd: int
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -127,14 +210,15 @@ def _epilogue_problem(r: int, ops: list[tuple], epilogue: Epilogue, unit: int,
                       threads: int) -> str | None:
     """:func:`epilogue_problem` on rank ``r``'s fused ops."""
     last = ops[-1] if ops else None
-    if last is None or last[0] != "move" or last[1] != epilogue.target or \
-            last[2] != epilogue.target:
+    if last is None or last.kind != "move" or last.dst_even != epilogue.target or \
+            last.dst_odd != epilogue.target:
         return f"rank {r}: its last op is not the move into the epilogue's target"
-    if last[5] not in (0, 1, 2) or last[6] is None or last[6][0] != 0:
-        return f"rank {r}: the epilogue follows a float sum, not dtype code {last[5]} / {last[6]}"
-    row = epilogue.hidden * ITEMSIZE[last[5]]
-    if epilogue.hidden < 1 or last[3] % row:
-        return f"rank {r}: {last[3]} bytes are not whole rows of {epilogue.hidden} elements"
+    if last.dtype not in (0, 1, 2) or last.how is None or last.how.redop != 0:
+        how = None if last.how is None else tuple(last.how)
+        return f"rank {r}: the epilogue follows a float sum, not dtype code {last.dtype} / {how}"
+    row = epilogue.hidden * ITEMSIZE[last.dtype]
+    if epilogue.hidden < 1 or last.nbytes % row:
+        return f"rank {r}: {last.nbytes} bytes are not whole rows of {epilogue.hidden} elements"
     if row % (threads * unit):
         return (f"rank {r}: a row of {row} bytes is not whole chunks of {threads} threads x "
                 f"{unit} bytes")
@@ -145,12 +229,10 @@ def _epilogue_problem(r: int, ops: list[tuple], epilogue: Epilogue, unit: int,
 
 
 def rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
-    """The rank's rows as fused ops, LL_GET rows folded into the rows that read them:
-    ("wait", flag, per call, value, epoch offset, peer, step), ("notify", flag, value),
-    ("put", source, units even, units odd, bytes, peer, step) and ("move", destination even,
-    odd, bytes, sources, dtype, (redop, divisor)) with sources (is LL, even, odd, peer, step).
-    Raises CapabilityError naming the rank and row when the rank cannot be fused. ``unit``:
-    the bytes a thread takes at a time (16, or 8 -- one LL unit each)."""
+    """The rank's rows as fused ops (:class:`Wait`, :class:`Notify`, :class:`Put`,
+    :class:`Move`), LL_GET rows folded into the moves that read them. Raises CapabilityError
+    naming the rank and row when the rank cannot be fused. ``unit``: the bytes a thread takes
+    at a time (16, or 8 -- one LL unit each)."""
     try:
         return _rank_ops(low, unit)
     except _Refused as exc:
@@ -169,11 +251,11 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
         if op not in (WAIT, NOTIFY, LL_PUT, LL_GET, COPY, REDUCE) or int(b[OP]) != op:
             raise _Refused(f"rank {r} row {k} is a {OPCODE_NAMES[op]}")
         if op == WAIT:
-            ops.append(("wait", int(a[FLAG]), int(a[PER_CALL]), int(a[VALUE]),
-                        int(a[EPOCH_OFFSET]), int(a[PEER]), int(a[STEP])))
+            ops.append(Wait("wait", int(a[FLAG]), int(a[PER_CALL]), int(a[VALUE]),
+                            int(a[EPOCH_OFFSET]), int(a[PEER]), int(a[STEP])))
             continue
         if op == NOTIFY:
-            ops.append(("notify", int(a[FLAG]), int(a[VALUE])))
+            ops.append(Notify("notify", int(a[FLAG]), int(a[VALUE])))
             continue
         dt = int(a[DTYPE])
         if dt not in FUSED_DTYPES:
@@ -186,22 +268,22 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
             raise _Refused(f"rank {r} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
                            f"not whole {unit}-byte items at {unit}-byte aligned addresses")
         if op == LL_PUT:
-            ops.append(("put", srcs_a[0], int(a[DST]), int(b[DST]), nbytes, int(a[PEER]),
-                        int(a[STEP])))
+            ops.append(Put("put", srcs_a[0], int(a[DST]), int(b[DST]), nbytes, int(a[PEER]),
+                           int(a[STEP])))
         elif op == LL_GET:
-            gets[(int(a[DST]), int(b[DST]))] = (srcs_a[0], srcs_b[0], nbytes, int(a[PEER]),
-                                                int(a[STEP]))
+            gets[(int(a[DST]), int(b[DST]))] = _Get(srcs_a[0], srcs_b[0], nbytes,
+                                                    int(a[PEER]), int(a[STEP]))
         else:
-            how = (int(a[REDOP]), int(a[DIVISOR])) if op == REDUCE else None
+            how = Reduction(int(a[REDOP]), int(a[DIVISOR])) if op == REDUCE else None
             sources = []
             for s_a, s_b in zip(srcs_a, srcs_b):
                 got = gets.get((s_a, s_b))
-                if got is not None and got[2] == nbytes:
-                    sources.append((1, got[0], got[1], got[3], got[4]))
+                if got is not None and got.nbytes == nbytes:
+                    sources.append(Source(1, got.even, got.odd, got.peer, got.step))
                     used.add((s_a, s_b))
                 else:
-                    sources.append((0, s_a, s_b, -1, -1))
-            ops.append(("move", int(a[DST]), int(b[DST]), nbytes, tuple(sources), dt, how))
+                    sources.append(Source(0, s_a, s_b, -1, -1))
+            ops.append(Move("move", int(a[DST]), int(b[DST]), nbytes, tuple(sources), dt, how))
     if set(gets) - used:
         raise _Refused(f"rank {r} keeps an LL transfer's data for a row that does not read "
                        "it whole")
@@ -209,25 +291,37 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
     return ops
 
 
+class _Get(NamedTuple):
+    """An LL_GET row, folded into the move that reads its destination: the LL units it polls
+    (``even``, ``odd``), its bytes and the sending peer and step."""
+
+    even: int
+    odd: int
+    nbytes: int
+    peer: int
+    step: int
+
+
 def _check_rank(r: int, ops: list[tuple], gets: dict) -> None:
     """Within the rank: one element type and reduction, LL areas read only through moves,
     no two data rows between flag operations touching the same bytes, and every LL peer
     heard from."""
-    kinds = {(op[5], op[6]) for op in ops if op[0] == "move" and op[6] is not None}
-    if len({op[5] for op in ops if op[0] == "move"}) > 1 or len(kinds) > 1:
+    moves = [op for op in ops if op.kind == "move"]
+    kinds = {(op.dtype, op.how) for op in moves if op.how is not None}
+    if len({op.dtype for op in moves}) > 1 or len(kinds) > 1:
         raise _Refused(f"rank {r} mixes element types or reductions")
-    got = [(dst[0], dst[1], g[2]) for dst, g in gets.items()]
+    got = [Span(dst[0], dst[1], g.nbytes) for dst, g in gets.items()]
     for op in ops:
-        if op[0] in ("put", "move"):
+        if op.kind in ("put", "move"):
             w, reads = _accesses(op)
-            plain = [x for x, src in zip(reads, op[4] if op[0] == "move" else (None,))
-                     if not (src and src[0])]
+            plain = [x for x, src in zip(reads, op.sources if op.kind == "move" else (None,))
+                     if not (src and src.is_ll)]
             if any(_meets(x, g) for x in (w, *plain) for g in got):
                 raise _Refused(f"rank {r} touches an LL transfer's destination other than "
                                "by reading it whole (it is never written when fused)")
     segment: list = []
-    for op in ops + [("notify",)]:
-        if op[0] in ("wait", "notify"):
+    for op in ops + [Notify("notify", -1, 0)]:  # the end closes the last segment
+        if op.kind in ("wait", "notify"):
             for i, (w, reads) in enumerate(segment):
                 for w2, reads2 in segment[i + 1:]:
                     if w and any(_clash(w, x) for x in (w2, *reads2) if x) or \
@@ -237,19 +331,22 @@ def _check_rank(r: int, ops: list[tuple], gets: dict) -> None:
             segment = []
         else:
             segment.append(_accesses(op))
-    put_peers = {op[5] for op in ops if op[0] == "put"}
-    heard = {g[3] for g in gets.values()} | {op[5] for op in ops if op[0] == "wait"}
+    put_peers = {op.peer for op in ops if op.kind == "put"}
+    heard = {g.peer for g in gets.values()} | {op.peer for op in ops if op.kind == "wait"}
     if put_peers - heard:
         raise _Refused(f"rank {r} puts to rank {min(put_peers - heard)} without hearing from "
                        "it in the same call")
 
 
 def _accesses(op) -> tuple:
-    """(written span or None, read spans) of a data op; a span is (even, odd, bytes)."""
-    if op[0] == "put":
-        return (op[2], op[3], 2 * op[4]), ((op[1], op[1], op[4]),)
-    n = op[3]
-    return (op[1], op[2], n), tuple((s[1], s[2], 2 * n if s[0] else n) for s in op[4])
+    """(written :class:`Span` or None, read spans) of a data op (an LL unit doubles the
+    bytes)."""
+    if op.kind == "put":
+        return (Span(op.dst_even, op.dst_odd, 2 * op.nbytes),
+                (Span(op.source, op.source, op.nbytes),))
+    n = op.nbytes
+    return (Span(op.dst_even, op.dst_odd, n),
+            tuple(Span(s.even, s.odd, 2 * n if s.is_ll else n) for s in op.sources))
 
 
 def _clash(a: tuple, b: tuple) -> bool:
@@ -259,7 +356,8 @@ def _clash(a: tuple, b: tuple) -> bool:
 
 def _meets(a: tuple, b: tuple) -> bool:
     """Do spans ``a`` and ``b`` share a byte (in either parity)?"""
-    return any(x < y + b[2] and y < x + a[2] for x in (a[0], a[1]) for y in (b[0], b[1]))
+    return any(x < y + b.nbytes and y < x + a.nbytes for x in (a.even, a.odd)
+               for y in (b.even, b.odd))
 
 
 def _check_ranks(ops_by_rank: list[list[tuple]]) -> None:
@@ -268,7 +366,7 @@ def _check_ranks(ops_by_rank: list[list[tuple]]) -> None:
     spans = []  # (rank, op index, span, writes)
     for r, ops in enumerate(ops_by_rank):
         for k, op in enumerate(ops):
-            if op[0] in ("put", "move"):
+            if op.kind in ("put", "move"):
                 w, reads = _accesses(op)
                 spans.append((r, k, w, True))
                 spans += [(r, k, x, False) for x in reads]
@@ -322,41 +420,40 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
         problem = _epilogue_problem(low.rank, ops, epilogue, unit, threads)
         if problem:
             raise CapabilityError(f"cannot end with the epilogue: {problem}")
-        ops.append(("norm", epilogue))
-    moves = [op for op in ops if op[0] == "move"]
-    dt = moves[0][5] if moves else 0
-    how = next((op[6] for op in moves if op[6] is not None), (0, 1))
+        ops.append(Norm("norm", epilogue))
+    moves = [op for op in ops if op.kind == "move"]
+    dt = moves[0].dtype if moves else 0
+    how = next((op.how for op in moves if op.how is not None), Reduction(0, 1))
     sources_at = F_HEAD + OP_WIDTH * len(ops)
-    nsources = sum(len(op[4]) for op in moves) + (epilogue is not None)
+    nsources = sum(len(op.sources) for op in moves) + (epilogue is not None)
     words = np.zeros(sources_at + SOURCE_WIDTH * nsources, dtype=np.int64)
     words[[F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT]] = \
         [low.rank, len(ops), dt, how[0], how[1], error, abort, unit]
     at = sources_at
     for k, op in enumerate(ops):
-        if op[0] == "wait":
-            _, flag, per_call, value, offset, peer, step = op
-            row = (F_OP_WAIT, flag_slot(flag), per_call, value, offset, peer, step, flag)
-        elif op[0] == "notify":
-            row = (F_OP_NOTIFY, flag_slot(op[1]), op[2])
-        elif op[0] == "put":
-            row = (F_OP_PUT, *op[1:])
-        elif op[0] == "norm":  # its parameters take one source entry
-            e = op[1]
-            nbytes, chunk = moves[-1][3], unit * threads
+        if op.kind == "wait":
+            row = (F_OP_WAIT, flag_slot(op.flag), op.per_call, op.value, op.epoch_offset,
+                   op.peer, op.step, op.flag)
+        elif op.kind == "notify":
+            row = (F_OP_NOTIFY, flag_slot(op.flag), op.value)
+        elif op.kind == "put":
+            row = (F_OP_PUT, op.source, op.dst_even, op.dst_odd, op.nbytes, op.peer, op.step)
+        elif op.kind == "norm":  # its parameters take one source entry
+            e = op.epilogue
+            nbytes, chunk = moves[-1].nbytes, unit * threads
             row = (F_OP_NORM, e.target, e.target, nbytes, 1, at, nbytes // chunk,
-                   e.hidden * ITEMSIZE[moves[-1][5]] // chunk)
+                   e.hidden * ITEMSIZE[moves[-1].dtype] // chunk)
             eps = int(np.float32(e.eps).view(np.int32))
             words[at: at + SOURCE_WIDTH] = (e.residual, e.weight, e.sums, e.hidden, eps)
             at += SOURCE_WIDTH
         else:
-            _, dst_a, dst_b, nbytes, sources, _, _ = op
-            row = (F_OP_MOVE, dst_a, dst_b, nbytes, len(sources), at)
-            for src in sources:
+            row = (F_OP_MOVE, op.dst_even, op.dst_odd, op.nbytes, len(op.sources), at)
+            for src in op.sources:
                 words[at: at + SOURCE_WIDTH] = src
                 at += SOURCE_WIDTH
         words[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
-    items = max([op[4] for op in ops if op[0] == "put"]
-                + [op[3] for op in moves] + [unit]) // unit
+    items = max([op.nbytes for op in ops if op.kind == "put"]
+                + [op.nbytes for op in moves] + [unit]) // unit
     return FusedProgram(words, len(ops), items)
 
 
@@ -388,21 +485,22 @@ def oneshot_problem(words: np.ndarray) -> str | None:
     if head[F_DTYPE] not in (0, 1, 2) or head[F_REDOP] != 0:
         return (f"rank {r}: it sums dtype code {head[F_DTYPE]} with reduce op code "
                 f"{head[F_REDOP]}, not a float sum")
-    kinds = [int(words[F_HEAD + k * OP_WIDTH]) for k in range(nops)]
+    kinds = [int(words[F_HEAD + k * OP_WIDTH + OP_KIND]) for k in range(nops)]
     if nops < 3 or kinds[-2:] != [F_OP_MOVE, F_OP_NORM] or \
             any(kind != F_OP_PUT for kind in kinds[:-2]):
         return f"rank {r}: its program is not PUTs, one MOVE and the NORM epilogue"
     move = F_HEAD + (nops - 2) * OP_WIDTH
-    nbytes, nsrc, first = (int(x) for x in words[move + 3: move + 6])
+    nbytes, nsrc, first = (int(words[move + w]) for w in (MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES))
     sources = [[int(x) for x in words[first + s * SOURCE_WIDTH:][:SOURCE_WIDTH]]
                for s in range(nsrc)]
-    plain = [s for s in sources if s[0] == 0]
+    plain = [s for s in sources if s[SOURCE_LL] == 0]
     if len(plain) != 1 or len(sources) - 1 != nops - 2:
         return (f"rank {r}: its move reads {len(plain)} plain and {len(sources) - len(plain)} "
                 f"LL sources; the one-shot kernel reads its input and one LL source per PUT")
     for k in range(nops - 2):
         put = F_HEAD + k * OP_WIDTH
-        if int(words[put + 1]) != plain[0][1] or int(words[put + 4]) != nbytes:
+        if int(words[put + PUT_SRC]) != plain[0][SOURCE_ADDR] or \
+                int(words[put + PUT_BYTES]) != nbytes:
             return f"rank {r}: PUT {k} sends other bytes than the move's input"
     return None
 

@@ -365,22 +365,26 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
     for k in range(int(head[isa.F_NOPS])):
         op = [int(x) for x in head[isa.F_HEAD + k * isa.OP_WIDTH:][:isa.OP_WIDTH]]
         what = f"rank {rank} block {block} op {k}"
-        if op[0] == isa.F_OP_WAIT:
-            target = (epoch + op[4]) * op[2] + op[3]
+        kind = op[isa.OP_KIND]
+        if kind == isa.F_OP_WAIT:
+            target = (epoch + op[isa.WAIT_EPOCH_OFFSET]) * op[isa.WAIT_PER_CALL] + \
+                op[isa.WAIT_VALUE]
             if target > 0:
-                mem.wait(op[1] + 8 * block, target, what)
-        elif op[0] == isa.F_OP_NOTIFY:
-            mem.add(op[1] + 8 * block, op[2])
-        elif op[0] == isa.F_OP_NORM:
+                mem.wait(op[isa.WAIT_SLOT] + 8 * block, target, what)
+        elif kind == isa.F_OP_NOTIFY:
+            mem.add(op[isa.NOTIFY_SLOT] + 8 * block, op[isa.NOTIFY_VALUE])
+        elif kind == isa.F_OP_NORM:
             _norm_block(head, op, tag, mem, block, blocks, threads, unit, code, what)
-        elif op[0] == isa.F_OP_PUT:
+        elif kind == isa.F_OP_PUT:
             put = mem.ll_put_half if unit == 4 else mem.ll_put  # 4 bytes: half an LL unit
-            for i in _items(op[4], unit, block, blocks, threads):
-                put(op[2 + odd] + 2 * unit * i, _bytes(op[1] + unit * i, unit).tobytes(), tag)
+            src, dst = op[isa.PUT_SRC], op[isa.PUT_DST + odd]
+            for i in _items(op[isa.PUT_BYTES], unit, block, blocks, threads):
+                put(dst + 2 * unit * i, _bytes(src + unit * i, unit).tobytes(), tag)
         else:
             if delay:
                 time.sleep(delay)
-            dst, nbytes, nsrc, first = op[1 + odd], op[3], op[4], op[5]
+            dst, nbytes = op[isa.MOVE_DST + odd], op[isa.MOVE_BYTES]
+            nsrc, first = op[isa.MOVE_NSRC], op[isa.MOVE_SOURCES]
             sources = [[int(x) for x in head[first + s * isa.SOURCE_WIDTH:]
                         [:isa.SOURCE_WIDTH]] for s in range(nsrc)]
             count = unit // isa.ITEMSIZE[code]
@@ -409,15 +413,19 @@ def _norm_block(head, op, tag, mem: _Memory, block: int, blocks: int, threads: i
     of ``threads * unit`` bytes get ``residual += result`` (rounded), each chunk's sum of
     squares goes to its row sums slot as an LL half with the call's tag; then, once every
     slot of a chunk's row carries the tag, ``result = rms_norm(residual) * weight``."""
-    residual, weight, sums, hidden, eps_bits = (int(x) for x in head[op[5]: op[5] + 5])
+    params = [int(x) for x in head[op[isa.NORM_PARAMS]:][:isa.SOURCE_WIDTH]]
+    residual, weight, sums, hidden, eps_bits = (
+        params[isa.NORM_RESIDUAL], params[isa.NORM_WEIGHT], params[isa.NORM_SUMS],
+        params[isa.NORM_HIDDEN], params[isa.NORM_EPS])
     eps = np.array([eps_bits], np.uint32).view(np.float32)[0]
     item = isa.ITEMSIZE[code]
     chunk = threads * unit
     count = chunk // item  # elements per chunk
-    per_row = op[7]  # (and op[6] chunks: the program's counts, as the kernel reads them)
-    mine = range(block, op[6], blocks)
+    per_row = op[isa.NORM_ROW_CHUNKS]  # (and its chunks: the program's, as the kernel reads)
+    mine = range(block, op[isa.NORM_CHUNKS], blocks)
+    target = op[isa.NORM_TARGET]
     for c in mine:
-        r = _load(op[1] + c * chunk, count, code).astype(np.float32) + \
+        r = _load(target + c * chunk, count, code).astype(np.float32) + \
             _load(residual + c * chunk, count, code).astype(np.float32)
         _store(residual + c * chunk, r, code)
         r = _load(residual + c * chunk, count, code).astype(np.float32)  # as rounded
@@ -432,7 +440,7 @@ def _norm_block(head, op, tag, mem: _Memory, block: int, blocks: int, threads: i
         r = _load(residual + c * chunk, count, code).astype(np.float32)
         start = c * chunk % (hidden * item)
         w = _load(weight + start, count, code).astype(np.float32)
-        _store(op[1] + c * chunk, r * inv * w, code)
+        _store(target + c * chunk, r * inv * w, code)
 
 
 def run_fused_calls(programs, buffers: HostBuffers, inputs_per_call, blocks: int = 2,

@@ -3,25 +3,7 @@
 Pure numpy: it needs only the base address of every buffer, so it is unit-tested without a GPU
 and the same tables serve real GPUs and the CUDA simulator.
 
-* Data steps become COPY / REDUCE rows, preceded by one WAIT row per wait of a Consume.
-* A Notify becomes a NOTIFY row that adds 1 per thread block of the lane, so WAIT targets and
-  per-call growth are multiplied by ``blocks_per_lane``. Where a lane notifies one flag more
-  than once in a call (chunks pipelined through the lane), a lane barrier comes before each
-  notify after the first: the waiter's target ``k * blocks`` then means every block added
-  ``k`` times (blocks stay within one notify of each other), where a fast block's extra adds
-  could otherwise make it up while a slow block's part is still missing.
-* When a lane has several blocks and a step reads what an earlier step of the same lane wrote
-  (or writes what it read), a lane barrier (NOTIFY + WAIT on a lane-local flag) separates them,
-  since different blocks may own different parts of the two regions -- unless both steps cover
-  exactly the same, 16-byte aligned region, where every thread only meets its own words.
-* With two scratch copies, each rank gets an even and an odd table (scratch addresses shifted);
-  both share one source pool, the odd table indexing its second half.
-* With an LL area (``ll_bases``), each Stage + Notify pair that
-  :func:`ll_transfers` finds safe travels as LL units: an LL_PUT row on the sender instead of
-  COPY + NOTIFY, and an LL_GET row on the receiver instead of the WAIT on that flag (see
-  ``purlin.kernels.isa``: the tags inside the data are the flag). With several blocks per
-  lane a lane barrier follows the LL_GET rows of a step before its data row: LL rows give
-  each thread 8-byte units, data rows 16-byte ones.
+Details: the notes after the imports; the design: ARCHITECTURE.md, "Atom datapaths".
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan
@@ -49,6 +31,28 @@ from purlin.kernels.isa import (AVG, COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ER
                                 ROW_WIDTH, SRC, STEP, VALUE, WAIT)
 from purlin.snac.ir import Consume, Flag, Notify, Region, Schedule
 from purlin.spec.dtypes import dtype as as_dtype
+
+# How a schedule becomes tables:
+#
+# * Data steps become COPY / REDUCE rows, preceded by one WAIT row per wait of a Consume.
+# * A Notify becomes a NOTIFY row that adds 1 per thread block of the lane, so WAIT targets and
+#   per-call growth are multiplied by ``blocks_per_lane``. Where a lane notifies one flag more
+#   than once in a call (chunks pipelined through the lane), a lane barrier comes before each
+#   notify after the first: the waiter's target ``k * blocks`` then means every block added
+#   ``k`` times (blocks stay within one notify of each other), where a fast block's extra adds
+#   could otherwise make it up while a slow block's part is still missing.
+# * When a lane has several blocks and a step reads what an earlier step of the same lane wrote
+#   (or writes what it read), a lane barrier (NOTIFY + WAIT on a lane-local flag) separates them,
+#   since different blocks may own different parts of the two regions -- unless both steps cover
+#   exactly the same, 16-byte aligned region, where every thread only meets its own words.
+# * With two scratch copies, each rank gets an even and an odd table (scratch addresses shifted);
+#   both share one source pool, the odd table indexing its second half.
+# * With an LL area (``ll_bases``), each Stage + Notify pair that
+#   :func:`ll_transfers` finds safe travels as LL units: an LL_PUT row on the sender instead of
+#   COPY + NOTIFY, and an LL_GET row on the receiver instead of the WAIT on that flag (see
+#   ``purlin.kernels.isa``: the tags inside the data are the flag). With several blocks per
+#   lane a lane barrier follows the LL_GET rows of a step before its data row: LL rows give
+#   each thread 8-byte units, data rows 16-byte ones.
 
 __all__ = ["CONTROL_AT", "CONTROL_WORDS", "HEAD_WORDS", "LLTransfers", "LoweredRank", "blob_size",
            "build_blob", "flag_slots", "ll_transfers", "lower", "OPCODE_NAMES"]

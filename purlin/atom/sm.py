@@ -9,8 +9,6 @@ and replays need no reset.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
@@ -18,6 +16,7 @@ from purlin.kernels import isa
 from purlin.snac.planner import Capabilities
 
 CAPABILITIES = Capabilities(name="sm", can_reduce=True)
+RUNS_ON = ("local", "virtual")  # cluster kinds (purlin.atom's registry)
 TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32")
 DEFAULT_THREADS = 512
 
@@ -69,7 +68,8 @@ def enable_peer_access(devices) -> None:
                                               f"failed: {exc}") from None
 
 
-def local_cluster(cls, n=None):
+def local_devices(n=None) -> tuple[int, ...]:
+    """The first ``n`` visible GPUs (all of them by default), peer access enabled both ways."""
     torch = _torch()
     count = torch.cuda.device_count()
     n = count if n is None else n
@@ -77,14 +77,14 @@ def local_cluster(cls, n=None):
         raise CapabilityError(f"Cluster.local({n}) needs {n} GPUs; {count} are visible")
     devices = tuple(range(n))
     enable_peer_access(devices)
-    return cls("local", n, devices)
+    return devices
 
 
-def virtual_cluster(cls, n, device=0):
+def check_device(device) -> None:
+    """Raise CapabilityError unless GPU ``device`` is visible."""
     torch = _torch()
     if device >= torch.cuda.device_count():
         raise CapabilityError(f"GPU {device} is not visible ({torch.cuda.device_count()} GPUs)")
-    return cls("virtual", n, (device,) * n)
 
 
 PROTOCOLS = ("simple", "ll", "fused", "fused-ll")
@@ -502,13 +502,3 @@ def _check_resident(torch, device, launcher, kind) -> None:
             f"{launcher.grid} blocks of {launcher.threads} threads cannot all be resident on GPU "
             f"{device} ({sms} SMs); use fewer lanes or blocks per lane"
             + (" or fewer virtual ranks" if kind == "virtual" else ""))
-
-
-def wall_clock_us(fn, repeat: int = 100) -> float:
-    """Median host time of ``fn()`` in microseconds (for eager-call measurements)."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e6)

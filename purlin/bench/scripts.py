@@ -18,9 +18,10 @@ from pathlib import Path
 OUTPUTS = Path("outputs")
 
 # NVLink multicast (NVLS) off for NCCL and PyTorch symmetric memory, as in every published
-# run: a baseline that switched algorithm with the machine would not be comparable
+# run: a baseline that switched algorithm with the machine would not be comparable; and the 32
+# hardware queues per device the copy-engine datapath needs, set before anything starts CUDA
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-           "NVSHMEM_DISABLE_NVLS": "1"}
+           "NVSHMEM_DISABLE_NVLS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
 
 def gpu_env() -> None:

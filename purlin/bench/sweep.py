@@ -44,7 +44,7 @@ from purlin.spec.collective import Collective
 
 SIX = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "broadcast", "reduce")
 BASELINES = ("nccl", "symm-one-shot", "symm-two-shot")
-DATAPATHS = ("sm", "cpu", "model")
+SWEEP_DATAPATHS = ("sm", "cpu", "model")  # what a sweep measures or predicts on
 MODES = ("graph", "eager")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -230,8 +230,8 @@ class Sweep:
     cluster: object = None
 
     def __post_init__(self):
-        if self.datapath not in DATAPATHS:
-            raise SpecError(f"datapath must be one of {', '.join(DATAPATHS)}, got "
+        if self.datapath not in SWEEP_DATAPATHS:
+            raise SpecError(f"datapath must be one of {', '.join(SWEEP_DATAPATHS)}, got "
                             f"{self.datapath!r}")
         if self.mode not in MODES:
             raise SpecError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")

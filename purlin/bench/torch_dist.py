@@ -13,9 +13,10 @@ import traceback
 
 from purlin.bench.metrics import Record, Timing, op_counts
 
-NCCL_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "broadcast", "reduce")
+# the peers get the 32 hardware queues per device a Purlin GPU cluster asks for
+# (purlin.atom.ce.ask_for_queues), so both sides are measured under the same conditions
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-            "NVSHMEM_DISABLE_NVLS": "1"}
+            "NVSHMEM_DISABLE_NVLS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
 
 def _free_port() -> int:

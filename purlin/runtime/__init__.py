@@ -1,6 +1,6 @@
 """Runtime: clusters, binding and running schedules (ARCHITECTURE.md, "Runtime")."""
 
 from purlin.runtime.api import RunResult, run
-from purlin.runtime.cluster import Bound, Cluster
+from purlin.runtime.cluster import Cluster
 
-__all__ = ["Bound", "Cluster", "RunResult", "run"]
+__all__ = ["Cluster", "RunResult", "run"]

@@ -35,9 +35,14 @@ def run(collective: Collective, inputs, *, cluster: Cluster | None = None,
         sizing: Sizing | None = None, timeout: float = 5.0, trace: bool = False) -> RunResult:
     """Plan ``collective`` with ``strategy``, verify it, run it once on ``cluster`` (default:
     the cpu datapath) and return the outputs. Chunk sizes come from ``sizing`` or, for even
-    chunks, from the input lengths."""
+    chunks, from the input lengths. Torch tensors in give torch tensors out on the cpu
+    datapath."""
+    arrays = list(inputs)
+    if len(arrays) != collective.nranks:
+        raise ExecutionError(f"{collective.name} on {collective.nranks} ranks needs "
+                             f"{collective.nranks} inputs (one per rank, None for a rank "
+                             f"without one), got {len(arrays)}")
     cluster = cluster or Cluster.cpu(collective.nranks)
-    arrays = [None if x is None else x for x in inputs]
     if sizing is None:
         host = [np.zeros(0) if x is None else np.zeros(_numel(x)) for x in arrays]
         sizing = infer_sizing(collective, host)

@@ -7,10 +7,10 @@ Three sources, in order:
    the GPU, ``purlin/runtime/tuning/<gpu-name>.json``, or the file or folder that
    ``$PURLIN_TUNING`` names, or a table passed as ``table=``. Entries are keyed by rank count;
    the entry of the same collective at the nearest size (in ratio) wins;
-2. the **cost model** on GPUs without a table: the trace layer's predicted latency (it registers
-   itself with :func:`set_latency_model` when ``purlin.trace`` is imported, which ``import
-   purlin`` does) with the profile measured on 2xH200 ranks the strategies; chunks and lanes
-   come from the rules;
+2. the **cost model** on GPUs without a table: the trace layer's predicted latency (``import
+   purlin`` hands it over with :func:`set_latency_model`: this layer sits below the trace
+   layer) with the profile measured on 2xH200 ranks the strategies; chunks and lanes come
+   from the rules;
 3. simple **rules** (the cpu datapath): one-shot direct push for small messages (latency-bound:
    one hop), two-phase for large reductions (each byte crosses a link once per phase instead of
    n-1 times), more pieces and lanes as messages grow.
@@ -293,7 +293,8 @@ _latency_model = None
 
 def set_latency_model(fn) -> None:
     """Register ``fn(schedule, profile) -> ns``, the cost model ``auto`` ranks strategies with
-    (the trace layer registers its own; the runtime does not import the layers above it)."""
+    (``import purlin`` registers the trace layer's; the runtime does not import the layers
+    above it)."""
     global _latency_model
     _latency_model = fn
     model_choice.cache_clear()

@@ -1,23 +1,6 @@
 """The cpu datapath across processes: every rank's buffers and flags in shared memory.
 
-Process mode on the CPU (ARCHITECTURE.md), the stand-in for symmetric GPU memory: rank 0 creates
-one ``multiprocessing.shared_memory`` block per rank, the names travel to the others (the caller
-says how: ``share``), every process maps every block, and once all have mapped them rank 0
-unlinks the names, so nothing is left in ``/dev/shm`` even if a process dies (until then the
-creator's resource tracker knows them; the others map them untracked). Each process then
-runs only its own rank's lanes of a schedule (:class:`ShmRun`, one thread per lane), reusing the
-cpu atoms; flags are int64 counters in the blocks that only grow, and a wait polls its flag with
-a short sleep until a deadline.
-
-Each block starts with a small header: the rank's process id and what it is doing (running, or
-waiting on which peer, step and flag), its failure record, and -- in rank 0's block -- the abort
-word. A wait that runs past its deadline follows the chain of waiting ranks to the one that is
-not waiting and names it ("is rank 3 alive?"); ranks that are still waiting see the abort word
-and give up with the same diagnosis instead of waiting out their own deadlines.
-
-Ordering: a notify is one aligned 8-byte store issued after the lane's data stores, and a wait
-reads the flag before the data; x86-64 keeps both in order (TSO). Weaker memory models would
-need fences that Python cannot issue.
+Details: the notes after the imports; the design: ARCHITECTURE.md, "Runtime".
 
 >>> import threading
 >>> import numpy as np
@@ -51,6 +34,27 @@ from purlin.atom import cpu
 from purlin.errors import CallMismatchError, ExecutionError, PurlinTimeoutError
 from purlin.runtime import fingerprint
 from purlin.snac.ir import Consume, Flag, Notify, Schedule
+
+# How process mode shares memory:
+#
+# Process mode on the CPU (ARCHITECTURE.md), the stand-in for symmetric GPU memory: rank 0 creates
+# one ``multiprocessing.shared_memory`` block per rank, the names travel to the others (the caller
+# says how: ``share``), every process maps every block, and once all have mapped them rank 0
+# unlinks the names, so nothing is left in ``/dev/shm`` even if a process dies (until then the
+# creator's resource tracker knows them; the others map them untracked). Each process then
+# runs only its own rank's lanes of a schedule (:class:`ShmRun`, one thread per lane), reusing the
+# cpu atoms; flags are int64 counters in the blocks that only grow, and a wait polls its flag with
+# a short sleep until a deadline.
+#
+# Each block starts with a small header: the rank's process id and what it is doing (running, or
+# waiting on which peer, step and flag), its failure record, and -- in rank 0's block -- the abort
+# word. A wait that runs past its deadline follows the chain of waiting ranks to the one that is
+# not waiting and names it ("is rank 3 alive?"); ranks that are still waiting see the abort word
+# and give up with the same diagnosis instead of waiting out their own deadlines.
+#
+# Ordering: a notify is one aligned 8-byte store issued after the lane's data stores, and a wait
+# reads the flag before the data; x86-64 keeps both in order (TSO). Weaker memory models would
+# need fences that Python cannot issue.
 
 HEADER = 4096     # bytes at the start of every block, before the callers' regions
 ALIGN = 256       # regions start at multiples of this (16-byte vectors on GPUs; cache lines)

@@ -23,7 +23,6 @@ from purlin.spec.collective import Collective, _fmt
 from purlin.spec.layout import name_from_json, name_to_json
 
 BUFFERS = ("input", "output", "scratch")
-DATA_OPS = ("copy", "sum", "max", "min", "avg")
 
 
 @dataclass(frozen=True, order=True)

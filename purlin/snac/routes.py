@@ -79,130 +79,154 @@ def emit(routes: list[Route], nranks: int, acks: frozenset = frozenset(),
     ``engine_for(op)`` names the engine of a data step (for datapaths that cannot reduce).
     ``stage_lanes`` > 0: a node at depth d runs in lane d % stage_lanes instead of its
     route's lane (``plan(..., lanes_by="stage")``)."""
-    scratch = [0] * nranks
-    items = []          # (rank, lane, key, order, step-or-callable)
-    notifies = []       # pending Notify records: [rank, lane, owner]
-    edges = {}
-    order = 0
-
-    writer = {}         # (rank, destination Region) -> index in items
-
-    def place(rank, lane, key, step):
-        nonlocal order
-        if getattr(step, "dst", None) is not None:
-            writer[(rank, step.dst)] = len(items)
-        items.append((rank, lane, key, order, step))
-        order += 1
-
-    def notify(rank, lane, key, owner) -> int:
-        notifies.append((rank, lane, owner))
-        nid = len(notifies) - 1
-        place(rank, lane, key, ("notify", nid))
-        return nid
-
-    edge_id = 0
+    out = _Emitter(nranks, engine_for)
     for route in routes:
-        depth = _depths(route)
-        succs = [[] for _ in route.nodes]
+        r = _RouteState(route, stage_lanes)
+        out.land(r)
+        for i in range(len(route.nodes)):
+            out.node(r, i, acks)
+        out.release_pulls(r)
+        out.wait_for_acks(r, copies)
+    return out.result()
+
+
+class _RouteState:
+    """One route while it is emitted: its shape, where each edge's data lands, and the notifies
+    that announce it (``ready``) or release it (``done``)."""
+
+    def __init__(self, route: Route, stage_lanes: int):
+        self.route = route
+        self.depth = _depths(route)
+        self.succs: list[list[int]] = [[] for _ in route.nodes]
         for i, node in enumerate(route.nodes):
             for p in node.preds:
-                succs[p].append(i)
-        # where each predecessor's value lands on its successor: edge -> Region
-        landing: dict[tuple[int, int], Region] = {}
-        edge_ids: dict[tuple[int, int], int] = {}
+                self.succs[p].append(i)
+        self.lane_of = [self.depth[i] % stage_lanes if stage_lanes else route.lane
+                        for i in range(len(route.nodes))]
+        self.landing: dict[tuple[int, int], Region] = {}  # edge -> where its value lands
+        self.edge_ids: dict[tuple[int, int], int] = {}   # scratch edge -> edge id
+        self.ready: dict[tuple[int, int], int] = {}      # edge -> notify id announcing the data
+        self.done: dict[tuple[int, int], int] = {}       # pull / ack edge -> reader's notify id
+        self.value_at: dict[int, Region] = {}            # node -> region holding its value
+        self.contributions = [0] * len(route.nodes)
+
+
+class _Emitter:
+    """Steps of every rank as they are placed, with their sort keys, and the scratch, notify
+    and edge bookkeeping ``emit`` needs."""
+
+    def __init__(self, nranks: int, engine_for):
+        self.nranks, self.engine_for = nranks, engine_for
+        self.scratch = [0] * nranks
+        self.items: list = []      # (rank, lane, key, order, step-or-("notify", id))
+        self.notifies: list = []   # (rank, lane, owner) per Notify id
+        self.edges: dict = {}      # edge id -> (producer rank, scratch Region)
+        self.writer: dict = {}     # (rank, destination Region) -> index in items
+
+    def place(self, rank, lane, key, step) -> None:
+        if getattr(step, "dst", None) is not None:
+            self.writer[(rank, step.dst)] = len(self.items)
+        self.items.append((rank, lane, key, len(self.items), step))
+
+    def notify(self, rank, lane, key, owner) -> int:
+        self.notifies.append((rank, lane, owner))
+        nid = len(self.notifies) - 1
+        self.place(rank, lane, key, ("notify", nid))
+        return nid
+
+    def data(self, rank, lane, key, waits, op, srcs, dst, names) -> None:
+        self.place(rank, lane, key, _data(rank, lane, waits, op, srcs, dst, names,
+                                          self.engine_for))
+
+    def land(self, r: _RouteState) -> None:
+        """Where each predecessor's value lands on its successor: its output, or new scratch."""
+        route = r.route
         for i, node in enumerate(route.nodes):
             for p in node.preds:
                 if node.incoming == INTO_OUTPUT:
                     if len(node.preds) != 1 or not node.outputs:
                         raise PlanError("a node that receives straight into its output needs "
                                         "exactly one predecessor and an output")
-                    landing[(p, i)] = node.outputs[0]
+                    r.landing[(p, i)] = node.outputs[0]
                 elif node.incoming == SCRATCH:
-                    landing[(p, i)] = Region(node.rank, "scratch", scratch[node.rank],
-                                             route.count)
-                    scratch[node.rank] += route.count
-                    edge_ids[(p, i)] = edge_id
-                    edges[edge_id] = (route.nodes[p].rank, landing[(p, i)])
-                    edge_id += 1
-        ready: dict[tuple[int, int], int] = {}   # edge -> notify id announcing the data
-        done: dict[tuple[int, int], int] = {}    # pull edge / ack edge -> notify id from reader
-        value_at: dict[int, Region] = {}        # node -> region holding its value
-        contributions = [0] * len(route.nodes)
+                    region = Region(node.rank, "scratch", self.scratch[node.rank], route.count)
+                    self.scratch[node.rank] += route.count
+                    r.landing[(p, i)] = region
+                    r.edge_ids[(p, i)] = len(self.edges)
+                    self.edges[len(self.edges)] = (route.nodes[p].rank, region)
 
-        lane_of = [depth[i] % stage_lanes if stage_lanes else route.lane
-                   for i in range(len(route.nodes))]
-        for i, node in enumerate(route.nodes):
-            key = route.seq + depth[i]
-            lane, rank = lane_of[i], node.rank
-            # what the node combines
-            inputs: list[Region] = []
-            waits: list[_PendingWait] = []
-            for p in node.preds:
-                contributions[i] += contributions[p]
-                if node.incoming == PULL:
-                    inputs.append(value_at[p])
-                    waits.append(_PendingWait(ready[(p, i)]))
-                else:
-                    inputs.append(landing[(p, i)])
-                    waits.append(_PendingWait(ready[(p, i)]))
-            if node.own is not None:
-                inputs.append(node.own)
-                contributions[i] += 1
-            if not inputs:
-                raise PlanError(f"route node on rank {rank} has neither predecessors nor input")
-            targets = list(node.outputs)
-            for s in succs[i]:
-                if route.nodes[s].incoming != PULL:
-                    targets.append(landing[(i, s)])
-            is_copy = len(inputs) == 1
-            op = "copy" if is_copy else _reduce_step_op(route, contributions[i])
-            names = route.names
-            first_waits = waits
-            if is_copy:
-                source = inputs[0]
-                value_at[i] = source
-                moves = [t for t in targets if t != source]
-                if not moves and first_waits:
-                    place(rank, lane, key, Consume(rank, lane, tuple(first_waits)))
-                for j, t in enumerate(moves):
-                    w = tuple(first_waits) if j == 0 else ()
-                    place(rank, lane, key, _data(rank, lane, w, "copy", (source,), t, names,
-                                                 engine_for))
-            else:
-                if not targets:
-                    raise PlanError(f"route node on rank {rank} reduces but has nowhere to put "
-                                    "the result")
-                first = targets[0]
-                value_at[i] = first
-                place(rank, lane, key, _data(rank, lane, tuple(first_waits), op, tuple(inputs),
-                                             first, names, engine_for))
-                for t in targets[1:]:
-                    place(rank, lane, key, _data(rank, lane, (), "copy", (first,), t, names,
-                                                 engine_for))
-            # tell successors their data is ready (pull: that our input may be read)
-            for s in succs[i]:
-                ready[(i, s)] = notify(rank, lane, key, route.nodes[s].rank)
-            # after reading: pull readers release the producer; acked scratch edges likewise
-            for p in node.preds:
-                e = (p, i)
-                if node.incoming == PULL or edge_ids.get(e) in acks:
-                    done[e] = notify(rank, lane, key, route.nodes[p].rank)
-        # producers of pull edges wait until every reader is done before their call ends
-        for (p, i), nid in done.items():
-            if route.nodes[i].incoming == PULL:
-                prank, plane = route.nodes[p].rank, lane_of[p]
-                place(prank, plane, 1 << 30, Consume(prank, plane, (_PendingWait(nid),)))
-        # acked edges: the producer's write waits for the ack of an earlier call; patch it in
-        for (p, i), nid in done.items():
-            if route.nodes[i].incoming != PULL:
-                _add_ack(items, writer, route.nodes[p].rank, landing[(p, i)],
+    def node(self, r: _RouteState, i: int, acks: frozenset) -> None:
+        """Node ``i``'s steps: wait for its inputs, copy or reduce them into its targets,
+        announce the result to its successors, release what it read."""
+        route, node = r.route, r.route.nodes[i]
+        key, lane, rank = route.seq + r.depth[i], r.lane_of[i], node.rank
+        inputs, waits = [], []
+        for p in node.preds:
+            r.contributions[i] += r.contributions[p]
+            inputs.append(r.value_at[p] if node.incoming == PULL else r.landing[(p, i)])
+            waits.append(_PendingWait(r.ready[(p, i)]))
+        if node.own is not None:
+            inputs.append(node.own)
+            r.contributions[i] += 1
+        if not inputs:
+            raise PlanError(f"route node on rank {rank} has neither predecessors nor input")
+        targets = list(node.outputs) + [r.landing[(i, s)] for s in r.succs[i]
+                                        if route.nodes[s].incoming != PULL]
+        if len(inputs) == 1:
+            r.value_at[i] = self._copy(rank, lane, key, waits, inputs[0], targets, route.names)
+        else:
+            op = _reduce_step_op(route, r.contributions[i])
+            r.value_at[i] = self._reduce(rank, lane, key, waits, op, inputs, targets,
+                                         route.names)
+        for s in r.succs[i]:  # tell successors their data is ready (pull: that it may be read)
+            r.ready[(i, s)] = self.notify(rank, lane, key, route.nodes[s].rank)
+        for p in node.preds:  # after reading: release pull producers and acked scratch edges
+            if node.incoming == PULL or r.edge_ids.get((p, i)) in acks:
+                r.done[(p, i)] = self.notify(rank, lane, key, route.nodes[p].rank)
+
+    def _copy(self, rank, lane, key, waits, source, targets, names) -> Region:
+        """Copy ``source`` to every target but itself (the first copy waits); just wait if
+        nothing moves. Returns where the node's value is."""
+        moves = [t for t in targets if t != source]
+        if not moves and waits:
+            self.place(rank, lane, key, Consume(rank, lane, tuple(waits)))
+        for j, t in enumerate(moves):
+            self.data(rank, lane, key, tuple(waits) if j == 0 else (), "copy", (source,), t,
+                      names)
+        return source
+
+    def _reduce(self, rank, lane, key, waits, op, inputs, targets, names) -> Region:
+        """Reduce ``inputs`` into the first target, then copy it to the others."""
+        if not targets:
+            raise PlanError(f"route node on rank {rank} reduces but has nowhere to put "
+                            "the result")
+        first = targets[0]
+        self.data(rank, lane, key, tuple(waits), op, tuple(inputs), first, names)
+        for t in targets[1:]:
+            self.data(rank, lane, key, (), "copy", (first,), t, names)
+        return first
+
+    def release_pulls(self, r: _RouteState) -> None:
+        """Producers of pull edges wait until every reader is done before their call ends."""
+        for (p, i), nid in r.done.items():
+            if r.route.nodes[i].incoming == PULL:
+                prank, plane = r.route.nodes[p].rank, r.lane_of[p]
+                self.place(prank, plane, 1 << 30, Consume(prank, plane, (_PendingWait(nid),)))
+
+    def wait_for_acks(self, r: _RouteState, copies: int) -> None:
+        """Acked edges: the producer's write waits for the ack of an earlier call."""
+        for (p, i), nid in r.done.items():
+            if r.route.nodes[i].incoming != PULL:
+                _add_ack(self.items, self.writer, r.route.nodes[p].rank, r.landing[(p, i)],
                          _PendingWait(nid, call=-copies))
 
-    items.sort(key=lambda it: (it[0], it[2], it[3]))
-    steps: list[list] = [[] for _ in range(nranks)]
-    for rank, lane, _key, _order, step in items:
-        steps[rank].append(step)
-    return Emitted(_resolve(steps, notifies), scratch, edges)
+    def result(self) -> Emitted:
+        """Steps per rank, in (key, placement) order, with their notifies numbered."""
+        items = sorted(self.items, key=lambda it: (it[0], it[2], it[3]))
+        steps: list[list] = [[] for _ in range(self.nranks)]
+        for rank, _lane, _key, _order, step in items:
+            steps[rank].append(step)
+        return Emitted(_resolve(steps, self.notifies), self.scratch, self.edges)
 
 
 def _add_ack(items, writer, rank, region, wait) -> None:

@@ -58,10 +58,6 @@ class Collective:
         """The (rank, position) input chunks that make the output chunk ``name``."""
         return self._sources.get(name, ())
 
-    def output_names(self) -> tuple[Name, ...]:
-        """Distinct names the output holds, in order of first appearance."""
-        return self.output.names()
-
     def sized(self, count: int | None = None, *, nbytes: int | None = None, dtype="float32",
               chunk_sizes=None):
         """Bind element counts: see :func:`purlin.spec.sizing.size`."""

@@ -87,10 +87,6 @@ class Sizing:
     def message_bytes(self) -> int:
         return self.message_count * self.dtype.itemsize
 
-    @property
-    def is_even(self) -> bool:
-        return len({c for _, c in self.chunks}) <= 1
-
     def __repr__(self) -> str:
         counts = {c for _, c in self.chunks}
         per = f"{counts.pop()} each" if len(counts) == 1 else "uneven"

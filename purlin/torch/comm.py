@@ -60,8 +60,8 @@ from purlin.torch.staging import Staging
 
 DEFAULT_STAGING = 256 << 20
 DEFAULT_TIMEOUT = 10.0
-DATAPATHS = {"cpu": ("purlin.torch.cpu_path", "CpuPath"),
-             "sm": ("purlin.torch.sm_path", "SmPath")}
+PROCESS_PATHS = {"cpu": ("purlin.torch.cpu_path", "CpuPath"),  # process-mode paths
+                 "sm": ("purlin.torch.sm_path", "SmPath")}
 PROTOCOLS = ("simple", "ll", "fused", "fused-ll", "auto")  # of the sm datapath
 _NO_OP = object()  # a function without a reduce op
 
@@ -182,7 +182,7 @@ class Communicator:
             self.hierarchy = Hierarchy(self)
             self.device = self.hierarchy.device
         elif self.nranks > 1:
-            module, cls = DATAPATHS[self.datapath]
+            module, cls = PROCESS_PATHS[self.datapath]
             path_cls = getattr(importlib.import_module(module), cls)
             self.path = path_cls(self.group, self.rank, self.nranks, self.staging_bytes,
                                  self.timeout, blocks_per_lane=o.blocks_per_lane,
@@ -955,7 +955,7 @@ def _parts(count: int, parts: int):
 def _choose_datapath(datapath: str, backend: str) -> str:
     if datapath == "auto":
         return "sm" if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    if datapath not in DATAPATHS:
+    if datapath not in PROCESS_PATHS:
         raise CapabilityError(f"unknown datapath {datapath!r} for process mode; use "
-                              f"{', '.join(DATAPATHS)} or 'auto'")
+                              f"{', '.join(PROCESS_PATHS)} or 'auto'")
     return datapath

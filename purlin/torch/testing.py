@@ -89,7 +89,3 @@ def raise_for(outcomes) -> list:
             detail = value if status == "error" else f"exit code {value}"
             raise AssertionError(f"rank {rank} {status}: {detail}")
     return [value for _, value in outcomes]
-
-
-def traceback_text(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(exc))

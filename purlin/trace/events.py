@@ -24,7 +24,6 @@ from purlin.snac.ir import Consume, Notify, Schedule, step_peer
 from purlin.spec.layout import name_from_json, name_to_json
 
 KINDS = ("stage", "notify", "wait", "consume", "barrier")
-SOURCES = ("predicted", "measured-cpu", "measured-gpu")
 
 
 @dataclass(frozen=True)

@@ -90,10 +90,6 @@ class Clocks:
                             f"{sorted(self.offsets)} (reference GPU {self.reference})")
         return self.offsets[device]
 
-    def to_reference(self, device: int, t_ns):
-        """``t_ns`` stamped on ``device``, on the reference clock."""
-        return t_ns - self.offset_ns(device)
-
     def to_json(self) -> dict:
         return {"reference": self.reference,
                 "offsets": {str(d): o.to_json() for d, o in sorted(self.offsets.items())}}

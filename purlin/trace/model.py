@@ -255,12 +255,3 @@ class _Simulation:
                     left[r] -= rate
                     count[r] -= 1
 
-
-def _register() -> None:
-    """Let ``strategy="auto"`` rank strategies with this model (see purlin.runtime.auto)."""
-    from purlin.runtime import auto
-
-    auto.set_latency_model(predict_latency)
-
-
-_register()
