@@ -50,7 +50,12 @@ def recursive_doubling(piece: Piece, *, drop_last_partner=False) -> list[Node]:
     return nodes
 
 
-strategy(NAME, check=_power_of_two_all_reduce)(recursive_doubling)
+@pytest.fixture(autouse=True, scope="module")
+def registered():
+    """Registered for this file's tests only: other files (``auto``'s candidates) never see it."""
+    strategy(NAME, check=_power_of_two_all_reduce)(recursive_doubling)
+    yield
+    unregister(NAME)
 
 
 def _inputs(sizing, seed=0, dtype="float32"):
@@ -128,6 +133,25 @@ def test_other_collectives_are_refused_and_auto_skips_it():
     assert NAME in strategies_for(collectives.all_reduce(4))
     assert NAME not in strategies_for(collectives.all_reduce(3))
     assert NAME not in strategies_for(collectives.all_gather(4))
+
+
+def test_every_piece_is_handed_over_once_with_its_part_and_chunk():
+    seen = []
+
+    @strategy("test-recording", owners=True)
+    def recording(piece: Piece) -> list[Node]:
+        seen.append(piece)
+        return recursive_doubling(piece)
+
+    try:
+        purlin.plan(collectives.all_reduce(4), "test-recording", count=48, chunks=3)
+    finally:
+        unregister("test-recording")
+    assert [(p.part, p.chunk) for p in seen] == [(a, b) for a in range(4) for b in range(3)]
+    assert {(p.parts, p.chunks, p.count) for p in seen} == {(4, 3, 4)}
+    assert [p.start for p in seen] == list(range(0, 48, 4))      # contiguous, in order
+    assert [p.owner for p in seen] == [a for a in range(4) for _ in range(3)]
+    assert seen[0].names == (0,) and seen[-1].names == (3,) and seen[0].op == "sum"
 
 
 # -- broken: the verifier names the step -------------------------------------------------------

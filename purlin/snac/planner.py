@@ -121,10 +121,13 @@ def build_routes(sizing: Sizing, strategy: str, chunks: int, lanes: int) -> list
     op = coll.op.reduce_op if coll.op.is_reduce else "copy"
     routes = []
     for seg in segments(sizing):
-        for part, (pstart, pcount) in enumerate(split(seg.count, parts_of(seg, strategy))):
-            for k, (start, count) in enumerate(split(pcount, chunks)):
+        parts = split(seg.count, parts_of(seg, strategy))
+        for part, (pstart, pcount) in enumerate(parts):
+            pieces = split(pcount, chunks)
+            for k, (start, count) in enumerate(pieces):
                 start += pstart
-                nodes = route_nodes(strategy, Piece(coll, seg, start, count, part, k))
+                nodes = route_nodes(strategy, Piece(coll, seg, start, count, part, k,
+                                                    len(parts), len(pieces)))
                 routes.append(Route(nodes, count, op, len(seg.sources),
                                     seg.names_in(start, start + count),
                                     lane=(part * chunks + k) % lanes, seq=k))

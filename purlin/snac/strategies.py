@@ -59,8 +59,9 @@ class Piece:
     contributor for a reduction), ``holders`` the ranks whose output needs it; ``input(r)`` and
     ``outputs(r)`` give the regions. ``op`` is ``"copy"`` or the reduce op. With
     ``owners=True`` at registration a reducing segment is cut into one part per holder first:
-    ``part`` numbers it and ``owner`` is the holder it belongs to. ``chunk`` numbers the piece
-    within its part (``plan(chunks=)``)."""
+    ``part`` (of ``parts``) numbers it and ``owner`` is the holder it belongs to. ``chunk`` (of
+    ``chunks``, ``plan(chunks=)``) numbers the piece within its part. Plans do not depend on
+    the cluster: the same route runs on every datapath."""
 
     collective: Collective
     segment: Segment
@@ -68,6 +69,8 @@ class Piece:
     count: int
     part: int = 0
     chunk: int = 0
+    parts: int = 1
+    chunks: int = 1
 
     @property
     def nranks(self) -> int:
