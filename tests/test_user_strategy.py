@@ -303,6 +303,12 @@ def test_a_name_is_registered_once():
         strategy(NAME)(other)
     strategy(NAME, check=_power_of_two_all_reduce)(recursive_doubling)  # a re-run cell: fine
     assert STRATEGIES[NAME].fn is recursive_doubling
+    strategy("test-lambda")(lambda piece: recursive_doubling(piece))
+    try:
+        with pytest.raises(PlanError, match="'test-lambda' is already registered"):
+            strategy("test-lambda")(lambda piece: recursive_doubling(piece))
+    finally:
+        unregister("test-lambda")
 
 
 def test_built_ins_and_auto_cannot_be_taken():

@@ -155,18 +155,19 @@ def strategy(name: str, *, owners: bool = False,
     plan the collective, else a sentence saying why not (``plan`` raises it as a PlanError and
     ``auto`` skips the strategy). A name is registered once: registering it again raises
     PlanError unless it is the same function again (same module and name: a re-run notebook
-    cell) or ``replace=True``; built-in strategies are never replaced. Registered strategies
-    take part in ``strategy="auto"`` and ``purlin tune`` like the built-ins.
+    cell, not a lambda) or ``replace=True``; built-in strategies are never replaced. Registered
+    strategies are candidates wherever ``strategy="auto"`` ranks strategies with the cost model
+    (GPUs), and ``purlin tune`` measures them like the built-ins.
 
     >>> @strategy("direct-push")
     ... def mine(piece):
     ...     return []
     Traceback (most recent call last):
     ...
-    purlin.errors.PlanError: strategy 'direct-push' is built in and cannot be replaced; register yours under another name
+    purlin.errors.PlanError: strategy 'direct-push' is built in and cannot be replaced; ...
     """
     if not isinstance(name, str) or not name.strip() or name != name.strip():
-        raise PlanError(f"a strategy name is a non-empty string without surrounding spaces, "
+        raise PlanError("a strategy name is a non-empty string without surrounding spaces, "
                         f"got {name!r}")
     if name in RESERVED:
         raise PlanError(f"strategy name {name!r} is reserved (plan(..., 'auto') lets the "
@@ -182,7 +183,9 @@ def strategy(name: str, *, owners: bool = False,
             if old.builtin:
                 raise PlanError(f"strategy {name!r} is built in and cannot be replaced; "
                                 "register yours under another name")
-            same = (_origin(old.fn) == _origin(fn))
+            # a re-run cell or a reloaded module defines the function anew under its old name
+            same = old.fn is fn or (_origin(old.fn) == _origin(fn)
+                                    and "<lambda>" not in _origin(fn)[1])
             if not (same or replace):
                 raise PlanError(f"strategy {name!r} is already registered (by "
                                 f"{'.'.join(_origin(old.fn))}); pick another name, or pass "
