@@ -351,3 +351,17 @@ def test_replacing_a_strategy_replans_with_the_new_one():
     assert name not in STRATEGIES
     with pytest.raises(PlanError, match=f"unknown strategy '{name}'"):
         purlin.plan(coll, name, count=8)
+
+
+def test_auto_forgets_its_cached_choices_when_the_registry_changes():
+    from purlin.runtime import auto
+
+    sizing = collectives.all_reduce(4).sized(1024)
+    auto.model_choice(sizing)
+    assert auto.model_choice.cache_info().currsize > 0
+    strategy("test-new-candidate")(recursive_doubling)
+    assert auto.model_choice.cache_info().currsize == 0  # the new candidate is ranked next time
+    assert "test-new-candidate" in auto.strategies_for(sizing.collective)
+    auto.model_choice(sizing)
+    unregister("test-new-candidate")
+    assert auto.model_choice.cache_info().currsize == 0

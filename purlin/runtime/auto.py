@@ -289,6 +289,17 @@ def strategies_for(collective) -> list[str]:
     return [s for s in names if not STRATEGIES[s].refusal(collective)]
 
 
+def _forget_choices() -> None:
+    """Every cached choice of this module may name a strategy since replaced or removed, or
+    miss a new one: all are dropped when the registry changes."""
+    for value in list(globals().values()):
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
+_strategy_registry.on_change(_forget_choices)
+
+
 _latency_model = None
 
 
@@ -327,10 +338,3 @@ def model_choice(sizing, profile: str = MODEL_PROFILE) -> Choice:
     ns, cfg = best
     return Choice(cfg.strategy, cfg.chunks, cfg.lanes, None,
                   f"model {profile}: {ns / 1e3:.3g} us")
-
-
-def _registered_strategies_changed() -> None:
-    model_choice.cache_clear()
-
-
-_strategy_registry.on_change(_registered_strategies_changed)  # new candidates, new choices
