@@ -101,7 +101,7 @@ def test_timelines_notebook_exports_perfetto_and_html(tmp_path):
 
 
 @pytest.mark.slow
-def test_your_own_strategy_notebook(tmp_path):
+def test_notebook_05_your_own_strategy(tmp_path):
     nb = execute(PATHS["05-your-own-strategy"], cwd=tmp_path, cpu_only=True,
                  timeout=CELL_TIMEOUT)
     text = text_of(nb)
