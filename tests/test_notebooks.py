@@ -37,8 +37,9 @@ def text_of(nb) -> str:
     return "\n".join(parts)
 
 
-def test_the_four_stories_are_there():
-    assert list(PATHS) == ["01-tour", "02-custom-collective", "03-timelines", "04-benchmark"]
+def test_the_five_stories_are_there():
+    assert list(PATHS) == ["01-tour", "02-custom-collective", "03-timelines", "04-benchmark",
+                           "05-your-own-strategy"]
 
 
 @pytest.mark.parametrize("name", list(PATHS))
@@ -97,6 +98,29 @@ def test_timelines_notebook_exports_perfetto_and_html(tmp_path):
     page = (out / "allreduce-ring-compare.html").read_text()
     assert "plotly" in page and "measured (cpu)" in page
     assert "this machine (cpu datapath)" in text_of(nb)
+
+
+@pytest.mark.slow
+def test_notebook_05_your_own_strategy(tmp_path):
+    nb = execute(PATHS["05-your-own-strategy"], cwd=tmp_path, cpu_only=True,
+                 timeout=CELL_TIMEOUT)
+    text = text_of(nb)
+    assert "recursive-doubling, 1 chunk(s) x 1 lane(s), float32: " in text
+    assert "outputs correct, no races, no deadlock" in text          # verified
+    assert "cannot plan all-reduce on 3 ranks" in text                # refused by its check
+    assert ("strategy 'recursive-doubling-broken'" in text
+            and "misses the input of rank(s) 2, 3" in text)           # the dropped hop
+    assert "deadlock: rank 0 step 0" in text and "rank 1 step 0" in text
+    assert "race on r0.scratch" in text and "VerificationError" in text
+    assert "max |purlin - reference| =" in text
+    assert "NOT GPU numbers" in text and "fastest predicted per size" in text
+    figures = [o["data"][PLOTLY] for o in outputs(nb, PLOTLY)]
+    assert len(figures) == 3  # predicted timeline, predicted vs measured, latency
+    lines = {t["name"] for t in figures[2]["data"]}
+    for source in ("measured (cpu datapath, not GPU numbers)", "predicted (H200-measured)"):
+        for provider in ("recursive-doubling", "direct-push", "two-phase", "ring"):
+            assert any(name.startswith(f"{source}: purlin:{provider}") for name in lines), \
+                (source, provider, sorted(lines))
 
 
 def _recorded(folder):

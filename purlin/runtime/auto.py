@@ -38,6 +38,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from purlin.errors import SpecError
+from purlin.snac import strategies as _strategy_registry
 
 SMALL = 256 << 10
 TUNING_DIR = Path(__file__).with_name("tuning")
@@ -280,12 +281,23 @@ NOT_TUNED = ("push-pull",)   # engine split for the ce datapath (push on copy en
 
 
 def strategies_for(collective) -> list[str]:
-    """The registered strategies that can plan ``collective`` (two-phase only reduces)."""
+    """The registered strategies that can plan ``collective`` (each one's ``check`` says)."""
     from purlin.snac.strategies import STRATEGIES
 
     names = [s for s in STRATEGY_ORDER if s in STRATEGIES]
     names += [s for s in STRATEGIES if s not in names and s not in NOT_TUNED]
-    return [s for s in names if s != "two-phase" or collective.op.is_reduce]
+    return [s for s in names if not STRATEGIES[s].refusal(collective)]
+
+
+def _forget_choices() -> None:
+    """Every cached choice of this module may name a strategy since replaced or removed, or
+    miss a new one: all are dropped when the registry changes."""
+    for value in list(globals().values()):
+        if callable(getattr(value, "cache_clear", None)):
+            value.cache_clear()
+
+
+_strategy_registry.on_change(_forget_choices)
 
 
 _latency_model = None

@@ -5,12 +5,18 @@
 >>> print(plan(collectives.broadcast(2), "direct-push", count=4).render())  # doctest: +ELLIPSIS
 broadcast (copy) on 2 ranks, direct-push, 1 chunk(s) x 1 lane(s), float32
 ...
+
+Write a strategy of your own with ``@strategy(name)``: a function from a :class:`Piece` to the
+:class:`Node` list of one route (ARCHITECTURE.md, "Add a strategy").
 """
 
 from purlin.snac.ir import Consume, Flag, Notify, Region, Schedule, Stage, Wait
 from purlin.snac.planner import Capabilities, plan
-from purlin.snac.strategies import STRATEGIES
+from purlin.snac.routes import INTO_OUTPUT, PULL, SCRATCH, Node
+from purlin.snac.strategies import (STRATEGIES, Piece, Strategy, check_route, strategy,
+                                    unregister)
 from purlin.snac.verify import Report, verify
 
-__all__ = ["Capabilities", "Consume", "Flag", "Notify", "Region", "Report", "STRATEGIES",
-           "Schedule", "Stage", "Wait", "plan", "verify"]
+__all__ = ["Capabilities", "Consume", "Flag", "INTO_OUTPUT", "Node", "Notify", "PULL", "Piece",
+           "Region", "Report", "SCRATCH", "STRATEGIES", "Schedule", "Stage", "Strategy", "Wait",
+           "check_route", "plan", "strategy", "unregister", "verify"]

@@ -17,7 +17,8 @@ from purlin.errors import PlanError, SpecError
 from purlin.snac.ir import Schedule
 from purlin.snac.routes import Route, emit
 from purlin.snac.segments import segments
-from purlin.snac.strategies import STRATEGIES, check_strategy, parts_of
+from purlin.snac import strategies
+from purlin.snac.strategies import Piece, check_strategy, parts_of, route_nodes
 from purlin.snac.verify import verify
 from purlin.spec.collective import Collective
 from purlin.spec.sizing import Sizing
@@ -96,6 +97,9 @@ def _plan(sizing: Sizing, strategy: str, chunks: int, lanes: int, lanes_by: str,
     return schedule
 
 
+strategies.on_change(_plan.cache_clear)  # a re-registered name must not keep old plans
+
+
 def split(count: int, parts: int) -> list[tuple[int, int]]:
     """``count`` elements as ``parts`` near-equal (start, count) pieces, empty ones dropped.
 
@@ -114,14 +118,16 @@ def split(count: int, parts: int) -> list[tuple[int, int]]:
 
 def build_routes(sizing: Sizing, strategy: str, chunks: int, lanes: int) -> list[Route]:
     coll = sizing.collective
-    fn = STRATEGIES[strategy]
     op = coll.op.reduce_op if coll.op.is_reduce else "copy"
     routes = []
     for seg in segments(sizing):
-        for part, (pstart, pcount) in enumerate(split(seg.count, parts_of(seg, strategy))):
-            for k, (start, count) in enumerate(split(pcount, chunks)):
+        parts = split(seg.count, parts_of(seg, strategy))
+        for part, (pstart, pcount) in enumerate(parts):
+            pieces = split(pcount, chunks)
+            for k, (start, count) in enumerate(pieces):
                 start += pstart
-                nodes = fn(seg, start, count, part, nranks=coll.nranks)
+                nodes = route_nodes(strategy, Piece(coll, seg, start, count, part, k,
+                                                    len(parts), len(pieces)))
                 routes.append(Route(nodes, count, op, len(seg.sources),
                                     seg.names_in(start, start + count),
                                     lane=(part * chunks + k) % lanes, seq=k))
