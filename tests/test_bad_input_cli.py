@@ -55,8 +55,8 @@ MISTAKES = [
     (["plan", "broadcast", "-n", "4", "--root", "7"], "root 7 is outside the ranks 0..3"),
     (["plan", "all-reduce", "-n", "2", "--rank", "5"], "--rank 5 is outside the ranks 0..1"),
     # a PurlinError from planning
-    (["plan", "all-gather", "-n", "3", "-s", "two-phase"], "all-gather is a copy collective"),
-    (["trace", "all-gather", "-n", "3", "-s", "two-phase"], "all-gather is a copy collective"),
+    (["plan", "all-gather", "-n", "3", "-s", "two-phase"], "cannot plan all-gather on 3 ranks"),
+    (["trace", "all-gather", "-n", "3", "-s", "two-phase"], "cannot plan all-gather on 3 ranks"),
     (["run", "all-reduce", "-n", "2", "-s", "zigzag"], "zigzag"),
 ]
 

@@ -165,7 +165,6 @@ def test_uneven_split_offsets_follow_the_counts():
     assert [s.chunk_count(r) for r in range(3)] == [4, 3, 3]
     assert [s.output_offset(0, p) for p in range(3)] == [0, 4, 7]
     assert [s.input_count(r) for r in range(3)] == [4, 3, 3]
-    assert not s.is_even
 
 
 def test_explicit_chunk_sizes_are_kept_as_given():
@@ -200,7 +199,7 @@ def test_uneven_splits_run_right_on_the_cpu_datapath(name, n, count, strategy, c
 
     coll = collectives.standard(name, n)
     sizing = coll.sized(count)
-    assert not sizing.is_even
+    assert len({c for _, c in sizing.chunks}) > 1  # the split is uneven
     bound = Cluster.cpu(n).bind(coll, strategy, count=count, chunks=chunks, timeout=120)
     rng = np.random.default_rng(n)
     inputs = [rng.standard_normal(sizing.input_count(r)).astype("float32") for r in range(n)]
