@@ -170,7 +170,10 @@ class _Emitter:
             r.contributions[i] += 1
         if not inputs:
             raise PlanError(f"route node on rank {rank} has neither predecessors nor input")
-        targets = list(node.outputs) + [r.landing[(i, s)] for s in r.succs[i]
+        # a value that travels on and stays local is written here first, then sent from here:
+        # local successors before remote ones, so no rank copies its own partial back
+        succs = sorted(r.succs[i], key=lambda s: route.nodes[s].rank != rank)
+        targets = list(node.outputs) + [r.landing[(i, s)] for s in succs
                                         if route.nodes[s].incoming != PULL]
         if len(inputs) == 1:
             r.value_at[i] = self._copy(rank, lane, key, waits, inputs[0], targets, route.names)
