@@ -495,3 +495,36 @@ def test_fused_missing_peer_times_out_naming_it(torch, protocol):
     with pytest.raises(PurlinTimeoutError, match=want):
         bound([None, None])
     assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("strategy", ["direct-push", "auto"])
+def test_default_binds_fit_on_virtual_ranks(torch, n, strategy):
+    """The launch is sized to the GPU: 1 MiB with 4 or 8 virtual ranks (one launch for all
+    of them) binds by default and with auto, also planned with four lanes, and is right."""
+    cluster = _cluster("virtual", n)
+    gen = np.random.default_rng(25)
+    for name in ("all-gather", "reduce-scatter", "all-reduce"):
+        coll = standard(name, n)
+        sizing = _sizing(coll, 1 << 20, "bfloat16", False)
+        for lanes in ((1, 4) if strategy == "direct-push" else (1,)):
+            bound = cluster.bind(coll, strategy, sizing=sizing,
+                                 **({"chunks": lanes, "lanes": lanes} if lanes > 1 else {}))
+            grid = sum(launcher.grid for _, launcher, *_ in bound.launches)
+            assert grid * bound.threads <= bound.gpu.resident(bound.threads) * bound.threads
+            _check(torch, bound, sizing, gen, calls=2)
+
+
+def test_an_explicit_launch_that_cannot_fit_says_what_would(torch):
+    from purlin.errors import CapabilityError
+
+    cluster = _cluster("virtual", 4)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    most = sms // 4
+    with pytest.raises(CapabilityError, match=rf"at most {most} blocks per lane fit: pass "
+                                              rf"blocks_per_lane<={most}"):
+        cluster.bind(standard("all-reduce", 4), "direct-push", count=1 << 19,
+                     dtype="bfloat16", blocks_per_lane=most + 1)
+    bound = cluster.bind(standard("all-reduce", 4), "direct-push", count=1 << 19,
+                         dtype="bfloat16", blocks_per_lane=most)
+    _check(torch, bound, bound.schedule.sizing, np.random.default_rng(3), calls=1)

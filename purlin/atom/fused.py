@@ -50,6 +50,7 @@ import numpy as np
 
 from purlin.atom.lowering import LoweredRank
 from purlin.errors import CapabilityError
+from purlin.kernels.occupancy import resident_blocks
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
                                 F_OP_MOVE, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
@@ -412,8 +413,7 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     """(blocks per rank, threads) for fused programs of ``items`` items of ``unit`` bytes:
     about one item per thread, 128 threads per block up to 16 KiB, 256 up to 128 KiB, else
     512, at most 32 blocks per rank below 4 MiB and every SM above, and few enough for every
-    rank of the launch to be resident (counting 128 registers per thread, the launch bound's
-    limit).
+    rank of the launch to be resident (:func:`purlin.kernels.occupancy.resident_blocks`).
 
     >>> grid(512), grid(4096), grid(1 << 16), grid(1 << 16, ranks_in_launch=8), grid(1 << 24)
     ((4, 128), (16, 256), (32, 512), (16, 512), (132, 512))
@@ -422,13 +422,7 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     threads = 128 if nbytes <= 16 << 10 else 256 if nbytes <= 128 << 10 else 512
     most = 32 if nbytes < 4 << 20 else F_MAX_BLOCKS
     blocks = max(1, min(most, -(-items // threads)))
-    return max(1, min(blocks, _resident(threads, sms) // ranks_in_launch)), threads
-
-
-def _resident(threads: int, sms: int) -> int:
-    """Blocks of ``threads`` threads that fit on ``sms`` SMs at once, counting 128 registers
-    per thread (the launch bound's limit)."""
-    return sms * max(1, 65536 // (threads * 128))
+    return max(1, min(blocks, resident_blocks(sms, threads) // ranks_in_launch)), threads
 
 
 def threads_grid(nbytes: int, unit: int, threads: int, sms: int = 132) -> tuple[int, int] | None:
@@ -440,7 +434,7 @@ def threads_grid(nbytes: int, unit: int, threads: int, sms: int = 132) -> tuple[
     ((16, 64), None)
     """
     blocks = -(-nbytes // (unit * threads))
-    return (blocks, threads) if blocks <= min(F_MAX_BLOCKS, _resident(threads, sms)) else None
+    return (blocks, threads) if blocks <= min(F_MAX_BLOCKS, resident_blocks(sms, threads)) else None
 
 
 def row_grid(nbytes: int, row_bytes: int, sms: int = 132) -> tuple[int, int] | None:
