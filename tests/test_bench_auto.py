@@ -171,7 +171,7 @@ def test_auto_passes_the_tables_protocol_and_pdl_to_the_sm_bind_only():
 
 def test_a_tables_fused_protocol_may_fall_back_to_the_interpreter():
     """A fused choice was measured at a nearby size; at a size the fused kernel cannot run
-    (not whole 16-byte items) the sm bind falls back instead of failing -- only for auto."""
+    (rows that start unaligned) the sm bind falls back instead of failing -- only for auto."""
     from purlin.runtime.cluster import _auto_options
 
     fused = Choice("direct-push", 1, 1, 16, "table", "fused-ll", True)

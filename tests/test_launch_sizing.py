@@ -155,7 +155,7 @@ def test_auto_picks_the_fused_kernel_on_a_virtual_cluster():
 
 
 def test_auto_picks_what_binds_where_the_fused_kernel_cannot():
-    """Sizes whose rows are not whole fused items: auto's choice is a protocol whose plan
+    """Sizes whose rows do not all start aligned (uneven chunks): auto's choice is a protocol whose plan
     runs (the interpreter where the fused kernel refuses)."""
     seen = 0
     for name in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
@@ -175,7 +175,7 @@ def test_auto_picks_what_binds_where_the_fused_kernel_cannot():
                 assert choice.protocol in ("simple", "ll")
                 bpl, threads = interpreter_launch(schedule, Gpu(0, 132), 4)
                 assert _fits(Gpu(0, 132), 4, schedule.lanes, bpl, threads)
-    assert seen  # some sizes the fused kernel refuses (today: not whole items)
+    assert seen  # some sizes the fused kernel refuses (rows that start unaligned)
 
 
 def test_tables_are_keyed_by_virtual_or_real_ranks(tmp_path):

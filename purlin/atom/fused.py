@@ -6,7 +6,8 @@ reads for every rank at once. The fused kernel gives every thread the same items
 waits only for block b of its peers and no row needs a lane barrier. That is sound when:
 
 * each rank has one lane, and its rows are WAIT, NOTIFY, LL_PUT, LL_GET, COPY and REDUCE;
-* every row moves whole items between addresses aligned to the item;
+* every row starts at addresses aligned to the item (its last item may be partial: a scalar
+  tail, whose thread reads the whole aligned item and stores only the row's bytes);
 * two rows (of any ranks) that touch the same bytes, one of them writing, cover exactly the
   same bytes: item i is then block b's on both sides, so the block's flags order them;
 * rows of one rank between two flag operations touch common bytes only as the same span
@@ -18,8 +19,8 @@ waits only for block b of its peers and no row needs a lane barrier. That is sou
 
 Every standard collective's one-lane plans fuse at any rank count (direct-push, direct-pull,
 two-phase, ring; with flags, or with LL transfers -- except a ring broadcast that relays LL
-data it received), at sizes of whole items; a table that does not fuse is run by the
-interpreter.
+data it received), at any size whose rows start aligned; a table that does not fuse is run
+by the interpreter.
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan
@@ -183,9 +184,11 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
         srcs_a = [int(x) for x in low.srcs[a[SRC]: a[SRC] + max(1, a[NSRC])]]
         srcs_b = [int(x) for x in low.srcs[b[SRC]: b[SRC] + max(1, b[NSRC])]]
         addresses = [int(a[DST]), int(b[DST]), *srcs_a, *srcs_b]
-        if nbytes % unit or any(x % unit for x in addresses):
+        # a last partial item (a scalar tail) is fine: its thread reads the whole aligned
+        # item and stores only the row's bytes; no other row starts inside it
+        if any(x % unit for x in addresses):
             raise _Refused(f"rank {r} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
-                           f"not whole {unit}-byte items at {unit}-byte aligned addresses")
+                           f"not at {unit}-byte aligned addresses")
         if op == LL_PUT:
             ops.append(("put", srcs_a[0], int(a[DST]), int(b[DST]), nbytes, int(a[PEER]),
                         int(a[STEP])))
@@ -356,8 +359,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
                 words[at: at + SOURCE_WIDTH] = src
                 at += SOURCE_WIDTH
         words[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
-    items = max([op[4] for op in ops if op[0] == "put"]
-                + [op[3] for op in moves] + [unit]) // unit
+    items = -(-max([op[4] for op in ops if op[0] == "put"]
+                   + [op[3] for op in moves] + [unit]) // unit)  # a partial item counts
     return FusedProgram(words, len(ops), items)
 
 
@@ -473,11 +476,10 @@ def fused_problems(schedule) -> dict:
     >>> fused_problems(ring)["fused"]
     'rank 0 runs 2 lanes (the fused kernel runs one)'
     """
-    from purlin.atom.lowering import lower
+    from purlin.atom.lowering import lower, scratch_copy_bytes
 
-    item = schedule.sizing.dtype.itemsize
     n = schedule.nranks
-    scratch = {r: -(-schedule.scratch[r] * item // 16) * 16 for r in range(n)}
+    scratch = scratch_copy_bytes(schedule)
     bases, ll = {}, {}
     for r in range(n):
         for k, buffer in enumerate(("input", "output", "scratch", "ll", "flags")):

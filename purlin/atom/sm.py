@@ -547,12 +547,11 @@ def allocate_buffers(torch, schedule, devices, flag_words: int, ll: bool = False
     rounded) and ``flag_words`` zeroed int64 flags; with the base addresses lowering needs
     and each rank's bytes per scratch copy. ``ll``: the scratch tensor also holds, after the
     copies, a zeroed LL area per copy (``bases[(rank, "ll")]``)."""
-    from purlin.atom.lowering import ll_area_bytes
+    from purlin.atom.lowering import ll_area_bytes, scratch_copy_bytes
 
     sizing = schedule.sizing
     tdt = getattr(torch, schedule.dtype)
-    scratch_bytes = {r: _round16(schedule.scratch[r] * sizing.dtype.itemsize)
-                     for r in range(schedule.nranks)}
+    scratch_bytes = scratch_copy_bytes(schedule)  # 16-byte multiples, slots aligned
     inputs, outputs, scratch, flags, bases = [], [], [], [], {}
     for r in range(schedule.nranks):
         dev = torch.device("cuda", devices[r])
@@ -615,10 +614,6 @@ def rank_blob(torch, low, device, abort_ptr: int, nlanes: int, trace=None,
                        trace.data_ptr() if trace is not None else 0, trace_rows, control)
     blob.copy_(torch.from_numpy(words))
     return blob, blob[CONTROL_AT: CONTROL_AT + CONTROL_WORDS]
-
-
-def _round16(nbytes: int) -> int:
-    return (nbytes + 15) // 16 * 16
 
 
 def _as_tensor(torch, x):
