@@ -311,9 +311,10 @@ PDL_MAX_BYTES = 1 << 20  # where the tables found PDL faster: the launch gap is 
 @lru_cache(maxsize=512)
 def fast_choice(sizing, strategy: str | None = None, profile: str = MODEL_PROFILE) -> Choice:
     """The fused kernel for ``sizing`` where no table covers the cluster: one lane (what it
-    runs), the cost model's strategy (or ``strategy``), LL up to ``LL_MAX_BYTES`` (one hop
-    with the flag in the data), the rules' chunks for two-phase (pipelined through the one
-    lane), PDL up to ``PDL_MAX_BYTES``; where the fused kernel cannot run that plan, the
+    runs), the strategy the cost model predicts fastest among those whose plan the fused
+    kernel runs (or ``strategy``), LL up to ``LL_MAX_BYTES`` (one hop with the flag in the
+    data), the rules' chunks for two-phase (pipelined through the one lane), PDL up to
+    ``PDL_MAX_BYTES``; where the fused kernel runs none of them, the
     interpreter with the rules' chunks and lanes (LL for small messages).
 
     >>> from purlin.spec import collectives
@@ -323,18 +324,25 @@ def fast_choice(sizing, strategy: str | None = None, profile: str = MODEL_PROFIL
     from purlin.atom.sm import LL_MAX_BYTES
 
     coll, size = sizing.collective, sizing.message_bytes
-    base = rules(coll, size, strategy) if strategy else model_choice(sizing, profile, True)
     pdl = size <= PDL_MAX_BYTES
-    chunks = base.chunks if base.strategy == "two-phase" else 1
-    if strategy is None:
-        r = rules(coll, size, base.strategy)  # the interpreter's, should it have to run it
-        base = Choice(base.strategy, r.chunks, r.lanes, None, base.source)
-    where = base.source if base.source.startswith("model") else "rules"
     protocols = ("fused-ll", "fused") if size <= LL_MAX_BYTES else ("fused",)
-    for protocol in protocols:
-        choice = Choice(base.strategy, chunks, 1, None, f"fast path, {where}", protocol, pdl)
-        if _fused_problem(sizing, choice, protocol) is None:
-            return choice
+    if strategy:
+        r = rules(coll, size, strategy)
+        ranked = (Choice(strategy, r.chunks if strategy == "two-phase" else 1, 1),)
+    else:  # fastest predicted first: the first one the fused kernel runs
+        ranked = model_ranking(sizing, profile, True) or (rules(coll, size),)
+    for cand in ranked:
+        chunks = cand.chunks if cand.strategy == "two-phase" else 1
+        where = cand.source if cand.source.startswith("model") else "rules"
+        for protocol in protocols:
+            choice = Choice(cand.strategy, chunks, 1, None, f"fast path, {where}", protocol,
+                            pdl)
+            if _fused_problem(sizing, choice, protocol) is None:
+                return choice
+    base = ranked[0]
+    where = base.source if base.source.startswith("model") else "rules"
+    r = rules(coll, size, base.strategy)  # the interpreter's chunks and lanes
+    base = Choice(base.strategy, r.chunks, r.lanes, None, base.source)
     return Choice(base.strategy, base.chunks, base.lanes, None, f"interpreter, {where}",
                   "ll" if size <= LL_MAX_BYTES else "simple", pdl)
 
@@ -389,13 +397,20 @@ def model_choice(sizing, profile: str = MODEL_PROFILE, one_lane: bool = False) -
     chunks and lanes (``one_lane``: one lane, chunks only for two-phase: what the fused
     kernel runs; the model does not see blocks; the datapath picks them). Without a
     registered model the rules decide."""
+    ranked = model_ranking(sizing, profile, one_lane)
+    return ranked[0] if ranked else rules(sizing.collective, sizing.message_bytes)
+
+
+@lru_cache(maxsize=512)
+def model_ranking(sizing, profile: str = MODEL_PROFILE, one_lane: bool = False) -> tuple:
+    """:func:`model_choice`'s candidates, fastest predicted first (empty without a model)."""
     from purlin.snac import plan
 
     coll = sizing.collective
     predict_latency = _latency_model
     if predict_latency is None:
-        return rules(coll, sizing.message_bytes)
-    best = None
+        return ()
+    found = []
     for name in strategies_for(coll):
         cfg = rules(coll, sizing.message_bytes, name)
         if one_lane:
@@ -406,10 +421,7 @@ def model_choice(sizing, profile: str = MODEL_PROFILE, one_lane: bool = False) -
             ns = predict_latency(schedule, profile)
         except Exception:  # a strategy that cannot plan this collective is no candidate
             continue
-        if best is None or ns < best[0]:
-            best = (ns, cfg)
-    if best is None:
-        return rules(coll, sizing.message_bytes)
-    ns, cfg = best
-    return Choice(cfg.strategy, cfg.chunks, cfg.lanes, None,
-                  f"model {profile}: {ns / 1e3:.3g} us")
+        found.append((ns, len(found), cfg))
+    return tuple(Choice(cfg.strategy, cfg.chunks, cfg.lanes, None,
+                        f"model {profile}: {ns / 1e3:.3g} us") for ns, _, cfg in sorted(found))
+
