@@ -116,29 +116,48 @@ def cases(n: int, nbytes: int, item: int):
 
 # -- timing ---------------------------------------------------------------------------------
 def _binds(quick: bool, nbytes: int) -> list[tuple[str, str, str | None]]:
-    """(label, strategy, protocol or None for the bind's default) of the binds tried."""
+    """(label, plan, protocol) of the binds tried: ``cluster.bind(..., "auto")`` as a user
+    calls it, then direct-push and auto's plan with each protocol (planned once each)."""
     out = [("auto", "auto", None)]
     for protocol in (("fused", "fused-ll") if quick else PROTOCOLS):
         if protocol.endswith("ll") and nbytes > LL_MAX:
             continue
         out.append((f"direct-push {protocol}", "direct-push", protocol))
         if not quick and protocol.startswith("fused"):
-            out.append((f"auto plan {protocol}", "auto", protocol))
+            out.append((f"auto plan {protocol}", "auto plan", protocol))
     return out
 
 
-def _time_sm(torch, cluster, coll, sizes, dtype, strategy, protocol, ops, repeats):
+def _schedule(cluster, coll, sizes, dtype, how, plans):
+    """The plan a bind label asks for, made once per collective and sizes."""
+    from purlin.runtime.auto import select
+    from purlin.snac import plan
+
+    key = (how, id(coll), tuple(sorted(sizes.items(), key=repr)))
+    if key not in plans:
+        if how == "auto plan":
+            c = select(coll, cluster, chunk_sizes=sizes, dtype=dtype)
+            plans[key] = plan(coll, c.strategy, chunk_sizes=sizes, dtype=dtype, chunks=c.chunks,
+                              lanes=c.lanes, lanes_by=c.lanes_by)
+        else:
+            plans[key] = plan(coll, how, chunk_sizes=sizes, dtype=dtype)
+    return plans[key]
+
+
+def _time_sm(torch, cluster, coll, sizes, dtype, how, protocol, ops, repeats, plans):
+    from purlin.atom import sm
     from purlin.bench.providers import count_wrong, time_graph
 
-    options = {} if protocol is None else {"protocol": protocol}
-    if protocol is not None and protocol.startswith("fused") or protocol == "ll":
-        options["pdl"] = True
-    bound = cluster.bind(coll, strategy, chunk_sizes=sizes, dtype=dtype, **options)
+    if how == "auto":
+        bound = cluster.bind(coll, "auto", chunk_sizes=sizes, dtype=dtype)
+    else:
+        schedule = _schedule(cluster, coll, sizes, dtype, how, plans)
+        bound = sm.bind(cluster, schedule, protocol=protocol, pdl=protocol != "simple")
     wrong = count_wrong(torch, bound)
     per_op = time_graph(torch, bound, ops, repeats)
-    kernel = bound.launches[0][1].kernel if hasattr(bound, "launches") else "?"
-    how = (f"{bound.schedule.strategy} {getattr(bound, 'protocol', '')} {kernel} "
-           f"b{bound.blocks_per_lane} t{getattr(bound, 'threads', '?')}")
+    kernel = bound.launches[0][1].kernel
+    how = (f"{bound.schedule.strategy} {bound.protocol}{' pdl' if bound.pdl else ''} "
+           f"{kernel} b{bound.blocks_per_lane} t{bound.threads}")
     return float(sorted(per_op)[len(per_op) // 2]), wrong, how
 
 
@@ -175,7 +194,7 @@ def measure(cluster, coll, sizes, dtype, binds, datapath, ops, repeats, refusals
     """{label: {us, wrong, how} or {refused: why}} over ``binds``; the best bind's label."""
     from purlin.errors import CapabilityError, PurlinError
 
-    out = {}
+    out, plans = {}, {}
     for label, strategy, protocol in binds:
         try:
             if datapath == "cpu":
@@ -183,7 +202,7 @@ def measure(cluster, coll, sizes, dtype, binds, datapath, ops, repeats, refusals
                                            ops, repeats)
             else:
                 us, wrong, how = _time_sm(torch, cluster, coll, sizes, dtype, strategy,
-                                          protocol, ops, repeats)
+                                          protocol, ops, repeats, plans)
         except _NotHere:
             continue
         except (CapabilityError, PurlinError) as exc:

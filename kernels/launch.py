@@ -39,6 +39,7 @@ KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 
+
 class Launcher:
     """Launches the executor over ``nranks_in_launch`` ranks of ``nlanes`` lanes each.
 

@@ -155,8 +155,8 @@ def test_auto_picks_the_fused_kernel_on_a_virtual_cluster():
 
 
 def test_auto_picks_what_binds_where_the_fused_kernel_cannot():
-    """Sizes whose rows do not all start aligned (uneven chunks): auto's choice is a protocol whose plan
-    runs (the interpreter where the fused kernel refuses)."""
+    """Sizes whose rows do not all start aligned (uneven chunks): auto's choice is a
+    protocol whose plan runs (the interpreter where the fused kernel refuses)."""
     seen = 0
     for name in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
         coll = standard(name, 4)
