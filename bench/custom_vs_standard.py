@@ -137,6 +137,8 @@ def _schedule(cluster, coll, sizes, dtype, how, plans):
     if key not in plans:
         if how == "auto plan":
             c = select(coll, cluster, chunk_sizes=sizes, dtype=dtype)
+            if (c.strategy, c.chunks, c.lanes) == ("direct-push", 1, 1):
+                raise _NotHere("auto's plan is the direct-push bind's")
             plans[key] = plan(coll, c.strategy, chunk_sizes=sizes, dtype=dtype, chunks=c.chunks,
                               lanes=c.lanes, lanes_by=c.lanes_by)
         else:
