@@ -156,3 +156,16 @@ def test_programs_count_a_partial_item():
     rows = [int(r[isa.COUNT]) * 4 for r in low[1].tables[0] if r[isa.OP] == isa.COPY]
     assert max(rows) == 20  # the whole input staged at a peer: one item and a 4-byte tail
     assert prog.items == 2
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_an_odd_piece_keeps_ll_for_every_peer(n):
+    """Scratch slots start aligned, so the copies staged after an odd-sized one still travel
+    as LL units: every rank of an odd direct-push all-reduce puts to each of its peers."""
+    sizing = odd_sizing(collectives.all_reduce(n), 1, "bfloat16")
+    s = plan(sizing.collective, "direct-push", sizing=sizing)
+    low = HostBuffers(s, ll=True).lower()
+    for one in low:
+        puts = [r for r in one.tables[0] if r[isa.OP] == isa.LL_PUT]
+        assert len(puts) == n - 1, (one.rank, len(puts))
+        assert not any(r[isa.OP] == isa.NOTIFY for r in one.tables[0])

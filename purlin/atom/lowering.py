@@ -195,8 +195,10 @@ class LLTransfers:
         return len(self.puts)
 
 
-def ll_transfers(schedule: Schedule) -> LLTransfers:
-    """The Stage + Notify pairs of ``schedule`` that can carry their flag inside the data.
+def ll_transfers(schedule: Schedule, layout: dict | None = None) -> LLTransfers:
+    """The Stage + Notify pairs of ``schedule`` that can carry their flag inside the data
+    (``layout``: the :class:`ScratchLayout` of the ranks whose scratch :func:`lower` lays out
+    in aligned slots; alignment is judged where the bytes will lie).
 
     A Notify of flag F from a lane to rank p qualifies when, of everything its lane wrote
     before it in the call, exactly one region R lies on p: a one-source copy into p's
@@ -235,7 +237,7 @@ def ll_transfers(schedule: Schedule) -> LLTransfers:
                     written.append((index, step))
                 elif isinstance(step, Notify):
                     found = _ll_pair(step, written, per_call, waits, reads, writers, schedule,
-                                     item)
+                                     item, layout or {})
                     if found is not None and found[0] not in puts:
                         stage_at, get_key = found
                         puts[(rank, stage_at)] = steps[stage_at].dst
@@ -244,7 +246,7 @@ def ll_transfers(schedule: Schedule) -> LLTransfers:
     return LLTransfers(puts, frozenset(skip), gets)
 
 
-def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item):
+def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item, layout):
     """((stage index), (receiver rank, step index, flag)) if ``note`` can travel as LL."""
     flag = note.flag
     p = flag.owner
@@ -268,7 +270,8 @@ def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item):
     # once LL, R is written by p's own LL_GET: nobody elsewhere may read it off p
     if any(r.overlaps(region) for q, regs in reads.items() if q != p for r in regs):
         return None
-    if (region.offset * item) % LL_DATA or (stage.srcs[0].offset * item) % LL_DATA:
+    if _byte_at(region, item, layout) % LL_DATA or \
+            _byte_at(stage.srcs[0], item, layout) % LL_DATA:
         return None
     return stage_at, (rank, index, flag)
 
@@ -337,6 +340,12 @@ def scratch_layout(schedule: Schedule) -> dict:
     return out
 
 
+def _byte_at(region: Region, item: int, layout: dict) -> int:
+    """Where ``region`` starts in its buffer, in bytes (scratch: in ``layout``'s slots)."""
+    lay = layout.get(region.rank) if region.buffer == "scratch" else None
+    return lay.byte_offset(region.offset, item) if lay else region.offset * item
+
+
 def scratch_copy_bytes(schedule: Schedule) -> dict:
     """Bytes of one scratch copy per rank that give :func:`lower` room for the aligned slots
     of :func:`scratch_layout` (what the sm datapath and the host interpreter allocate)."""
@@ -371,8 +380,7 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
              if copy_bytes[r] >= lay.nbytes}
 
     def scratch_byte(region: Region) -> int:
-        lay = slots.get(region.rank)
-        return lay.byte_offset(region.offset, item) if lay else region.offset * item
+        return _byte_at(region, item, slots)
 
     def address(region: Region, parity: int) -> int:
         if region.buffer != "scratch":
@@ -380,7 +388,8 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
         return (bases[(region.rank, "scratch")] + scratch_byte(region)
                 + parity * copy_bytes[region.rank])
 
-    ll = ll_transfers(schedule) if ll_bases is not None else LLTransfers({}, frozenset(), {})
+    ll = ll_transfers(schedule, slots) if ll_bases is not None else \
+        LLTransfers({}, frozenset(), {})
 
     def ll_address(region: Region, parity: int) -> int:
         per_copy = ll_area_bytes(copy_bytes[region.rank])

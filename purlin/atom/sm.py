@@ -275,7 +275,7 @@ class SmBound:
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows,
                  protocol="simple", pdl=False, fit=False):
-        from purlin.atom.lowering import flag_slots, ll_transfers, lower
+        from purlin.atom.lowering import flag_slots, ll_transfers, lower, scratch_layout
 
         torch = _torch()
         if schedule.dtype not in TORCH_DTYPES:
@@ -285,7 +285,9 @@ class SmBound:
         self.torch = torch
         n, lanes = schedule.nranks, schedule.lanes
         fused = protocol.startswith("fused")
-        ll = protocol in ("ll", "fused-ll") and len(ll_transfers(schedule)) > 0
+        # (judged on the aligned scratch slots allocate_buffers makes room for)
+        ll = protocol in ("ll", "fused-ll") and \
+            len(ll_transfers(schedule, scratch_layout(schedule))) > 0
         if fused and (trace_rows or lanes != 1):
             raise CapabilityError(f"protocol={protocol!r} runs one lane without per-row traces; "
                                   f"{schedule.title()} has {lanes} lanes"
