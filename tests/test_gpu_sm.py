@@ -470,8 +470,9 @@ def test_fused_refuses_what_it_cannot_fuse(torch):
 
     cluster = _cluster("local", 2)
     with pytest.raises(CapabilityError, match="not at 16-byte aligned addresses"):
-        cluster.bind(standard("all-reduce", 2), "direct-push", count=1002, dtype="float32",
-                     protocol="fused")
+        # chunk 1 starts at byte 2004 (an all-reduce of 1002 is one row: it fuses, with a tail)
+        cluster.bind(standard("reduce-scatter", 2), "direct-push", count=1002,
+                     dtype="float32", protocol="fused")
     with pytest.raises(CapabilityError, match="runs one lane"):
         cluster.bind(standard("all-reduce", 2), "direct-push", count=1024, dtype="float32",
                      chunks=2, lanes=2, protocol="fused")
