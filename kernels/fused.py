@@ -21,7 +21,7 @@ from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_b
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
                                        load_u32, load_v4_u32, load_volatile_v4_u32,
-                                       red_release_add, SIMULATOR, store_i64, store_u32,
+                                       red_release_add, SIMULATOR, store_i64, store_u16, store_u32,
                                        store_v4_u32, store_volatile_v2_u32,
                                        store_volatile_v4_u32)
 from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LANE, E_PEER,
@@ -115,9 +115,11 @@ def _source(meta, head, at, item, odd, tag, timeout_ns, abort):
 
 
 @device
-def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns, abort):
-    """Write item ``item`` of a MOVE. Returns (code, tag seen, address polled, word of the
-    source entry) -- code 0 when written."""
+def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns, abort,
+               valid):
+    """Write item ``item`` of a MOVE (its first ``valid`` bytes: 16, or fewer for a row's
+    scalar tail; every element type's result goes through the one store). Returns (code,
+    tag seen, address polled, word of the source entry) -- code 0 when written."""
     dst = _word(meta, head, op_at + MOVE_DST + odd) + item * 16
     nsrc = _word(meta, head, op_at + MOVE_NSRC)
     at = _word(meta, head, op_at + MOVE_SOURCES)
@@ -125,10 +127,10 @@ def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns
                                                abort)
     if code != 0:
         return code, seen, unit, at
+    out = (w0, w1, w2, w3)
     if nsrc == 1:
-        store_v4_u32(dst, (w0, w1, w2, w3))
-        return 0, seen, unit, at
-    if dt == BF16 or dt == F16:
+        pass
+    elif dt == BF16 or dt == F16:
         acc = _half8((w0, w1, w2, w3), dt)
         for s in range(1, nsrc):
             entry = at + s * SOURCE_WIDTH
@@ -137,7 +139,7 @@ def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns
             if code != 0:
                 return code, seen, unit, entry
             acc = _fold_half(acc, (v0, v1, v2, v3), dt, redop)
-        _store_half8(dst, acc, dt, redop, np.float32(divisor))
+        out = _pack_half8(acc, dt, redop, np.float32(divisor))
     elif dt == F32:
         f = (bits_to_f32(w0), bits_to_f32(w1), bits_to_f32(w2), bits_to_f32(w3))
         for s in range(1, nsrc):
@@ -149,10 +151,10 @@ def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns
             f = _fold4(f, (bits_to_f32(v0), bits_to_f32(v1), bits_to_f32(v2),
                            bits_to_f32(v3)), redop)
         div = np.float32(divisor)
-        store_v4_u32(dst, (f32_to_bits(avg_float(f[0], redop, div)),
-                           f32_to_bits(avg_float(f[1], redop, div)),
-                           f32_to_bits(avg_float(f[2], redop, div)),
-                           f32_to_bits(avg_float(f[3], redop, div))))
+        out = (np.int64(f32_to_bits(avg_float(f[0], redop, div))),
+               np.int64(f32_to_bits(avg_float(f[1], redop, div))),
+               np.int64(f32_to_bits(avg_float(f[2], redop, div))),
+               np.int64(f32_to_bits(avg_float(f[3], redop, div))))
     else:  # I32: exact in int64, wrapped to 32 bits by the store
         n = (_signed(w0), _signed(w1), _signed(w2), _signed(w3))
         for s in range(1, nsrc):
@@ -162,8 +164,9 @@ def _move_item(meta, head, op_at, item, odd, tag, dt, redop, divisor, timeout_ns
             if code != 0:
                 return code, seen, unit, entry
             n = _fold4(n, (_signed(v0), _signed(v1), _signed(v2), _signed(v3)), redop)
-        store_v4_u32(dst, (avg_int(n[0], redop, divisor), avg_int(n[1], redop, divisor),
-                           avg_int(n[2], redop, divisor), avg_int(n[3], redop, divisor)))
+        out = (np.int64(avg_int(n[0], redop, divisor)), np.int64(avg_int(n[1], redop, divisor)),
+               np.int64(avg_int(n[2], redop, divisor)), np.int64(avg_int(n[3], redop, divisor)))
+    _store16(dst, out, valid)
     return 0, seen, unit, at
 
 
@@ -183,12 +186,47 @@ def _half8(w, dt):
 
 
 @device
+def _pack_half8(acc, dt, redop, div):
+    """Eight 16-bit results (accumulated in float32) as four uint32 words in int64."""
+    return (np.int64(pack_half2(avg_float(acc[0], redop, div), avg_float(acc[1], redop, div),
+                                dt)),
+            np.int64(pack_half2(avg_float(acc[2], redop, div), avg_float(acc[3], redop, div),
+                                dt)),
+            np.int64(pack_half2(avg_float(acc[4], redop, div), avg_float(acc[5], redop, div),
+                                dt)),
+            np.int64(pack_half2(avg_float(acc[6], redop, div), avg_float(acc[7], redop, div),
+                                dt)))
+
+
+@device
 def _store_half8(dst, acc, dt, redop, div):
-    store_v4_u32(dst, (
-        pack_half2(avg_float(acc[0], redop, div), avg_float(acc[1], redop, div), dt),
-        pack_half2(avg_float(acc[2], redop, div), avg_float(acc[3], redop, div), dt),
-        pack_half2(avg_float(acc[4], redop, div), avg_float(acc[5], redop, div), dt),
-        pack_half2(avg_float(acc[6], redop, div), avg_float(acc[7], redop, div), dt)))
+    store_v4_u32(dst, _pack_half8(acc, dt, redop, div))
+
+
+@device
+def _store4(dst, w, valid):
+    """The first ``valid`` bytes (4, or 2: a 16-bit element) of word ``w``."""
+    if valid >= 4:
+        store_u32(dst, w)
+    else:
+        store_u16(dst, w & 0xFFFF)
+
+
+@device
+def _store16(dst, w, valid):
+    """The first ``valid`` bytes of a 16-byte item (four uint32 words): one vector store
+    for a whole item, else a row's scalar tail in 4- and 2-byte stores (every element type
+    is a multiple of 2 bytes), never past the row."""
+    if valid >= 16:
+        store_v4_u32(dst, w)
+        return
+    _store4(dst, w[0], valid)
+    if valid > 4:
+        _store4(dst + 4, w[1], valid - 4)
+    if valid > 8:
+        _store4(dst + 8, w[2], valid - 8)
+    if valid > 12:
+        _store4(dst + 12, w[3], valid - 12)
 
 
 @device
@@ -238,9 +276,9 @@ def _source4(meta, head, at, i, odd, tag, timeout_ns, abort):
 
 
 @device
-def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, abort):
-    """:func:`_move_unit` for 4 bytes (half an LL unit: rows of 4-byte multiples, 4-byte
-    aligned): two 16-bit or one 32-bit element."""
+def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, abort, valid):
+    """:func:`_move_unit` for 4 bytes (half an LL unit: rows at 4-byte aligned addresses):
+    two 16-bit or one 32-bit element (``valid``: 2 for a tail of one 16-bit element)."""
     dst = _word(meta, head, op_at + MOVE_DST + odd) + i * 4
     nsrc = _word(meta, head, op_at + MOVE_NSRC)
     at = _word(meta, head, op_at + MOVE_SOURCES)
@@ -248,7 +286,7 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
     if code != 0:
         return code, seen, unit, at
     if nsrc == 1:
-        store_u32(dst, w)
+        _store4(dst, w, valid)
         return 0, seen, unit, at
     div = np.float32(divisor)
     if dt == BF16 or dt == F16:
@@ -260,7 +298,7 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
                 return code, seen, unit, entry
             b0, b1 = unpack_half2(v, dt)
             a0, a1 = combine(a0, b0, redop), combine(a1, b1, redop)
-        store_u32(dst, pack_half2(avg_float(a0, redop, div), avg_float(a1, redop, div), dt))
+        _store4(dst, pack_half2(avg_float(a0, redop, div), avg_float(a1, redop, div), dt), valid)
     elif dt == F32:
         f = bits_to_f32(w)
         for s in range(1, nsrc):
@@ -283,14 +321,17 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
 
 
 @device
-def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort):
-    """:func:`_move_item` for 8 bytes (one LL unit): four 16-bit or two 32-bit elements."""
+def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort,
+               valid):
+    """:func:`_move_item` for 8 bytes (one LL unit): four 16-bit or two 32-bit elements
+    (``valid`` of its bytes: fewer than 8 for a row's scalar tail)."""
     code, seen, unit, entry, w0, w1 = _unit_result(meta, head, op_at, unit_i, odd, tag, dt,
                                                    redop, divisor, timeout_ns, abort)
     if code == 0:
         dst = _word(meta, head, op_at + MOVE_DST + odd) + unit_i * 8
-        store_u32(dst, w0)
-        store_u32(dst + 4, w1)
+        _store4(dst, w0, valid)
+        if valid > 4:
+            _store4(dst + 4, w1, valid - 4)
     return code, seen, unit, entry
 
 
@@ -662,7 +703,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     # before the first store (every thread reads its block's counter: no barrier for it)
     p0, p1, p2, p3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     first_put = meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUT
-    if first_put and g < meta[F_HEAD + PUT_BYTES] >> shift:
+    if first_put and g < (meta[F_HEAD + PUT_BYTES] + unit_bytes - 1) >> shift:
         src = meta[F_HEAD + PUT_SRC]
         if unit_bytes == 4:
             p0 = load_u32(src + g * 4)
@@ -707,7 +748,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         elif kind == F_OP_PUT:
             src = _word(meta, head, at + PUT_SRC)
             dst = _word(meta, head, at + PUT_DST + odd)
-            items = _word(meta, head, at + PUT_BYTES) >> shift
+            # a partial last item (a scalar tail) goes whole: its LL units' bytes past the
+            # row are read from the aligned item and never used
+            items = (_word(meta, head, at + PUT_BYTES) + unit_bytes - 1) >> shift
             i = g
             if k == 0 and i < items:  # the item read with the counter
                 if unit_bytes == 4:
@@ -730,7 +773,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                     store_volatile_v4_u32(dst + i * 32 + 16, (w[2], tag, w[3], tag))
                 i += stride
         else:
-            items = _word(meta, head, at + MOVE_BYTES) >> shift
+            nbytes = _word(meta, head, at + MOVE_BYTES)
+            whole = nbytes >> shift
+            items = (nbytes + unit_bytes - 1) >> shift  # with a partial last item: a tail
             nsrc = _word(meta, head, at + MOVE_NSRC)
             first = _word(meta, head, at + MOVE_SOURCES)
             plain = unit_bytes == 16
@@ -740,22 +785,25 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             i = g
             if plain and nsrc == 1:
                 copy_v16(_word(meta, head, at + MOVE_DST + odd),
-                         _word(meta, head, first + SOURCE_ADDR + odd), items, g, stride)
+                         _word(meta, head, first + SOURCE_ADDR + odd), whole, g, stride)
                 i = items
+                if whole < items and (whole - g) % stride == 0:
+                    i = whole  # the tail's thread
             elif plain and (dt == BF16 or dt == F16):
                 i = _reduce_pairs_half(meta, head, first, nsrc,
-                                       _word(meta, head, at + MOVE_DST + odd), items, g, stride,
+                                       _word(meta, head, at + MOVE_DST + odd), whole, g, stride,
                                        odd, dt, redop, divisor)
             while i < items:
+                valid = min(unit_bytes, nbytes - (i << shift))
                 if unit_bytes == 4:
                     code, seen, unit, entry = _move_four(meta, head, at, i, odd, tag, dt, redop,
-                                                         divisor, timeout_ns, abort)
+                                                         divisor, timeout_ns, abort, valid)
                 elif unit_bytes == 8:
                     code, seen, unit, entry = _move_unit(meta, head, at, i, odd, tag, dt, redop,
-                                                         divisor, timeout_ns, abort)
+                                                         divisor, timeout_ns, abort, valid)
                 else:
                     code, seen, unit, entry = _move_item(meta, head, at, i, odd, tag, dt, redop,
-                                                         divisor, timeout_ns, abort)
+                                                         divisor, timeout_ns, abort, valid)
                 if code != 0:
                     _record(meta, head, code, _word(meta, head, entry + SOURCE_STEP), unit, tag,
                             seen, _word(meta, head, entry + SOURCE_PEER), block)

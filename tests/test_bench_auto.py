@@ -84,13 +84,15 @@ def test_table_found_by_gpu_name_in_a_folder(table, tmp_path, monkeypatch):
 
 
 def test_model_decides_on_gpus_without_a_table():
+    """Without a table: the fused kernel (one lane) with the model's strategy."""
     class Gpus:  # what select needs of a cluster: its datapath (and devices for the name)
         datapath, devices = "sm", ()
 
     small = select(collectives.all_reduce(2), Gpus(), nbytes=8 * KiB)
-    assert small.source.startswith("model H200-measured") and small.strategy == "direct-push"
+    assert small.source.startswith("fast path, model H200-measured")
+    assert small.strategy == "direct-push" and small.protocol == "fused-ll"
     large = select(collectives.all_reduce(2), Gpus(), nbytes=256 * MiB)
-    assert large.source.startswith("model") and large.chunks > 1 and large.lanes > 1
+    assert "model" in large.source and large.protocol == "fused" and large.lanes == 1
     # the cpu datapath keeps the cheap rules unless asked for the model
     assert select(collectives.all_reduce(2), Cluster.cpu(2), nbytes=8 * KiB).source == "rules"
     assert select(collectives.all_reduce(2), Cluster.cpu(2), nbytes=8 * KiB,
@@ -139,7 +141,7 @@ def test_cluster_bind_passes_the_tables_blocks_per_lane_to_sm(table, monkeypatch
     assert gpus.bind(collectives.all_reduce(2), "auto", nbytes=16 * MiB,
                      dtype="bfloat16") == "bound"
     assert seen == {"timeout": 5.0, "blocks_per_lane": 8, "strategy": "two-phase",
-                    "chunks": 4, "lanes": 8}
+                    "chunks": 4, "lanes": 8, "fit": True}
     seen.clear()
     gpus.bind(collectives.all_reduce(2), "auto", nbytes=16 * MiB, dtype="bfloat16",
               blocks_per_lane=2)  # given by the caller: kept
@@ -156,7 +158,7 @@ def test_auto_passes_the_tables_protocol_and_pdl_to_the_sm_bind_only():
 
     ll = Choice("direct-push", 1, 1, 1, "table", "ll", True)
     assert _auto_options(ll, {}, sm=True) == {"blocks_per_lane": 1, "protocol": "ll",
-                                              "pdl": True}
+                                              "pdl": True, "fit": True}
     assert _auto_options(ll, {"blocks_per_lane": None}, sm=True)["protocol"] == "ll"
     # the caller's blocks per lane replace the table's LL pair; its protocol wins too
     assert _auto_options(ll, {"blocks_per_lane": 8}, sm=True) == {"blocks_per_lane": 8,
@@ -169,11 +171,11 @@ def test_auto_passes_the_tables_protocol_and_pdl_to_the_sm_bind_only():
 
 def test_a_tables_fused_protocol_may_fall_back_to_the_interpreter():
     """A fused choice was measured at a nearby size; at a size the fused kernel cannot run
-    (not whole 16-byte items) the sm bind falls back instead of failing -- only for auto."""
+    (rows that start unaligned) the sm bind falls back instead of failing -- only for auto."""
     from purlin.runtime.cluster import _auto_options
 
     fused = Choice("direct-push", 1, 1, 16, "table", "fused-ll", True)
     assert _auto_options(fused, {}, sm=True) == {"blocks_per_lane": 16, "protocol": "fused-ll",
-                                                 "pdl": True, "fallback": True}
+                                                 "pdl": True, "fallback": True, "fit": True}
     assert "fallback" not in _auto_options(fused, {"protocol": "ll"}, sm=True)
     assert _auto_options(fused, {}, sm=False) == {"blocks_per_lane": 16}

@@ -144,16 +144,19 @@ def test_flags_map_to_block_slots():
         (ops[3].sources[0].is_ll, ops[3].sources[0].even)
 
 
-def test_sizes_that_are_not_whole_16_byte_items_stay_on_the_interpreter():
+def test_rows_that_start_unaligned_stay_on_the_interpreter():
+    """(A last partial item is fine -- a scalar tail, tests/test_fast_path_properties.py --
+    but chunk 1 of this 120-byte all-reduce starts at byte 60.)"""
     low = lowered(collectives.all_reduce(2), count=60)  # 120 bytes
-    assert "not whole 16-byte items" in fuse_problem(low)
-    with pytest.raises(CapabilityError, match="cannot fuse: rank 0 row 0"):
+    assert "not at 16-byte aligned addresses" in fuse_problem(low)
+    with pytest.raises(CapabilityError,
+                       match=r"cannot fuse: rank 0 row \d+ .*not at 16-byte aligned"):
         program(low[0], 0, 0, flag_slot=lambda a: a)
 
 
 def test_eight_byte_items_take_what_sixteen_byte_ones_cannot():
     low = lowered(collectives.all_reduce(2), count=4)  # 8 bytes: one LL unit
-    assert "not whole 16-byte items" in fuse_problem(low)
+    assert "not at 16-byte aligned addresses" in fuse_problem(low)
     assert fuse_problem(low, unit=8) is None
     prog = program(low[0], 0, 0, flag_slot=lambda a: a, unit=8)
     assert prog.words[isa.F_UNIT] == 8 and prog.items == 1
@@ -171,8 +174,8 @@ def test_eight_byte_messages_fuse_in_four_byte_halves_of_ll_units(name):
     bufs = HostBuffers(s, ll=True)
     low = bufs.lower()
     assert fused_unit(low, "fused-ll") == (4, None)
-    assert "not whole 8-byte items" in fuse_problem(low, 8)
-    assert "not whole 16-byte items" in fused_unit(low, "fused")[1]
+    assert "not at 8-byte aligned addresses" in fuse_problem(low, 8)
+    assert "not at 16-byte aligned addresses" in fused_unit(low, "fused")[1]
     ar = plan(standard("all-reduce", 2), "direct-push", nbytes=8, dtype="bfloat16")
     assert fused_unit(HostBuffers(ar, ll=True).lower(), "fused-ll") == (8, None)
     programs = fused_programs(low, bufs, 4)

@@ -442,7 +442,7 @@ def test_fused_ll_moves_eight_byte_messages_in_halves_of_ll_units(torch, kind, n
             try:
                 bound = cluster.bind(coll, "direct-push", sizing=sizing, protocol="fused-ll")
             except CapabilityError as exc:
-                assert "not whole 4-byte items" in str(exc) or "LL transfer's" in str(exc), exc
+                assert "not at 4-byte aligned" in str(exc) or "LL transfer's" in str(exc), exc
                 continue
             assert bound.launches[0][1].kernel == "fused"
             _check(torch, bound, sizing, gen, calls=3)
@@ -469,9 +469,10 @@ def test_fused_refuses_what_it_cannot_fuse(torch):
     from purlin.errors import CapabilityError
 
     cluster = _cluster("local", 2)
-    with pytest.raises(CapabilityError, match="not whole 16-byte items"):
-        cluster.bind(standard("all-reduce", 2), "direct-push", count=1002, dtype="float32",
-                     protocol="fused")
+    with pytest.raises(CapabilityError, match="not at 16-byte aligned addresses"):
+        # chunk 1 starts at byte 2004 (an all-reduce of 1002 is one row: it fuses, with a tail)
+        cluster.bind(standard("reduce-scatter", 2), "direct-push", count=1002,
+                     dtype="float32", protocol="fused")
     with pytest.raises(CapabilityError, match="runs one lane"):
         cluster.bind(standard("all-reduce", 2), "direct-push", count=1024, dtype="float32",
                      chunks=2, lanes=2, protocol="fused")
@@ -495,3 +496,89 @@ def test_fused_missing_peer_times_out_naming_it(torch, protocol):
     with pytest.raises(PurlinTimeoutError, match=want):
         bound([None, None])
     assert time.perf_counter() - t0 < 5.0
+
+
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("strategy", ["direct-push", "auto"])
+def test_default_binds_fit_on_virtual_ranks(torch, n, strategy):
+    """The launch is sized to the GPU: 1 MiB with 4 or 8 virtual ranks (one launch for all
+    of them) binds by default and with auto, also planned with four lanes, and is right."""
+    cluster = _cluster("virtual", n)
+    gen = np.random.default_rng(25)
+    for name in ("all-gather", "reduce-scatter", "all-reduce"):
+        coll = standard(name, n)
+        sizing = _sizing(coll, 1 << 20, "bfloat16", False)
+        for lanes in ((1, 4) if strategy == "direct-push" else (1,)):
+            bound = cluster.bind(coll, strategy, sizing=sizing,
+                                 **({"chunks": lanes, "lanes": lanes} if lanes > 1 else {}))
+            grid = sum(launcher.grid for _, launcher, *_ in bound.launches)
+            assert grid <= bound.gpu.resident(bound.threads), (name, lanes, grid)
+            _check(torch, bound, sizing, gen, calls=2)
+
+
+def test_an_explicit_launch_that_cannot_fit_says_what_would(torch):
+    from purlin.errors import CapabilityError
+
+    cluster = _cluster("virtual", 4)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    most = sms // 4
+    with pytest.raises(CapabilityError, match=rf"at most {most} blocks per lane fit: pass "
+                                              rf"blocks_per_lane<={most}"):
+        cluster.bind(standard("all-reduce", 4), "direct-push", count=1 << 19,
+                     dtype="bfloat16", blocks_per_lane=most + 1)
+    bound = cluster.bind(standard("all-reduce", 4), "direct-push", count=1 << 19,
+                         dtype="bfloat16", blocks_per_lane=most)
+    _check(torch, bound, bound.schedule.sizing, np.random.default_rng(3), calls=1)
+
+
+def _tail_sizing(coll, nbytes, tail, dtype="bfloat16"):
+    """Every chunk whole 16-byte items but the last, which is ``tail`` elements longer."""
+    from purlin.spec import dtype as as_dtype
+
+    item = as_dtype(dtype).itemsize
+    names = coll.input.names()
+    each = max(16, nbytes // len(names)) // 16 * 16 // item
+    sizes = {k: each for k in names}
+    sizes[names[-1]] += tail
+    return coll.sized(chunk_sizes=sizes, dtype=dtype)
+
+
+@pytest.mark.parametrize("kind,n", [("virtual", 2), ("virtual", 4), ("local", 2)])
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll", "auto"])
+def test_odd_sizes_run_on_the_fused_kernel(torch, kind, n, protocol):
+    """An all-reduce one element (or a few) past a 16-byte multiple runs on the fused kernel
+    (scalar tails), with the reference's result, at 8 KiB, 64 KiB and 1 MiB; graph replays
+    with fresh inputs too."""
+    cluster = _cluster(kind, n)
+    gen = np.random.default_rng(26)
+    for op in ("sum", "max", "avg"):
+        coll = standard("all-reduce", n, op=op)
+        for nbytes in (8 << 10, 64 << 10, 1 << 20):
+            if protocol == "fused-ll" and nbytes > 256 << 10:
+                continue
+            for tail in (1, 3, 9):
+                sizing = _tail_sizing(coll, nbytes, tail)
+                if protocol == "auto":
+                    bound = cluster.bind(coll, "auto", sizing=sizing)
+                else:
+                    bound = cluster.bind(coll, "direct-push", sizing=sizing, protocol=protocol)
+                assert bound.launches[0][1].kernel == "fused", (op, nbytes, tail, bound.protocol)
+                _check(torch, bound, sizing, gen, calls=2)
+    graphs = bound.capture(ops=3)
+    for _ in range(3):
+        graphs.replay()
+    _check(torch, bound, sizing, gen, calls=1)
+
+
+def test_odd_dtypes_run_on_the_fused_kernel(torch):
+    cluster = _cluster("virtual", 3)
+    gen = np.random.default_rng(27)
+    for dtype in ("bfloat16", "float16", "float32", "int32"):
+        for op in ("sum", "min"):
+            coll = standard("all-reduce", 3, op=op)
+            for tail in (1, 2, 5):
+                sizing = _tail_sizing(coll, 4096, tail, dtype)
+                for protocol in ("fused", "fused-ll"):
+                    bound = cluster.bind(coll, "direct-push", sizing=sizing, protocol=protocol)
+                    assert bound.launches[0][1].kernel == "fused"
+                    _check(torch, bound, sizing, gen, calls=2)

@@ -816,6 +816,77 @@ def fused_times_out_naming_the_units_and_the_peer():
     assert int(abort[0]) >= 1
 
 
+@case
+def fused_scalar_tails_store_the_rows_bytes_only():
+    """Rows one element (or a few) past whole items: rank 0's fused program, with its peers'
+    LL units (or pushes and flags) already landed, gives the reference -- bfloat16 and int32
+    all-reduces on 16- and 8-byte items, an all-gather whose own-piece copy takes the
+    four-in-flight path, and no byte after an output row is touched."""
+    import ctypes
+
+    from purlin.atom.fused import fused_unit
+    from purlin.atom.host import HostBuffers, fused_programs
+    from purlin.kernels import fused, isa, sim
+    from purlin.snac import plan
+    from purlin.spec import collectives, reference
+
+    cases = [(collectives.all_reduce(3), "bfloat16", 1, "fused"),
+             (collectives.all_reduce(2), "bfloat16", 3, "fused-ll"),
+             (collectives.all_reduce(2, op="max"), "int32", 1, "fused"),
+             (collectives.all_reduce(2), "float32", 3, "fused-ll"),
+             (collectives.all_gather(2), "bfloat16", 5, "fused")]
+    for coll, dtype, tail, protocol in cases:
+        names = coll.input.names()
+        item = isa.ITEMSIZE[isa.DTYPE_CODES[dtype]]
+        sizes = {k: 32 // item for k in names}
+        sizes[names[-1]] = tail
+        sizing = coll.sized(chunk_sizes=sizes, dtype=dtype)
+        s = plan(coll, "direct-push", sizing=sizing)
+        bufs = HostBuffers(s, ll=protocol == "fused-ll")
+        n = s.nranks
+        for r in range(n):  # guard bytes after every output
+            bufs.outputs[r] = np.zeros(sizing.output_count(r) + 8, bufs.np_dtype)
+            bufs.outputs[r][sizing.output_count(r):] = GUARD
+        low = bufs.lower()
+        unit, problem = fused_unit(low, protocol)
+        assert problem is None, (coll.name, dtype, problem)
+        words = fused_programs(low, bufs, unit)[0].copy()
+        rng = np.random.default_rng(tail)
+        xs = [_random(rng, dtype, sizing.input_count(r)) for r in range(n)]
+        if dtype == "int32":
+            xs = [x % 1000 for x in xs]
+        for r in range(n):
+            bufs.inputs[r][:xs[r].size] = xs[r].view(bufs.np_dtype)
+        for peer in range(1, n):  # what the peers' rows of call 0 leave on rank 0
+            for row in low[peer].tables[0]:
+                if row[isa.OP] == isa.LL_PUT and row[isa.PEER] == 0:
+                    size = int(row[isa.COUNT]) * item
+                    data = ctypes.string_at(int(low[peer].srcs[row[isa.SRC]]), size)
+                    units = sim.ll_pack(data + bytes(-size % 16), 1)  # whole items' units
+                    ctypes.memmove(int(row[isa.DST]), units.tobytes(), units.nbytes)
+                elif row[isa.OP] == isa.COPY and any(
+                        0 <= int(row[isa.DST]) - m.ctypes.data < m.nbytes
+                        for m in (bufs.scratch[0], bufs.outputs[0])):  # a push to rank 0
+                    size = int(row[isa.COUNT]) * item
+                    ctypes.memmove(int(row[isa.DST]), int(low[peer].srcs[row[isa.SRC]]), size)
+        for f in bufs.block_flags:
+            f[:] = 1 << 40  # every wait of rank 0 satisfied
+        counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
+        fused.fused[2, 3](words.ctypes.data, 1, 2, 10_000_000, words.size, counters.ctypes.data)
+        assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, bufs.fused_error)
+        count = sizing.output_count(0)
+        got = bufs.outputs[0][:count]
+        floats = [bf16_floats(x) if dtype == "bfloat16" else x.astype(np.float64) for x in xs]
+        want = reference(sizing, floats)[0]
+        if dtype == "bfloat16":
+            assert (np.abs(bf16_floats(got) - want) <= 0.02 * (1 + np.abs(want))).all(), \
+                (coll.name, bf16_floats(got), want)
+        else:
+            assert np.array_equal(got.astype(np.float64), want.astype(np.dtype(_NP.get(
+                dtype, np.float32))).astype(np.float64)), (coll.name, got, want)
+        assert (bufs.outputs[0][count:] == GUARD).all(), (coll.name, bufs.outputs[0][count:])
+
+
 # ------------------------------------------------------------------------ pytest entry points
 
 

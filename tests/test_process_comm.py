@@ -447,8 +447,12 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     small = plan(ar, "direct-push", nbytes=16 << 10, dtype="bfloat16")
     big = plan(ar, "direct-push", nbytes=2 * LL_MAX_BYTES, dtype="bfloat16")
     ring = plan(ar, "ring", nbytes=16 << 10, dtype="bfloat16", chunks=2, lanes=2)
-    odd = plan(ar, "direct-push", dtype="bfloat16",  # 6 bytes: no whole 4-byte items
-               sizing=ar.sized(chunk_sizes={0: 1, 1: 2}, dtype="bfloat16"))
+    # 6 bytes in one row: a scalar tail, fused; a reduce-scatter's chunk 1 starts at byte 2
+    tail = plan(ar, "direct-push", dtype="bfloat16",
+                sizing=ar.sized(chunk_sizes={0: 1, 1: 2}, dtype="bfloat16"))
+    rs = collectives.reduce_scatter(2)
+    odd = plan(rs, "direct-push", dtype="bfloat16",
+               sizing=rs.sized(chunk_sizes={0: 1, 1: 2}, dtype="bfloat16"))
 
     def runs(schedule, protocol, datapath="sm", pdl=None, choice=None):
         comm = SimpleNamespace(protocol=protocol, datapath=datapath, pdl=pdl)
@@ -461,6 +465,7 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     assert runs(big, "fused-ll") == runs(big, "fused") == ("fused", True)
     assert runs(small, "fused", pdl=False) == ("fused", False)
     assert runs(ring, "fused-ll") == ("simple", False)  # two lanes: the interpreter
+    assert runs(tail, "fused-ll") == ("fused-ll", True)
     assert runs(odd, "fused-ll") == ("ll", False)
     table = SimpleNamespace(source="table nvidia-h200", protocol="fused-ll", pdl=True)
     rules = SimpleNamespace(source="rules", protocol="simple", pdl=False)

@@ -708,9 +708,10 @@ def _signed(value: int) -> int:
 
 def _check_resident(torch, device, launcher) -> None:
     """Every block of the executor must be resident at once, or a wait could starve."""
+    from purlin.kernels.occupancy import resident_blocks
+
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = max(1, 65536 // (launcher.threads * 128))
-    if launcher.grid > sms * per_sm:
+    if launcher.grid > resident_blocks(sms, launcher.threads):
         raise CapabilityError(f"{launcher.grid} executor blocks of {launcher.threads} threads "
                               f"cannot all be resident on GPU {device} ({sms} SMs); use fewer "
                               "lanes or blocks per lane")

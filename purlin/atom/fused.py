@@ -6,7 +6,8 @@ reads for every rank at once. The fused kernel gives every thread the same items
 waits only for block b of its peers and no row needs a lane barrier. That is sound when:
 
 * each rank has one lane, and its rows are WAIT, NOTIFY, LL_PUT, LL_GET, COPY and REDUCE;
-* every row moves whole items between addresses aligned to the item;
+* every row starts at addresses aligned to the item (its last item may be partial: a scalar
+  tail, whose thread reads the whole aligned item and stores only the row's bytes);
 * two rows (of any ranks) that touch the same bytes, one of them writing, cover exactly the
   same bytes: item i is then block b's on both sides, so the block's flags order them;
 * rows of one rank between two flag operations touch common bytes only as the same span
@@ -18,8 +19,8 @@ waits only for block b of its peers and no row needs a lane barrier. That is sou
 
 Every standard collective's one-lane plans fuse at any rank count (direct-push, direct-pull,
 two-phase, ring; with flags, or with LL transfers -- except a ring broadcast that relays LL
-data it received), at sizes of whole items; a table that does not fuse is run by the
-interpreter.
+data it received), at any size whose rows start aligned; a table that does not fuse is run
+by the interpreter.
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan
@@ -51,6 +52,7 @@ import numpy as np
 
 from purlin.atom.lowering import LoweredRank
 from purlin.errors import CapabilityError
+from purlin.kernels.occupancy import resident_blocks
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
                                 F_OP_MOVE, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
@@ -264,9 +266,11 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
         srcs_a = [int(x) for x in low.srcs[a[SRC]: a[SRC] + max(1, a[NSRC])]]
         srcs_b = [int(x) for x in low.srcs[b[SRC]: b[SRC] + max(1, b[NSRC])]]
         addresses = [int(a[DST]), int(b[DST]), *srcs_a, *srcs_b]
-        if nbytes % unit or any(x % unit for x in addresses):
+        # a last partial item (a scalar tail) is fine: its thread reads the whole aligned
+        # item and stores only the row's bytes; no other row starts inside it
+        if any(x % unit for x in addresses):
             raise _Refused(f"rank {r} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
-                           f"not whole {unit}-byte items at {unit}-byte aligned addresses")
+                           f"not at {unit}-byte aligned addresses")
         if op == LL_PUT:
             ops.append(Put("put", srcs_a[0], int(a[DST]), int(b[DST]), nbytes, int(a[PEER]),
                            int(a[STEP])))
@@ -452,8 +456,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
                 words[at: at + SOURCE_WIDTH] = src
                 at += SOURCE_WIDTH
         words[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
-    items = max([op.nbytes for op in ops if op.kind == "put"]
-                + [op.nbytes for op in moves] + [unit]) // unit
+    items = -(-max([op.nbytes for op in ops if op.kind == "put"]
+                   + [op.nbytes for op in moves] + [unit]) // unit)  # a partial item counts
     return FusedProgram(words, len(ops), items)
 
 
@@ -510,8 +514,7 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     """(blocks per rank, threads) for fused programs of ``items`` items of ``unit`` bytes:
     about one item per thread, 128 threads per block up to 16 KiB, 256 up to 128 KiB, else
     512, at most 32 blocks per rank below 4 MiB and every SM above, and few enough for every
-    rank of the launch to be resident (counting 128 registers per thread, the launch bound's
-    limit).
+    rank of the launch to be resident (:func:`purlin.kernels.occupancy.resident_blocks`).
 
     >>> grid(512), grid(4096), grid(1 << 16), grid(1 << 16, ranks_in_launch=8), grid(1 << 24)
     ((4, 128), (16, 256), (32, 512), (16, 512), (132, 512))
@@ -520,13 +523,7 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     threads = 128 if nbytes <= 16 << 10 else 256 if nbytes <= 128 << 10 else 512
     most = 32 if nbytes < 4 << 20 else F_MAX_BLOCKS
     blocks = max(1, min(most, -(-items // threads)))
-    return max(1, min(blocks, _resident(threads, sms) // ranks_in_launch)), threads
-
-
-def _resident(threads: int, sms: int) -> int:
-    """Blocks of ``threads`` threads that fit on ``sms`` SMs at once, counting 128 registers
-    per thread (the launch bound's limit)."""
-    return sms * max(1, 65536 // (threads * 128))
+    return max(1, min(blocks, resident_blocks(sms, threads) // ranks_in_launch)), threads
 
 
 def threads_grid(nbytes: int, unit: int, threads: int, sms: int = 132) -> tuple[int, int] | None:
@@ -538,7 +535,7 @@ def threads_grid(nbytes: int, unit: int, threads: int, sms: int = 132) -> tuple[
     ((16, 64), None)
     """
     blocks = -(-nbytes // (unit * threads))
-    return (blocks, threads) if blocks <= min(F_MAX_BLOCKS, _resident(threads, sms)) else None
+    return (blocks, threads) if blocks <= min(F_MAX_BLOCKS, resident_blocks(sms, threads)) else None
 
 
 def row_grid(nbytes: int, row_bytes: int, sms: int = 132) -> tuple[int, int] | None:
@@ -577,11 +574,10 @@ def fused_problems(schedule) -> dict:
     >>> fused_problems(ring)["fused"]
     'rank 0 runs 2 lanes (the fused kernel runs one)'
     """
-    from purlin.atom.lowering import lower
+    from purlin.atom.lowering import lower, scratch_copy_bytes
 
-    item = schedule.sizing.dtype.itemsize
     n = schedule.nranks
-    scratch = {r: -(-schedule.scratch[r] * item // 16) * 16 for r in range(n)}
+    scratch = scratch_copy_bytes(schedule)
     bases, ll = {}, {}
     for r in range(n):
         for k, buffer in enumerate(("input", "output", "scratch", "ll", "flags")):

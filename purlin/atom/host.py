@@ -210,15 +210,14 @@ class HostBuffers:
     ``schedule``; :meth:`lower` lowers the schedule onto them."""
 
     def __init__(self, schedule, ll: bool = False):
-        from purlin.atom.lowering import flag_slots, ll_area_bytes
+        from purlin.atom.lowering import flag_slots, ll_area_bytes, scratch_copy_bytes
 
         self.schedule, self.ll = schedule, ll
-        item = schedule.sizing.dtype.itemsize
         n = schedule.nranks
         self.code = isa.DTYPE_CODES[schedule.dtype]
         # the device representation: bfloat16 as its 16 raw bits
         self.np_dtype = np.dtype(np.uint16 if self.code == isa.BF16 else _NP[self.code])
-        self.scratch_bytes = {r: -(-schedule.scratch[r] * item // 16) * 16 for r in range(n)}
+        self.scratch_bytes = scratch_copy_bytes(schedule)  # as the sm datapath allocates
         self.inputs = [np.zeros(max(schedule.sizing.input_count(r), 1), self.np_dtype)
                        for r in range(n)]
         self.outputs = [np.zeros(max(schedule.sizing.output_count(r), 1), self.np_dtype)
@@ -347,9 +346,16 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None
 
 
 def _items(nbytes: int, unit: int, block: int, blocks: int, threads: int) -> list[int]:
-    """The items (``unit`` bytes each) block ``block`` takes: item i goes to thread ``i %
-    (blocks * threads)`` of the rank's grid, as in the fused kernel."""
-    return [i for i in range(nbytes // unit) if (i % (blocks * threads)) // threads == block]
+    """The items (``unit`` bytes each, the last one partial where ``nbytes`` is not whole
+    items: a scalar tail) block ``block`` takes: item i goes to thread ``i % (blocks *
+    threads)`` of the rank's grid, as in the fused kernel."""
+    return [i for i in range(-(-nbytes // unit)) if (i % (blocks * threads)) // threads == block]
+
+
+def _tail(data: bytes, valid: int, unit: int) -> bytes:
+    """An item's first ``valid`` bytes, padded to ``unit`` (the kernel reads the whole aligned
+    item; its bytes past the row are never used)."""
+    return bytes(data[:valid]) + bytes(unit - valid) if valid < unit else bytes(data)
 
 
 def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: int,
@@ -377,9 +383,11 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
             _norm_block(head, op, tag, mem, block, blocks, threads, unit, code, what)
         elif kind == isa.F_OP_PUT:
             put = mem.ll_put_half if unit == 4 else mem.ll_put  # 4 bytes: half an LL unit
-            src, dst = op[isa.PUT_SRC], op[isa.PUT_DST + odd]
-            for i in _items(op[isa.PUT_BYTES], unit, block, blocks, threads):
-                put(dst + 2 * unit * i, _bytes(src + unit * i, unit).tobytes(), tag)
+            src, dst, nbytes = op[isa.PUT_SRC], op[isa.PUT_DST + odd], op[isa.PUT_BYTES]
+            for i in _items(nbytes, unit, block, blocks, threads):
+                valid = min(unit, nbytes - unit * i)
+                put(dst + 2 * unit * i, _tail(_bytes(src + unit * i, valid).tobytes(), valid, unit),
+                    tag)
         else:
             if delay:
                 time.sleep(delay)
@@ -389,6 +397,7 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
                         [:isa.SOURCE_WIDTH]] for s in range(nsrc)]
             count = unit // isa.ITEMSIZE[code]
             for i in _items(nbytes, unit, block, blocks, threads):
+                valid = min(unit, nbytes - unit * i)  # a scalar tail: the row's bytes only
                 raw = []
                 for is_ll, even, odd_at, _, _ in sources:
                     at = (odd_at if odd else even)
@@ -397,14 +406,14 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
                     elif is_ll:
                         raw.append(mem.ll_get(at + 2 * unit * i, unit, tag, what))
                     else:
-                        raw.append(_bytes(at + unit * i, unit).tobytes())
+                        raw.append(_tail(_bytes(at + unit * i, valid).tobytes(), valid, unit))
                 if nsrc == 1:
-                    _bytes(dst + unit * i, unit)[:] = np.frombuffer(raw[0], np.uint8)
+                    _bytes(dst + unit * i, valid)[:] = np.frombuffer(raw[0], np.uint8)[:valid]
                     continue
                 held = [np.frombuffer(x, np.uint8).copy() for x in raw]
                 out = _reduce([_load(h.ctypes.data, count, code) for h in held], redop,
                               divisor, code)
-                _store(dst + unit * i, out, code)
+                _store(dst + unit * i, out[:valid // isa.ITEMSIZE[code]], code)
 
 
 def _norm_block(head, op, tag, mem: _Memory, block: int, blocks: int, threads: int,

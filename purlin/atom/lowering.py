@@ -47,6 +47,11 @@ from purlin.spec.dtypes import dtype as as_dtype
 #   exactly the same, 16-byte aligned region, where every thread only meets its own words.
 # * With two scratch copies, each rank gets an even and an odd table (scratch addresses shifted);
 #   both share one source pool, the odd table indexing its second half.
+# * Scratch is laid out in slots (:func:`scratch_layout`: the planner's overlapping scratch
+#   regions merged); where a copy has room for it (``scratch_bytes`` at least
+#   :func:`scratch_copy_bytes`), a slot whose regions all start where it starts begins on a
+#   16-byte boundary, so an odd-sized piece does not misalign the pieces after it (the fused
+#   kernel needs aligned rows); other slots keep their 16-byte phase.
 # * With an LL area (``ll_bases``), each Stage + Notify pair that
 #   :func:`ll_transfers` finds safe travels as LL units: an LL_PUT row on the sender instead of
 #   COPY + NOTIFY, and an LL_GET row on the receiver instead of the WAIT on that flag (see
@@ -55,7 +60,8 @@ from purlin.spec.dtypes import dtype as as_dtype
 #   each thread 8-byte units, data rows 16-byte ones.
 
 __all__ = ["CONTROL_AT", "CONTROL_WORDS", "HEAD_WORDS", "LLTransfers", "LoweredRank", "blob_size",
-           "build_blob", "flag_slots", "ll_transfers", "lower", "OPCODE_NAMES"]
+           "build_blob", "flag_slots", "ll_transfers", "lower", "OPCODE_NAMES",
+           "scratch_copy_bytes", "scratch_layout"]
 
 CONTROL_AT = DESC_WIDTH          # the control words follow the descriptor in a rank's block
 CONTROL_WORDS = 2 + ERR_WIDTH    # epoch, done counter, error record
@@ -192,8 +198,10 @@ class LLTransfers:
         return len(self.puts)
 
 
-def ll_transfers(schedule: Schedule) -> LLTransfers:
-    """The Stage + Notify pairs of ``schedule`` that can carry their flag inside the data.
+def ll_transfers(schedule: Schedule, layout: dict | None = None) -> LLTransfers:
+    """The Stage + Notify pairs of ``schedule`` that can carry their flag inside the data
+    (``layout``: the :class:`ScratchLayout` of the ranks whose scratch :func:`lower` lays out
+    in aligned slots; alignment is judged where the bytes will lie).
 
     A Notify of flag F from a lane to rank p qualifies when, of everything its lane wrote
     before it in the call, exactly one region R lies on p: a one-source copy into p's
@@ -232,7 +240,7 @@ def ll_transfers(schedule: Schedule) -> LLTransfers:
                     written.append((index, step))
                 elif isinstance(step, Notify):
                     found = _ll_pair(step, written, per_call, waits, reads, writers, schedule,
-                                     item)
+                                     item, layout or {})
                     if found is not None and found[0] not in puts:
                         stage_at, get_key = found
                         puts[(rank, stage_at)] = steps[stage_at].dst
@@ -241,7 +249,7 @@ def ll_transfers(schedule: Schedule) -> LLTransfers:
     return LLTransfers(puts, frozenset(skip), gets)
 
 
-def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item):
+def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item, layout):
     """((stage index), (receiver rank, step index, flag)) if ``note`` can travel as LL."""
     flag = note.flag
     p = flag.owner
@@ -265,9 +273,86 @@ def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item):
     # once LL, R is written by p's own LL_GET: nobody elsewhere may read it off p
     if any(r.overlaps(region) for q, regs in reads.items() if q != p for r in regs):
         return None
-    if (region.offset * item) % LL_DATA or (stage.srcs[0].offset * item) % LL_DATA:
+    if _byte_at(region, item, layout) % LL_DATA or \
+            _byte_at(stage.srcs[0], item, layout) % LL_DATA:
         return None
     return stage_at, (rank, index, flag)
+
+
+@dataclass(frozen=True)
+class ScratchLayout:
+    """One rank's scratch slots: ``starts[k]`` (element offset of slot k, ascending) lies at
+    byte ``at[k]`` of a copy; ``nbytes``: the bytes of one copy (a multiple of 16)."""
+
+    starts: tuple
+    at: tuple
+    nbytes: int
+
+    def byte_offset(self, offset: int, item: int) -> int:
+        """The byte of a copy where element ``offset`` of the planner's scratch lies."""
+        import bisect
+
+        k = bisect.bisect_right(self.starts, offset) - 1
+        if k < 0:
+            return offset * item
+        return self.at[k] + (offset - self.starts[k]) * item
+
+
+def scratch_layout(schedule: Schedule) -> dict:
+    """Per rank, its :class:`ScratchLayout`: the scratch regions of every step merged into
+    slots where they overlap; a slot whose regions all start at its start (a piece staged
+    whole) begins at the next 16-byte boundary, any other keeps its offset's phase modulo
+    16 bytes (its regions' alignment is what it was).
+
+    >>> from purlin.spec import collectives
+    >>> from purlin.snac import plan
+    >>> sizing = collectives.all_reduce(3).sized(chunk_sizes={0: 8, 1: 8, 2: 1},
+    ...                                          dtype="bfloat16")
+    >>> s = plan(sizing.collective, "direct-push", sizing=sizing)
+    >>> s.scratch[0] * 2, scratch_layout(s)[0]
+    (68, ScratchLayout(starts=(0, 17), at=(0, 48), nbytes=96))
+    """
+    item = as_dtype(schedule.dtype).itemsize
+    regions: dict = {r: [] for r in range(schedule.nranks)}
+    for steps in schedule.steps:
+        for step in steps:
+            if not step.moves_data:
+                continue
+            for reg in (*step.srcs, step.dst):
+                if reg.buffer == "scratch":
+                    regions[reg.rank].append((reg.offset, reg.end))
+    out = {}
+    for r, regs in regions.items():
+        slots: list = []  # [start, end, every region starts at start]
+        for start, end in sorted(regs):
+            if slots and start < slots[-1][1]:
+                slots[-1][1] = max(slots[-1][1], end)
+                slots[-1][2] = slots[-1][2] and start == slots[-1][0]
+            else:
+                slots.append([start, end, True])
+        starts, at, cursor = [], [], 0
+        for start, end, whole in slots:
+            phase = start * item % 16
+            byte = max(cursor, start * item) if not whole else cursor
+            byte = -(-byte // 16) * 16 if whole else byte + (phase - byte) % 16
+            starts.append(start)
+            at.append(byte)
+            cursor = byte + (end - start) * item
+        size = max(cursor, schedule.scratch[r] * item)
+        out[r] = ScratchLayout(tuple(starts), tuple(at), -(-size // 16) * 16)
+    return out
+
+
+def _byte_at(region: Region, item: int, layout: dict) -> int:
+    """Where ``region`` starts in its buffer, in bytes (scratch: in ``layout``'s slots)."""
+    lay = layout.get(region.rank) if region.buffer == "scratch" else None
+    return lay.byte_offset(region.offset, item) if lay else region.offset * item
+
+
+def scratch_copy_bytes(schedule: Schedule) -> dict:
+    """Bytes of one scratch copy per rank that give :func:`lower` room for the aligned slots
+    of :func:`scratch_layout` (what the sm datapath and the host interpreter allocate)."""
+    return {r: lay.nbytes for r, lay in scratch_layout(schedule).items()}
 
 
 def ll_area_bytes(scratch_bytes: int) -> int:
@@ -293,17 +378,26 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
     per_call = schedule.flags()
     copy_bytes = scratch_bytes or {r: schedule.scratch[r] * item for r in range(n)}
     parities = range(schedule.scratch_copies)
+    # the aligned slots where a copy has room for them, else the planner's offsets
+    slots = {r: lay for r, lay in scratch_layout(schedule).items()
+             if copy_bytes[r] >= lay.nbytes}
+
+    def scratch_byte(region: Region) -> int:
+        return _byte_at(region, item, slots)
 
     def address(region: Region, parity: int) -> int:
-        base = bases[(region.rank, region.buffer)] + region.offset * item
-        return base + (parity * copy_bytes[region.rank] if region.buffer == "scratch" else 0)
+        if region.buffer != "scratch":
+            return bases[(region.rank, region.buffer)] + region.offset * item
+        return (bases[(region.rank, "scratch")] + scratch_byte(region)
+                + parity * copy_bytes[region.rank])
 
-    ll = ll_transfers(schedule) if ll_bases is not None else LLTransfers({}, frozenset(), {})
+    ll = ll_transfers(schedule, slots) if ll_bases is not None else \
+        LLTransfers({}, frozenset(), {})
 
     def ll_address(region: Region, parity: int) -> int:
         per_copy = ll_area_bytes(copy_bytes[region.rank])
         return (ll_bases[region.rank] + parity * per_copy
-                + region.offset * item // LL_DATA * LL_UNIT)
+                + scratch_byte(region) // LL_DATA * LL_UNIT)
 
     def aligned(step) -> bool:
         """Every address of the step is 16-byte aligned (in both scratch parities), so the

@@ -9,6 +9,8 @@ and replays need no reset.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
@@ -94,7 +96,7 @@ FUSED_MAX_BYTES = 16 << 20  # where the fused kernel is tried (tuning candidates
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
          threads: int | None = None, trace_rows: int = 0, protocol: str = "simple",
-         pdl: bool = False, fallback: bool = False):
+         pdl: bool = False, fallback: bool = False, fit: bool = False):
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), by default with one
@@ -111,11 +113,17 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     ``strategy="auto"`` asks for: a tuning table's choice for a nearby size), run by the
     interpreter with the same signalling ("ll" or "simple") and its default blocks.
     ``pdl=True`` (sm_90+) launches with programmatic dependent launch, overlapping each call's
-    launch with the end of the kernel before it."""
+    launch with the end of the kernel before it.
+
+    Blocks and threads not given are sized to the device (:func:`size_launch`): every block
+    of a launch (all ranks of a virtual cluster share one) is resident at once. An explicit
+    ``blocks_per_lane`` or ``threads`` that cannot fit is refused with what would; with
+    ``fit=True`` (``strategy="auto"``: a tuning table's blocks, measured on another cluster)
+    ``blocks_per_lane`` is only a wish, cut down to what fits."""
     if protocol not in PROTOCOLS:
         raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                               f"{protocol!r}")
-    options = dict(timeout=timeout, trace_rows=trace_rows, pdl=pdl)
+    options = dict(timeout=timeout, trace_rows=trace_rows, pdl=pdl, fit=fit)
     try:
         return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
                        protocol=protocol, **options)
@@ -128,9 +136,138 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
 
 def default_blocks_per_lane(message_bytes: int, lanes: int, sms: int = 132) -> int:
     """About 16 KiB of the message per block (a block pushes ~20 GB/s over NVLink), within
-    one block per SM for the whole launch; one block for small messages."""
+    one block per SM for the whole launch; one block for small messages (what
+    :func:`size_launch` asks for before fitting it to the device)."""
     want = max(1, min(sms // max(lanes, 1), message_bytes // (16 * 1024)))
     return int(want)
+
+
+THREAD_CHOICES = (512, 256, 128, 64, 32)  # an interpreter block's threads, preferred first
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What launch sizing needs of a device: its index, SM count and the registers per thread
+    the kernel is counted with (None: the launch bound's limit). Tests pass a made-up one.
+
+    >>> Gpu(0, 132).resident(512), Gpu(0, 132).resident(128)
+    (132, 528)
+    """
+
+    index: int
+    sms: int
+    registers: int | None = None
+
+    def resident(self, threads: int) -> int:
+        from purlin.kernels.occupancy import resident_blocks
+
+        return resident_blocks(self.sms, threads, self.registers)
+
+
+def gpu_of(torch, device: int) -> Gpu:
+    return Gpu(int(device), torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def size_launch(gpu: Gpu, *, lanes: int, ranks: int, want: int, blocks_per_lane=None,
+                threads=None, kind: str = "local") -> tuple[int, int]:
+    """(blocks per lane, threads) of a launch of ``ranks`` ranks of ``lanes`` lanes on
+    ``gpu`` that all fit at once. ``blocks_per_lane`` / ``threads``: what the caller asked
+    for, kept or refused with what would fit; otherwise ``want`` blocks per lane (the size's
+    default, or a tuning table's) on the most threads (of :data:`THREAD_CHOICES`) at which
+    every lane gets a block, as many of ``want`` as fit.
+
+    >>> size_launch(Gpu(0, 132), lanes=1, ranks=4, want=64)
+    (33, 512)
+    >>> size_launch(Gpu(0, 132), lanes=64, ranks=8, want=1)
+    (1, 128)
+    >>> size_launch(Gpu(0, 132), lanes=1, ranks=4, want=1, blocks_per_lane=64)
+    Traceback (most recent call last):
+    purlin.errors.CapabilityError: 256 blocks of 512 threads (4 rank(s) x 1 lane(s) x 64 blocks \
+per lane) cannot all be resident on GPU 0 (132 SMs, 1 such block each): at most 33 blocks per \
+lane fit: pass blocks_per_lane<=33, or threads<=256
+    """
+    lanes, ranks = max(1, int(lanes)), max(1, int(ranks))
+    choices = (int(threads),) if threads else THREAD_CHOICES
+    if blocks_per_lane is not None:
+        bpl, t = int(blocks_per_lane), choices[0]
+        if bpl * lanes * ranks <= gpu.resident(t):
+            return bpl, t
+        raise CapabilityError(_overflow(gpu, lanes, ranks, bpl, t, kind))
+    for t in choices:
+        most = gpu.resident(t) // ranks // lanes
+        if most >= 1:
+            return max(1, min(int(want), most)), t
+    raise CapabilityError(_overflow(gpu, lanes, ranks, 1, choices[-1], kind))
+
+
+def interpreter_launch(schedule, gpu: Gpu, ranks: int, *, ll: bool = False,
+                       blocks_per_lane=None, threads=None, fit: bool = False,
+                       kind: str = "local") -> tuple[int, int]:
+    """(blocks per lane, threads) of the interpreter running ``schedule`` with ``ranks`` of
+    its ranks in one launch on ``gpu``: :func:`size_launch` wishing for the size's default
+    (one block per lane with LL, the 8 KiB optimum on 2 x H200), or ``blocks_per_lane`` --
+    a wish with ``fit``, else a request kept or refused."""
+    wish = blocks_per_lane if fit else None
+    want = wish or (1 if ll else default_blocks_per_lane(schedule.sizing.message_bytes,
+                                                        schedule.lanes, gpu.sms))
+    return size_launch(gpu, lanes=schedule.lanes, ranks=ranks, want=want,
+                       blocks_per_lane=None if fit else blocks_per_lane, threads=threads,
+                       kind=kind)
+
+
+def fit_blocks(gpu: Gpu, blocks: int, threads: int, ranks: int, kind: str = "local",
+               what: str = "blocks_per_lane") -> None:
+    """Refuse a fused launch of ``blocks`` blocks per rank that cannot all be resident."""
+    if blocks * ranks > gpu.resident(threads):
+        raise CapabilityError(_overflow(gpu, 1, ranks, blocks, threads, kind, what))
+
+
+def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=None, wish=None,
+                 threads=None, kind: str = "local") -> tuple[int, int]:
+    """(blocks per rank, threads) of a fused launch of ``ranks`` programs of ``items`` items
+    of ``unit`` bytes: :func:`purlin.atom.fused.grid`'s for the size where nothing is asked,
+    ``wish`` cut to what fits, ``blocks`` kept or refused with what would fit.
+
+    >>> fused_launch(Gpu(0, 132), 1 << 16, 4), fused_launch(Gpu(0, 132), 1 << 20, 4, wish=132)
+    ((32, 512), (33, 512))
+    """
+    from purlin.atom.fused import grid
+
+    default_blocks, default_threads = grid(items, ranks, gpu.sms, unit)
+    threads = int(threads or default_threads)
+    if blocks is not None:
+        blocks = int(blocks)
+        if blocks > isa.F_MAX_BLOCKS:
+            raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
+                                  f"rank, got blocks_per_lane={blocks}")
+        fit_blocks(gpu, blocks, threads, ranks, kind)
+        return blocks, threads
+    most = min(isa.F_MAX_BLOCKS, gpu.resident(threads) // ranks)
+    if most < 1:
+        fit_blocks(gpu, 1, threads, ranks, kind)
+    return max(1, min(int(wish or default_blocks), most)), threads
+
+
+def _overflow(gpu: Gpu, lanes, ranks, bpl, threads, kind, what="blocks_per_lane") -> str:
+    """The refusal of a launch that does not fit, naming what would."""
+    resident = gpu.resident(threads)
+    most, per_sm = resident // ranks // lanes, resident // gpu.sms
+    head = (f"{bpl * lanes * ranks} blocks of {threads} threads ({ranks} rank(s) x {lanes} "
+            f"lane(s) x {bpl} blocks per lane) cannot all be resident on GPU {gpu.index} "
+            f"({gpu.sms} SMs, {per_sm} such block{'s' if per_sm != 1 else ''} each): ")
+    if most >= 1:
+        fits = f"at most {most} blocks per lane fit: pass {what}<={most}"
+        if lanes > 1 and resident // ranks // bpl >= 1:
+            fits += f" or lanes<={resident // ranks // bpl}"
+    else:
+        fits = f"not even one block per lane fits: plan with lanes<={resident // ranks}"
+    smaller = [t for t in THREAD_CHOICES if t < threads
+               and bpl * lanes * ranks <= gpu.resident(t)]
+    if smaller:
+        fits += f", or threads<={smaller[0]}"
+    if kind == "virtual":
+        fits += ", or fewer virtual ranks"
+    return head + fits
 
 
 class SmBound:
@@ -138,8 +275,8 @@ class SmBound:
     inputs in place and call :meth:`launch` (no copies), or call the object with tensors."""
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows,
-                 protocol="simple", pdl=False):
-        from purlin.atom.lowering import flag_slots, ll_transfers, lower
+                 protocol="simple", pdl=False, fit=False):
+        from purlin.atom.lowering import flag_slots, ll_transfers, lower, scratch_layout
 
         torch = _torch()
         if schedule.dtype not in TORCH_DTYPES:
@@ -148,21 +285,29 @@ class SmBound:
         self.cluster, self.schedule, self.timeout = cluster, schedule, timeout
         self.torch = torch
         n, lanes = schedule.nranks, schedule.lanes
-        sizing = schedule.sizing
         fused = protocol.startswith("fused")
-        ll = protocol in ("ll", "fused-ll") and len(ll_transfers(schedule)) > 0
+        # (judged on the aligned scratch slots allocate_buffers makes room for)
+        ll = protocol in ("ll", "fused-ll") and \
+            len(ll_transfers(schedule, scratch_layout(schedule))) > 0
         if fused and (trace_rows or lanes != 1):
             raise CapabilityError(f"protocol={protocol!r} runs one lane without per-row traces; "
                                   f"{schedule.title()} has {lanes} lanes"
                                   + (" and a trace was asked for" if trace_rows else ""))
-        # LL defaults to one block per lane (the 8 KiB optimum on 2 x H200); more may be given
-        bpl = blocks_per_lane or (1 if ll else
-                                  default_blocks_per_lane(sizing.message_bytes, lanes))
-        if fused:
-            bpl = 1  # the lowering's: one block per lane, no lane barriers to fuse around
-        self.blocks_per_lane, self.protocol, self.pdl = bpl, protocol, pdl
         devs = cluster.devices
         self.devices = devs
+        groups: dict[int, list[int]] = {}
+        for r, d in enumerate(devs):
+            groups.setdefault(d, []).append(r)
+        self.gpu = gpu_of(torch, devs[0])
+        per_launch = max(len(g) for g in groups.values())
+        wish, asked = (blocks_per_lane, None) if fit else (None, blocks_per_lane)
+        if fused:
+            bpl = 1  # the lowering's: one block per lane, no lane barriers to fuse around
+        else:
+            bpl, threads = interpreter_launch(schedule, self.gpu, per_launch, ll=ll,
+                                              blocks_per_lane=blocks_per_lane,
+                                              threads=threads, fit=fit, kind=cluster.kind)
+        self.blocks_per_lane, self.protocol, self.pdl = bpl, protocol, pdl
         self.inputs, self.outputs, self.scratch, self.flags, bases, self._scratch_bytes = \
             allocate_buffers(torch, schedule, devs, flag_slots(n, lanes), ll=ll)
         self.control = []
@@ -190,12 +335,9 @@ class SmBound:
         self._keep += blobs
         # one per device: (device, launcher, descriptor address, ranks, call counters or 0)
         self.launches = []
-        groups: dict[int, list[int]] = {}
-        for r, d in enumerate(devs):
-            groups.setdefault(d, []).append(r)
         self.threads = threads or DEFAULT_THREADS
         if fused:
-            self._launch_fused(groups, blocks_per_lane, threads)
+            self._launch_fused(groups, asked, wish, threads)
         else:
             self._launch_tables(groups, blobs)
         self.timeout_ns = int(timeout * 1e9)
@@ -219,14 +361,14 @@ class SmBound:
             launcher = Launcher(device=d, nranks_in_launch=len(ranks),
                                 nlanes=self.schedule.lanes, blocks_per_lane=self.blocks_per_lane,
                                 threads=self.threads, head_words=head, pdl=self.pdl)
-            _check_resident(torch, d, launcher, self.cluster.kind)
             self.launches.append((d, launcher, table.data_ptr(), ranks, 0))
 
-    def _launch_fused(self, groups, blocks, threads) -> None:
+    def _launch_fused(self, groups, blocks, wish, threads) -> None:
         """One fused program per rank (purlin.atom.fused), packed per device at a common
         stride, with a flag slot per block; the executor's control words keep the error
-        record, so check() reads it."""
-        from purlin.atom.fused import fused_unit, grid, program
+        record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
+        ``wish``: a tuning table's (cut to what fits)."""
+        from purlin.atom.fused import fused_unit, program
         from purlin.kernels.launch import Launcher
 
         torch = self.torch
@@ -247,15 +389,11 @@ class SmBound:
         progs = [program(low, error=self.control[r].data_ptr() + 2 * 8,
                          abort=self.abort.data_ptr(), flag_slot=flag_slot, unit=unit)
                  for r, low in enumerate(self.lowered)]
-        sms = torch.cuda.get_device_properties(self.devices[0]).multi_processor_count
         size = max(p.items for p in progs)
-        default_blocks, default_threads = grid(size, max(len(r) for r in groups.values()), sms,
-                                               unit)
-        self.blocks_per_lane = blocks or default_blocks
-        self.threads = threads or default_threads
-        if self.blocks_per_lane > isa.F_MAX_BLOCKS:
-            raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
-                                  f"rank, got blocks_per_lane={self.blocks_per_lane}")
+        per_launch = max(len(r) for r in groups.values())
+        self.blocks_per_lane, self.threads = fused_launch(
+            self.gpu, size, per_launch, unit, blocks=blocks, wish=wish, threads=threads,
+            kind=self.cluster.kind)
         for d, ranks in groups.items():
             stride = max(progs[r].words.size for r in ranks)  # a program's length too
             words = np.zeros(stride * len(ranks), dtype=np.int64)
@@ -268,7 +406,6 @@ class SmBound:
             launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
                                 blocks_per_lane=self.blocks_per_lane, threads=self.threads,
                                 pdl=self.pdl, kernel="fused", stride_words=stride)
-            _check_resident(torch, d, launcher, self.cluster.kind)
             self.launches.append((d, launcher, table.data_ptr(), ranks, counters.data_ptr()))
 
     # -- running -----------------------------------------------------------------------------
@@ -413,12 +550,11 @@ def allocate_buffers(torch, schedule, devices, flag_words: int, ll: bool = False
     rounded) and ``flag_words`` zeroed int64 flags; with the base addresses lowering needs
     and each rank's bytes per scratch copy. ``ll``: the scratch tensor also holds, after the
     copies, a zeroed LL area per copy (``bases[(rank, "ll")]``)."""
-    from purlin.atom.lowering import ll_area_bytes
+    from purlin.atom.lowering import ll_area_bytes, scratch_copy_bytes
 
     sizing = schedule.sizing
     tdt = getattr(torch, schedule.dtype)
-    scratch_bytes = {r: _round16(schedule.scratch[r] * sizing.dtype.itemsize)
-                     for r in range(schedule.nranks)}
+    scratch_bytes = scratch_copy_bytes(schedule)  # 16-byte multiples, slots aligned
     inputs, outputs, scratch, flags, bases = [], [], [], [], {}
     for r in range(schedule.nranks):
         dev = torch.device("cuda", devices[r])
@@ -483,22 +619,9 @@ def rank_blob(torch, low, device, abort_ptr: int, nlanes: int, trace=None,
     return blob, blob[CONTROL_AT: CONTROL_AT + CONTROL_WORDS]
 
 
-def _round16(nbytes: int) -> int:
-    return (nbytes + 15) // 16 * 16
-
-
 def _as_tensor(torch, x):
     if isinstance(x, torch.Tensor):
         return x
     return torch.as_tensor(np.asarray(x))
 
 
-def _check_resident(torch, device, launcher, kind) -> None:
-    """All blocks of a launch must be resident at once, or a wait could starve its producer."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    per_sm = max(1, 65536 // (launcher.threads * 128))  # registers: launch bound allows 128
-    if launcher.grid > sms * per_sm:
-        raise CapabilityError(
-            f"{launcher.grid} blocks of {launcher.threads} threads cannot all be resident on GPU "
-            f"{device} ({sms} SMs); use fewer lanes or blocks per lane"
-            + (" or fewer virtual ranks" if kind == "virtual" else ""))

@@ -40,8 +40,6 @@ from purlin.bench.sweep import Progress, Results, environment
 from purlin.errors import CapabilityError
 from purlin.runtime.auto import launch_options
 
-REGISTERS_PER_SM = 65536
-REGISTERS_PER_THREAD = 128  # the executor's launch bound (kernels/executor.py)
 KiB, MiB = 1 << 10, 1 << 20
 PDL_MAX_BYTES = 1 * MiB     # above this the launch gap PDL hides is lost in the transfer time
 
@@ -79,8 +77,9 @@ def launch_suffix(protocol: str = "simple", pdl: bool = False) -> str:
 def sm_budget(sms: int = 132, threads: int = 512, ranks_per_launch: int = 1) -> int:
     """Blocks one rank may launch so that every block of the launch is resident at once
     (the same rule the sm datapath checks when it binds)."""
-    per_sm = max(1, REGISTERS_PER_SM // (threads * REGISTERS_PER_THREAD))
-    return max(1, sms * per_sm // max(1, ranks_per_launch))
+    from purlin.kernels.occupancy import resident_blocks
+
+    return max(1, resident_blocks(sms, threads) // max(1, ranks_per_launch))
 
 
 def pieces(sizing, strategy: str, chunks: int) -> int:
@@ -293,7 +292,7 @@ def tune(cluster, collectives, sizes, dtype: str = "bfloat16", *, limit: int | N
                 torch.cuda.empty_cache()
             entry = best_entry(coll.name, timed, dtype, threads)
             if entry is not None:
-                out.add(cluster.nranks, entry)
+                out.add(cluster.nranks, entry, virtual=cluster.kind == "virtual")
                 if log is not None:
                     print(f"{coll.name:>15} {entry['nbytes']:>11} B  {entry['strategy']:>11} "
                           f"c{entry['chunks']} l{entry['lanes']} b{entry['blocks_per_lane']}"

@@ -4,13 +4,19 @@ rank count.
 Three sources, in order:
 
 1. a **tuning table** measured on the hardware (``purlin tune`` writes it): JSON named after
-   the GPU, ``purlin/runtime/tuning/<gpu-name>.json``, or the file or folder that
-   ``$PURLIN_TUNING`` names, or a table passed as ``table=``. Entries are keyed by rank count;
-   the entry of the same collective at the nearest size (in ratio) wins;
-2. the **cost model** on GPUs without a table: the trace layer's predicted latency (``import
-   purlin`` hands it over with :func:`set_latency_model`: this layer sits below the trace
-   layer) with the profile measured on 2xH200 ranks the strategies; chunks and lanes come
-   from the rules;
+   the GPU model, ``purlin/runtime/tuning/<gpu-name>.json``, or the file or folder that
+   ``$PURLIN_TUNING`` names, or a table passed as ``table=``. Entries are keyed by rank count
+   and by whether the ranks were real GPUs or virtual ranks sharing one (``nranks`` and
+   ``virtual_nranks``: one GPU's virtual ranks talk through its own memory, not NVLink, so a
+   table of real GPUs says nothing about them); the entry of the same collective at the
+   nearest size (in ratio) wins;
+2. on GPUs where no table covers the cluster, the **fast path**: the fused kernel
+   (:mod:`purlin.kernels.fused`, one lane, LL up to ``LL_MAX_BYTES``) with the strategy the
+   cost model ranks first (the trace layer's predicted latency, which ``import purlin`` hands
+   over with :func:`set_latency_model`: this layer sits below the trace layer; the profile
+   measured on 2xH200), or the interpreter with the rules' chunks and lanes where the fused
+   kernel cannot run the plan (:func:`purlin.atom.fused.fused_problems`). Every fused choice,
+   a table's too, is checked so: ``auto`` never picks what cannot bind;
 3. simple **rules** (the cpu datapath): one-shot direct push for small messages (latency-bound:
    one hop), two-phase for large reductions (each byte crosses a link once per phase instead of
    n-1 times), more pieces and lanes as messages grow.
@@ -102,12 +108,16 @@ class TuningTable:
     entries: dict = field(default_factory=dict)
     info: dict = field(default_factory=dict)
     path: str = ""
+    virtual: dict = field(default_factory=dict)  # the same, measured on one GPU's virtual ranks
 
     def lookup(self, collective: str, nranks: int, nbytes: int, *, dtype: str | None = None,
-               strategy: str | None = None, is_reduce: bool = True) -> Choice | None:
-        """The entry of ``collective`` on ``nranks`` nearest to ``nbytes`` (same dtype first);
-        with ``strategy``, that strategy's best configuration there."""
-        rows = [e for e in self.entries.get(int(nranks), []) if e["collective"] == collective]
+               strategy: str | None = None, is_reduce: bool = True,
+               virtual: bool = False) -> Choice | None:
+        """The entry of ``collective`` on ``nranks`` (virtual ranks of one GPU with
+        ``virtual``) nearest to ``nbytes`` (same dtype first); with ``strategy``, that
+        strategy's best configuration there."""
+        section = self.virtual if virtual else self.entries
+        rows = [e for e in section.get(int(nranks), []) if e["collective"] == collective]
         if dtype is not None and any(e.get("dtype") == dtype for e in rows):
             rows = [e for e in rows if e.get("dtype") == dtype]
         if strategy is not None:
@@ -119,14 +129,15 @@ class TuningTable:
         cfg = _config_of(best, strategy or best["strategy"])
         if cfg["strategy"] == "two-phase" and not is_reduce:
             return None
-        where = f"table {self.gpu} @ {best['nbytes']} B"
+        where = f"table {self.gpu}{' virtual' if virtual else ''} @ {best['nbytes']} B"
         return Choice(cfg["strategy"], int(cfg["chunks"]), int(cfg["lanes"]),
                       cfg.get("blocks_per_lane"), where, cfg.get("protocol", "simple"),
                       bool(cfg.get("pdl", False)))
 
-    def add(self, nranks: int, entry: dict) -> None:
-        """Add or replace the entry of the same collective, size and dtype."""
-        rows = self.entries.setdefault(int(nranks), [])
+    def add(self, nranks: int, entry: dict, virtual: bool = False) -> None:
+        """Add or replace the entry of the same collective, size and dtype (of the virtual
+        ranks' section with ``virtual``)."""
+        rows = (self.virtual if virtual else self.entries).setdefault(int(nranks), [])
         key = (entry["collective"], entry["nbytes"], entry.get("dtype"))
         rows[:] = [e for e in rows if (e["collective"], e["nbytes"], e.get("dtype")) != key]
         rows.append(entry)
@@ -135,15 +146,20 @@ class TuningTable:
     def merge(self, other: "TuningTable") -> "TuningTable":
         """This table with every entry of ``other`` added (other's win on equal keys)."""
         out = TuningTable(self.gpu, {n: list(rows) for n, rows in self.entries.items()},
-                          {**self.info, **other.info}, self.path)
-        for n, rows in other.entries.items():
-            for e in rows:
-                out.add(n, e)
+                          {**self.info, **other.info}, self.path,
+                          {n: list(rows) for n, rows in self.virtual.items()})
+        for virtual, section in ((False, other.entries), (True, other.virtual)):
+            for n, rows in section.items():
+                for e in rows:
+                    out.add(n, e, virtual)
         return out
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "gpu": self.gpu, "info": self.info,
-                "nranks": {str(n): rows for n, rows in sorted(self.entries.items())}}
+        out = {"format": FORMAT, "gpu": self.gpu, "info": self.info,
+               "nranks": {str(n): rows for n, rows in sorted(self.entries.items())}}
+        if self.virtual:
+            out["virtual_nranks"] = {str(n): rows for n, rows in sorted(self.virtual.items())}
+        return out
 
     @classmethod
     def from_json(cls, obj, path: str = "") -> "TuningTable":
@@ -151,7 +167,8 @@ class TuningTable:
             raise SpecError(f"tuning table {path or '(given)'} is not a format-{FORMAT} table: "
                             "expected {\"format\": 1, \"gpu\": ..., \"nranks\": {\"2\": [...]}}")
         return cls(obj.get("gpu", ""), {int(n): list(rows) for n, rows in obj["nranks"].items()},
-                   obj.get("info", {}), path)
+                   obj.get("info", {}), path,
+                   {int(n): list(rows) for n, rows in obj.get("virtual_nranks", {}).items()})
 
     def save(self, path=None) -> Path:
         """Write the table (default: where :func:`tuning_path` looks for this GPU)."""
@@ -231,13 +248,18 @@ def find_table(table=None, gpu: str | None = None) -> TuningTable | None:
 # -- choosing ----------------------------------------------------------------------------------
 def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32",
            chunk_sizes=None, strategy: str | None = None, table=None, gpu: str | None = None,
-           model: bool | None = None) -> Choice:
-    """The configuration for ``collective`` at this size on ``cluster``: from the tuning table,
-    else the cost model (on GPUs, or with ``model=True``), else the rules. ``strategy`` fixes
-    the strategy and picks only its chunks, lanes and blocks."""
+           model: bool | None = None, virtual: bool | None = None) -> Choice:
+    """The configuration for ``collective`` at this size on ``cluster``: from the tuning table
+    of its GPU model, rank count and kind (``virtual``: one GPU's virtual ranks; by default
+    ``cluster.kind == "virtual"``), else on GPUs the fast path (:func:`fast_choice`), else
+    the rules (the cpu datapath; ``model=True``: the cost model's strategy there too).
+    ``strategy`` fixes the strategy and picks only its chunks, lanes and blocks. A fused
+    protocol is only chosen where the fused kernel can run the plan."""
     sizing = collective.sized(count, nbytes=nbytes, dtype=dtype, chunk_sizes=chunk_sizes)
     size = sizing.message_bytes
     datapath = getattr(cluster, "datapath", "cpu") if cluster is not None else "cpu"
+    if virtual is None:
+        virtual = getattr(cluster, "kind", None) == "virtual"
     if strategy is not None:
         from purlin.snac.strategies import check_strategy
 
@@ -246,14 +268,85 @@ def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32"
     if found is not None:
         choice = found.lookup(collective.name, collective.nranks, size,
                               dtype=sizing.dtype.name, strategy=strategy,
-                              is_reduce=collective.op.is_reduce)
+                              is_reduce=collective.op.is_reduce, virtual=bool(virtual))
         if choice is not None:
-            return choice
+            return runnable(choice, sizing) if datapath != "cpu" else choice
+    if datapath != "cpu" and model is not False:
+        return fast_choice(sizing, strategy)
     if strategy is not None:
         return rules(collective, size, strategy)
-    if model if model is not None else datapath != "cpu":
+    if model:
         return model_choice(sizing)
     return rules(collective, size)
+
+
+def _fused_problem(sizing, choice: Choice, protocol: str):
+    """Why the fused kernel cannot run ``choice``'s plan with ``protocol`` (None: it can)."""
+    from purlin.atom.fused import fused_problems
+    from purlin.snac import plan
+
+    try:
+        schedule = plan(sizing.collective, choice.strategy, sizing=sizing, chunks=choice.chunks,
+                        lanes=choice.lanes, lanes_by=choice.lanes_by, check=False)  # (the
+        # bind verifies it; the fused kernel's question is about the lowered rows only)
+    except Exception as exc:  # a plan that does not verify is nothing to run
+        return str(exc)
+    return fused_problems(schedule)[protocol]
+
+
+def runnable(choice: Choice, sizing) -> Choice:
+    """``choice``, or where its fused protocol cannot run this sizing's plan (a table's
+    choice at a nearby size: an odd size, a layout the fused kernel refuses) the same plan
+    on the interpreter with the same signalling and the datapath's blocks."""
+    if not choice.protocol.startswith("fused") or \
+            _fused_problem(sizing, choice, choice.protocol) is None:
+        return choice
+    return Choice(choice.strategy, choice.chunks, choice.lanes, None,
+                  choice.source + ", on the interpreter",
+                  "ll" if choice.protocol == "fused-ll" else "simple", choice.pdl,
+                  choice.lanes_by)
+
+
+PDL_MAX_BYTES = 1 << 20  # where the tables found PDL faster: the launch gap is still visible
+
+
+@lru_cache(maxsize=512)
+def fast_choice(sizing, strategy: str | None = None, profile: str = MODEL_PROFILE) -> Choice:
+    """The fused kernel for ``sizing`` where no table covers the cluster: one lane (what it
+    runs), the strategy the cost model predicts fastest among those whose plan the fused
+    kernel runs (or ``strategy``), LL up to ``LL_MAX_BYTES`` (one hop with the flag in the
+    data), the rules' chunks for two-phase (pipelined through the one lane), PDL up to
+    ``PDL_MAX_BYTES``; where the fused kernel runs none of them, the
+    interpreter with the rules' chunks and lanes (LL for small messages).
+
+    >>> from purlin.spec import collectives
+    >>> fast_choice(collectives.all_reduce(4).sized(4096, dtype="bfloat16")).protocol
+    'fused-ll'
+    """
+    from purlin.atom.sm import LL_MAX_BYTES
+
+    coll, size = sizing.collective, sizing.message_bytes
+    pdl = size <= PDL_MAX_BYTES
+    protocols = ("fused-ll", "fused") if size <= LL_MAX_BYTES else ("fused",)
+    if strategy:
+        r = rules(coll, size, strategy)
+        ranked = (Choice(strategy, r.chunks if strategy == "two-phase" else 1, 1),)
+    else:  # fastest predicted first: the first one the fused kernel runs
+        ranked = model_ranking(sizing, profile, True) or (rules(coll, size),)
+    for cand in ranked:
+        chunks = cand.chunks if cand.strategy == "two-phase" else 1
+        where = cand.source if cand.source.startswith("model") else "rules"
+        for protocol in protocols:
+            choice = Choice(cand.strategy, chunks, 1, None, f"fast path, {where}", protocol,
+                            pdl)
+            if _fused_problem(sizing, choice, protocol) is None:
+                return choice
+    base = ranked[0]
+    where = base.source if base.source.startswith("model") else "rules"
+    r = rules(coll, size, base.strategy)  # the interpreter's chunks and lanes
+    base = Choice(base.strategy, r.chunks, r.lanes, None, base.source)
+    return Choice(base.strategy, base.chunks, base.lanes, None, f"interpreter, {where}",
+                  "ll" if size <= LL_MAX_BYTES else "simple", pdl)
 
 
 def choose(collective, cluster, *, count=None, nbytes=None, dtype="float32",
@@ -313,29 +406,36 @@ def set_latency_model(fn) -> None:
 
 
 @lru_cache(maxsize=512)
-def model_choice(sizing, profile: str = MODEL_PROFILE) -> Choice:
+def model_choice(sizing, profile: str = MODEL_PROFILE, one_lane: bool = False) -> Choice:
     """Rank the strategies by the cost model's predicted latency, each with its rule-of-thumb
-    chunks and lanes (the model does not see blocks; the datapath picks them). Without a
+    chunks and lanes (``one_lane``: one lane, chunks only for two-phase: what the fused
+    kernel runs; the model does not see blocks; the datapath picks them). Without a
     registered model the rules decide."""
+    ranked = model_ranking(sizing, profile, one_lane)
+    return ranked[0] if ranked else rules(sizing.collective, sizing.message_bytes)
+
+
+@lru_cache(maxsize=512)
+def model_ranking(sizing, profile: str = MODEL_PROFILE, one_lane: bool = False) -> tuple:
+    """:func:`model_choice`'s candidates, fastest predicted first (empty without a model)."""
     from purlin.snac import plan
 
     coll = sizing.collective
     predict_latency = _latency_model
     if predict_latency is None:
-        return rules(coll, sizing.message_bytes)
-    best = None
+        return ()
+    found = []
     for name in strategies_for(coll):
         cfg = rules(coll, sizing.message_bytes, name)
+        if one_lane:
+            cfg = Choice(name, cfg.chunks if name == "two-phase" else 1, 1)
         try:
             schedule = plan(coll, name, sizing=sizing, chunks=cfg.chunks, lanes=cfg.lanes,
                             check=False)
             ns = predict_latency(schedule, profile)
         except Exception:  # a strategy that cannot plan this collective is no candidate
             continue
-        if best is None or ns < best[0]:
-            best = (ns, cfg)
-    if best is None:
-        return rules(coll, sizing.message_bytes)
-    ns, cfg = best
-    return Choice(cfg.strategy, cfg.chunks, cfg.lanes, None,
-                  f"model {profile}: {ns / 1e3:.3g} us")
+        found.append((ns, len(found), cfg))
+    return tuple(Choice(cfg.strategy, cfg.chunks, cfg.lanes, None,
+                        f"model {profile}: {ns / 1e3:.3g} us") for ns, _, cfg in sorted(found))
+

@@ -155,5 +155,7 @@ def _auto_options(choice, options: dict, sm: bool) -> dict:
         mine = {k: v for k, v in mine.items() if k not in ("blocks_per_lane", "protocol")}
     if mine.get("protocol", "").startswith("fused"):
         mine["fallback"] = True  # measured at a nearby size: the interpreter where it must
+    if sm and mine.get("blocks_per_lane") is not None:
+        mine["fit"] = True  # measured on some cluster: cut to what fits on this one
     given = {k: v for k, v in options.items() if not (k == "blocks_per_lane" and v is None)}
     return {**mine, **given}

@@ -314,7 +314,7 @@ def layout(schedule: Schedule, ll: bool = False, block_flags: bool = False) -> L
     >>> lay.block_flags, lay.control_end, lay.offset(0, "input")
     (256, 6400, 6400)
     """
-    from purlin.atom.lowering import flag_slots, ll_area_bytes
+    from purlin.atom.lowering import flag_slots, ll_area_bytes, scratch_copy_bytes
     from purlin.kernels.isa import F_MAX_BLOCKS
     from purlin.spec.dtypes import dtype as as_dtype
 
@@ -327,8 +327,9 @@ def layout(schedule: Schedule, ll: bool = False, block_flags: bool = False) -> L
     control_end = slots + flag_count * F_MAX_BLOCKS * 8 if block_flags else abort + ABORT_WORDS * 8
     start = round_up(control_end)
     offsets, scratch, ends, lls = [], [], [], []
+    copies = scratch_copy_bytes(schedule)  # 16-byte multiples with the lowering's slots
     for r in range(n):
-        one = (schedule.scratch[r] * item + 15) // 16 * 16
+        one = copies[r]
         at_in = start
         at_out = at_in + round_up(sizing.input_count(r) * item)
         at_scr = at_out + round_up(sizing.output_count(r) * item)

@@ -38,7 +38,7 @@ class SmPrepared:
                  protocol: str = "simple", pdl: bool = False, row_bytes: int | None = None,
                  epilogue_grid: str | int | None = None, epilogue_kernel: str = "auto"):
         from purlin.atom.lowering import local_buffers, lower
-        from purlin.atom.sm import _check_resident, default_blocks_per_lane, rank_blob
+        from purlin.atom.sm import default_blocks_per_lane, rank_blob, size_launch
 
         self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
         self.protocol, self.pdl = protocol, pdl
@@ -46,8 +46,12 @@ class SmPrepared:
         dev, rank, n = path.device, path.rank, schedule.nranks
         sizing = schedule.sizing
         lanes = schedule.lanes
-        bpl = 1 if self.fused else (
-            blocks_per_lane or default_blocks_per_lane(sizing.message_bytes, lanes, path.sms))
+        bpl = 1  # the fused kernel's lowering: one block per lane
+        if not self.fused:  # sized to fit the device, an explicit request refused if not
+            bpl, threads = size_launch(
+                path.gpu, lanes=lanes, ranks=1, blocks_per_lane=blocks_per_lane,
+                threads=threads, kind="process",
+                want=default_blocks_per_lane(sizing.message_bytes, lanes, path.sms))
         self.blocks_per_lane = bpl
         ptrs = path.ptrs
         bases = {(q, b): ptrs[q] + offset + lay.offset(q, b)
@@ -103,7 +107,6 @@ class SmPrepared:
             self.desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
             self.launcher = path.launcher(lanes, bpl, threads)
         self.desc_ptr = self.desc.data_ptr()
-        _check_resident(torch, dev.index, self.launcher, "process")
         self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
         self.output = path.view(offset + lay.offset(rank, "output"), sizing.output_count(rank),
                                 tdt)
@@ -154,14 +157,13 @@ class SmPrepared:
         epilogue's grid), else ``blocks_per_lane`` blocks (else the kernel's default grid for
         ``items``) of the grid's threads -- the communicator's ``threads`` are the
         interpreter's."""
-        from purlin.atom.fused import grid
+        from purlin.atom.sm import fused_launch
 
-        blocks, threads = rows or grid(items, 1, self.path.sms, self.unit)
-        self.blocks_per_lane = blocks if rows else blocks_per_lane or blocks
-        if self.blocks_per_lane > isa.F_MAX_BLOCKS:
-            raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
-                                  f"rank, got blocks_per_lane={self.blocks_per_lane}")
-        self.threads = threads
+        if rows:
+            self.blocks_per_lane, self.threads = rows
+        else:
+            self.blocks_per_lane, self.threads = fused_launch(
+                self.path.gpu, items, 1, self.unit, blocks=blocks_per_lane, kind="process")
         return self._grid_launcher("fused")
 
     def _norm_kernel(self, words: torch.Tensor) -> str:
@@ -371,6 +373,9 @@ class SmPath:
             else torch.device(device)
         self.blocks_per_lane, self.threads = blocks_per_lane, threads
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        from purlin.atom.sm import Gpu
+
+        self.gpu = Gpu(self.device.index, self.sms)  # what launches are sized for
         self.buf = symm_mem.empty(int(nbytes), dtype=torch.uint8, device=self.device)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed before PyTorch 2.9, a deprecated no-op after

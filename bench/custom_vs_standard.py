@@ -1,0 +1,376 @@
+"""Custom collectives against their standard twins, moving the same bytes.
+
+Each custom case (a rank-reversed all-gather, an all-gather of three unequal pieces per rank
+delivered interleaved -- GQA's q, k, v --, a rotated reduce-scatter with max and with avg, an
+uneven all-to-all, a multi-root broadcast, a partial all-reduce delivered to ranks that
+contributed nothing, a layout that places one chunk twice in a rank's output, an all-reduce
+one element past a 16-byte multiple) is timed beside the standard collective that moves the
+same bytes, with ``strategy="auto"`` and with the best bind (direct-push with each protocol,
+and auto's plan with each protocol), on ``Cluster.virtual(n)`` (one GPU) or ``Cluster.local(n)``
+where n GPUs are visible. Every bind is checked once against the reference (0 wrong elements,
+else the row says WRONG); binds that are refused are counted (a refused default or auto bind
+is a bug). CUDA-graph replays, device time per op (``purlin.bench.providers``).
+
+    PYTHONPATH=. python3 bench/custom_vs_standard.py [--ranks 4,8] [--sizes 8KiB,64KiB,1MiB,16MiB]
+        [--quick] [--out FILE.json] [--datapath sm|cpu] [--kind auto|virtual|local]
+
+Budget: about 3-4 minutes on one H200 for the full run (--quick: 8 KiB and 64 KiB, auto and
+the fused binds only). ``--datapath cpu`` runs the same cases on the cpu datapath (float16 for
+bfloat16, wall time per call: not GPU numbers) -- what the tests run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = (8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB)
+PROTOCOLS = ("simple", "ll", "fused", "fused-ll")
+LL_MAX = 256 * KiB
+
+
+# -- the cases ------------------------------------------------------------------------------
+def _sizes(names, each: int) -> dict:
+    return {k: each for k in names}
+
+
+def _per_rank(nbytes: int, item: int, parts: int) -> int:
+    """Elements of each of ``parts`` equal pieces of ``nbytes``, whole 16-byte items."""
+    return max(16 // item, nbytes // item // parts // (16 // item) * (16 // item))
+
+
+def cases(n: int, nbytes: int, item: int):
+    """(name, twin name, custom collective, its chunk sizes, twin collective, its chunk
+    sizes) at about ``nbytes`` per rank's largest buffer, both moving the same bytes."""
+    from purlin.spec import Collective, collectives
+
+    out = []
+    g = _per_rank(nbytes, item, n)
+    ag = collectives.all_gather(n)
+    ag_sizes = _sizes(ag.input.names(), g)
+
+    rev = Collective([[r] for r in range(n)], [list(range(n - 1, -1, -1))] * n, "copy",
+                     name="reversed all-gather")
+    out.append(("reversed all-gather", "all-gather", rev, _sizes(rev.input.names(), g), ag,
+                ag_sizes))
+
+    # q, k, v of 4:1:1 per rank, every rank receives q0..q{n-1}, k0.., v0..
+    e = 16 // item
+    unit = max(e, g // 6 // e * e)
+    qkv = Collective([[(r, "q"), (r, "k"), (r, "v")] for r in range(n)],
+                     [[(r, t) for t in ("q", "k", "v") for r in range(n)]] * n, "copy",
+                     name="gqa all-gather")
+    qkv_sizes = {(r, t): unit * (4 if t == "q" else 1) for r in range(n) for t in "qkv"}
+    ag6 = _sizes(ag.input.names(), 6 * unit)
+    out.append(("gqa all-gather", "all-gather", qkv, qkv_sizes, ag, ag6))
+
+    for op in ("max", "avg"):
+        rs = collectives.reduce_scatter(n, op=op)
+        rot = Collective([list(range(n))] * n, [[(r + 1) % n] for r in range(n)], op,
+                         name=f"rotated reduce-scatter {op}")
+        out.append((f"rotated reduce-scatter {op}", f"reduce-scatter {op}", rot,
+                    _sizes(rot.input.names(), g), rs, _sizes(rs.input.names(), g)))
+
+    a2a = collectives.all_to_all(n)
+    base = _per_rank(nbytes, item, n)
+    uneven = {(i, j): max(e, base * (1 + (i + 2 * j) % 3) // 2 // e * e)
+              for i in range(n) for j in range(n)}
+    total = sum(uneven.values())
+    even = max(e, total // (n * n) // e * e)
+    out.append(("uneven all-to-all", "all-to-all", a2a, uneven, a2a,
+                _sizes(a2a.input.names(), even)))
+
+    half = _per_rank(nbytes, item, 2)
+    mr = Collective([["a"], ["b"]] + [[] for _ in range(n - 2)], [["a", "b"]] * n, "copy",
+                    name="two-root broadcast")
+    bc = collectives.broadcast(n)
+    out.append(("two-root broadcast", "broadcast", mr, {"a": half, "b": half}, bc,
+                {"x": 2 * half}))
+
+    x = _per_rank(nbytes, item, 1)
+    k = max(1, n // 2)
+    partial = Collective([["x"] if r < k else [] for r in range(n)],
+                         [[] if r < k else ["x"] for r in range(n)], "sum",
+                         name="partial all-reduce to the others")
+    red = collectives.reduce(n, root=0)
+    out.append(("partial all-reduce to the others", "reduce", partial, {"x": x}, red,
+                {"x": x}))
+
+    twice = Collective([[r] for r in range(n)], [list(range(n)) + [r] for r in range(n)],
+                       "copy", name="all-gather, own chunk twice")
+    g1 = _per_rank(nbytes, item, n + 1)
+    out.append(("all-gather, own chunk twice", "all-gather", twice,
+                _sizes(twice.input.names(), g1), ag, _sizes(ag.input.names(), g1)))
+
+    ar = collectives.all_reduce(n)
+    names = ar.input.names()
+    odd = _sizes(names, g)
+    odd[names[-1]] += 1
+    out.append(("all-reduce + 1 element", "all-reduce", ar, odd, ar, _sizes(names, g)))
+    return out
+
+
+# -- timing ---------------------------------------------------------------------------------
+def _binds(quick: bool, nbytes: int) -> list[tuple[str, str, str | None]]:
+    """(label, plan, protocol) of the binds tried: ``cluster.bind(..., "auto")`` as a user
+    calls it, then direct-push and auto's plan with each protocol (planned once each)."""
+    out = [("auto", "auto", None)]
+    for protocol in (("fused", "fused-ll") if quick else PROTOCOLS):
+        if protocol.endswith("ll") and nbytes > LL_MAX:
+            continue
+        out.append((f"direct-push {protocol}", "direct-push", protocol))
+        if not quick and protocol.startswith("fused"):
+            out.append((f"auto plan {protocol}", "auto plan", protocol))
+    return out
+
+
+def _schedule(cluster, coll, sizes, dtype, how, plans):
+    """The plan a bind label asks for, made once per collective and sizes."""
+    from purlin.runtime.auto import select
+    from purlin.snac import plan
+
+    key = (how, id(coll), tuple(sorted(sizes.items(), key=repr)))
+    if key not in plans:
+        if how == "auto plan":
+            c = select(coll, cluster, chunk_sizes=sizes, dtype=dtype)
+            if (c.strategy, c.chunks, c.lanes) == ("direct-push", 1, 1):
+                raise _NotHere("auto's plan is the direct-push bind's")
+            plans[key] = plan(coll, c.strategy, chunk_sizes=sizes, dtype=dtype, chunks=c.chunks,
+                              lanes=c.lanes, lanes_by=c.lanes_by)
+        else:
+            plans[key] = plan(coll, how, chunk_sizes=sizes, dtype=dtype)
+    return plans[key]
+
+
+def _time_sm(torch, cluster, coll, sizes, dtype, how, protocol, ops, repeats, plans):
+    from purlin.atom import sm
+    from purlin.bench.providers import count_wrong, time_graph
+
+    if how == "auto":
+        bound = cluster.bind(coll, "auto", chunk_sizes=sizes, dtype=dtype)
+    else:
+        schedule = _schedule(cluster, coll, sizes, dtype, how, plans)
+        bound = sm.bind(cluster, schedule, protocol=protocol, pdl=protocol != "simple")
+    wrong = count_wrong(torch, bound)
+    per_op = time_graph(torch, bound, ops, repeats)
+    kernel = bound.launches[0][1].kernel
+    how = (f"{bound.schedule.strategy} {bound.protocol}{' pdl' if bound.pdl else ''} "
+           f"{kernel} b{bound.blocks_per_lane} t{bound.threads}")
+    return float(sorted(per_op)[len(per_op) // 2]), wrong, how
+
+
+def _time_cpu(cluster, coll, sizes, dtype, strategy, protocol, ops, repeats):
+    import numpy as np
+
+    from purlin.spec.reference import reference
+
+    if protocol not in (None, "simple"):
+        raise _NotHere("the cpu datapath has no protocols")
+    bound = cluster.bind(coll, strategy, chunk_sizes=sizes, dtype=dtype, timeout=30.0)
+    sizing = bound.schedule.sizing
+    rng = np.random.default_rng(0)
+    xs = [rng.integers(-50, 50, sizing.input_count(r)).astype(bound.run.np_dtype)
+          for r in range(coll.nranks)]
+    outs = bound(xs)
+    want = reference(sizing, [x.astype(np.float64) for x in xs])
+    wrong = sum(int(np.sum(np.abs(np.asarray(o, np.float64) - w) > 2e-3 * (1 + np.abs(w))))
+                for o, w in zip(outs, want))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            bound(xs)
+        times.append((time.perf_counter() - t0) * 1e6 / ops)
+    return float(sorted(times)[len(times) // 2]), wrong, bound.schedule.strategy
+
+
+class _NotHere(Exception):
+    """A bind this datapath does not offer (not a refusal)."""
+
+
+def measure(cluster, coll, sizes, dtype, binds, datapath, ops, repeats, refusals, torch=None):
+    """{label: {us, wrong, how} or {refused: why}} over ``binds``; the best bind's label."""
+    from purlin.errors import CapabilityError, PurlinError
+
+    out, plans = {}, {}
+    for label, strategy, protocol in binds:
+        try:
+            if datapath == "cpu":
+                us, wrong, how = _time_cpu(cluster, coll, sizes, dtype, strategy, protocol,
+                                           ops, repeats)
+            else:
+                us, wrong, how = _time_sm(torch, cluster, coll, sizes, dtype, strategy,
+                                          protocol, ops, repeats, plans)
+        except _NotHere:
+            continue
+        except (CapabilityError, PurlinError) as exc:
+            out[label] = {"refused": str(exc).splitlines()[0][:300]}
+            refusals.append({"collective": coll.name, "bind": label, "default": label == "auto",
+                             "why": out[label]["refused"]})
+            continue
+        out[label] = {"us": us, "wrong": wrong, "how": how}
+        if torch is not None:
+            torch.cuda.empty_cache()
+    timed = {k: v for k, v in out.items() if "us" in v and v["wrong"] == 0}
+    best = min(timed, key=lambda k: timed[k]["us"]) if timed else None
+    return out, best
+
+
+def _cluster(datapath: str, kind: str, n: int):
+    from purlin.runtime import Cluster
+
+    if datapath == "cpu":
+        return Cluster.cpu(n), "cpu"
+    import torch
+
+    count = torch.cuda.device_count()
+    if kind == "local" or (kind == "auto" and count >= n):
+        return Cluster.local(n), "local"
+    return Cluster.virtual(n), "virtual"
+
+
+def _fmt(entry) -> str:
+    if entry is None:
+        return "-"
+    if "refused" in entry:
+        return "REFUSED"
+    if entry["wrong"]:
+        return "WRONG"
+    return f"{entry['us']:.2f}"
+
+
+def _ratio(a, b):
+    if not a or not b or "us" not in a or "us" not in b or a["wrong"] or b["wrong"]:
+        return None
+    return a["us"] / b["us"]
+
+
+def run(ranks, sizes, datapath="sm", kind="auto", quick=False, dtype="bfloat16", ops=None,
+        repeats=None, log=sys.stdout) -> dict:
+    torch = None
+    if datapath == "sm":
+        import torch
+    if datapath == "cpu" and dtype == "bfloat16":
+        dtype = "float16"  # numpy has no bfloat16: the same bytes
+    item = 2 if dtype in ("bfloat16", "float16") else 4
+    ops = ops or (5 if datapath == "cpu" else 20 if quick else 40)
+    repeats = repeats or (3 if datapath == "cpu" else 5 if quick else 10)
+    rows, refusals, cache = [], [], {}
+    t0 = time.monotonic()
+    for n in ranks:
+        cluster, where = _cluster(datapath, kind, n)
+        for nbytes in sizes:
+            binds = _binds(quick or datapath == "cpu", nbytes)
+            if datapath == "cpu":
+                binds = [("auto", "auto", None), ("direct-push", "direct-push", None)]
+            for name, twin, coll, csizes, tcoll, tsizes in cases(n, nbytes, item):
+                custom, cbest = measure(cluster, coll, csizes, dtype, binds, datapath, ops,
+                                        repeats, refusals, torch)
+                key = (n, tcoll, tuple(sorted(tsizes.items(), key=repr)))
+                if key not in cache:
+                    cache[key] = measure(cluster, tcoll, tsizes, dtype, binds, datapath, ops,
+                                         repeats, refusals, torch)
+                standard, sbest = cache[key]
+                moved = [sum(csizes.values()) * item, sum(tsizes.values()) * item]
+                row = {"case": name, "twin": twin, "nranks": n, "cluster": where,
+                       "nbytes": nbytes, "dtype": dtype, "input_bytes": moved,
+                       "custom": custom, "standard": standard,
+                       "custom_best": cbest, "standard_best": sbest,
+                       "ratio_auto": _ratio(custom.get("auto"), standard.get("auto")),
+                       "ratio_best": _ratio(custom.get(cbest), standard.get(sbest)),
+                       "auto_vs_best": _ratio(custom.get("auto"), custom.get(cbest))}
+                wrong = any("us" in v and v["wrong"] for v in (*custom.values(),
+                                                               *standard.values()))
+                row["status"] = "WRONG" if wrong else "ok"
+                rows.append(row)
+                _print_row(row, log)
+    out = {"rows": rows, "refusals": refusals,
+           "default_refusals": sum(1 for r in refusals if r["default"]),
+           "info": _info(datapath, ranks, sizes, dtype, quick, time.monotonic() - t0)}
+    _print_summary(out, log)
+    return out
+
+
+def _info(datapath, ranks, sizes, dtype, quick, seconds) -> dict:
+    from purlin.bench.sweep import environment
+
+    try:
+        env = environment(datapath=datapath if datapath == "cpu" else "sm")
+    except Exception as exc:  # noqa: BLE001 - the table stands without it
+        env = {"environment": f"unavailable: {exc}"}
+    return {**env, "ranks": list(ranks), "sizes": list(sizes), "dtype": dtype,
+            "quick": quick, "seconds": round(seconds, 1),
+            "measured": ("CUDA-graph replay, device time per op (median)" if datapath == "sm"
+                         else "cpu datapath, wall time per call: not GPU numbers")}
+
+
+HEADER = (f"{'case':<34} {'n':>2} {'size':>7} {'auto':>8} {'best':>8} {'std auto':>8} "
+          f"{'std best':>8} {'ratio':>6}  best bind")
+
+
+def _print_row(row, log) -> None:
+    if log is None:
+        return
+    if not getattr(log, "_header", False):
+        print(HEADER, file=log)
+        try:
+            log._header = True
+        except AttributeError:
+            pass
+    c, s = row["custom"], row["standard"]
+    ratio = row["ratio_best"]
+    size = (f"{row['nbytes'] // MiB}M" if row["nbytes"] >= MiB else
+            f"{row['nbytes'] // KiB}K" if row["nbytes"] >= KiB else f"{row['nbytes']}")
+    print(f"{row['case']:<34} {row['nranks']:>2} {size:>7} {_fmt(c.get('auto')):>8} "
+          f"{_fmt(c.get(row['custom_best'])):>8} {_fmt(s.get('auto')):>8} "
+          f"{_fmt(s.get(row['standard_best'])):>8} "
+          f"{'-' if ratio is None else f'{ratio:.2f}':>6}  {row['custom_best'] or '-'}"
+          f"{'  WRONG' if row['status'] != 'ok' else ''}", file=log)
+
+
+def _print_summary(out, log) -> None:
+    if log is None:
+        return
+    rows = out["rows"]
+    ratios = [r["ratio_best"] for r in rows if r["ratio_best"]]
+    autos = [r["auto_vs_best"] for r in rows if r["auto_vs_best"]]
+    gm = (lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan"))
+    print(f"\n{len(rows)} rows, {sum(r['status'] != 'ok' for r in rows)} WRONG; "
+          f"custom/standard (best) geomean {gm(ratios):.3f}, worst "
+          f"{max(ratios, default=float('nan')):.3f}; auto/best geomean {gm(autos):.3f}, "
+          f"worst {max(autos, default=float('nan')):.3f}", file=log)
+    print(f"refusals: {len(out['refusals'])} ({out['default_refusals']} from auto binds)",
+          file=log)
+    for r in out["refusals"]:
+        print(f"  {r['collective']} [{r['bind']}]: {r['why']}", file=log)
+
+
+def main(argv=None) -> int:
+    from purlin.cli import size_list
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="4,8", help="rank counts (default 4,8)")
+    ap.add_argument("--sizes", default=None, help="8KiB,64KiB,1MiB,16MiB (default)")
+    ap.add_argument("--quick", action="store_true", help="8 KiB and 64 KiB, fewer binds")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--datapath", default="sm", choices=("sm", "cpu"))
+    ap.add_argument("--kind", default="auto", choices=("auto", "virtual", "local"),
+                    help="GPU clusters: local where n GPUs are visible (auto), else virtual")
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args(argv)
+    ranks = [int(x) for x in args.ranks.split(",")]
+    sizes = size_list(args.sizes) or (list(SIZES[:2]) if args.quick else list(SIZES))
+    out = run(ranks, sizes, args.datapath, args.kind, args.quick, args.dtype)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        print(f"wrote {args.out}")
+    return 1 if any(r["status"] != "ok" for r in out["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
