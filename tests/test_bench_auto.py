@@ -2,6 +2,7 @@
 model decides on unknown GPUs, the rules on the cpu datapath; blocks per lane reach sm.bind."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -179,3 +180,26 @@ def test_a_tables_fused_protocol_may_fall_back_to_the_interpreter():
                                                  "pdl": True, "fallback": True, "fit": True}
     assert "fallback" not in _auto_options(fused, {"protocol": "ll"}, sm=True)
     assert _auto_options(fused, {}, sm=False) == {"blocks_per_lane": 16}
+
+
+def test_a_tables_fused_choice_that_cannot_run_this_size_takes_the_fast_path():
+    """A table measured two-phase on the fused kernel for the whole-size all-reduce; one
+    element more leaves two-phase's parts unaligned, so auto takes a fused plan that runs
+    (the table says how fast the fused kernel was, not the interpreter)."""
+    from purlin.atom.fused import fused_problems
+    from purlin.runtime.auto import TuningTable, select
+    from purlin.snac import plan
+
+    row = {"collective": "all-reduce", "nbytes": 16 << 20, "dtype": "bfloat16",
+           "strategy": "two-phase", "chunks": 1, "lanes": 1, "blocks_per_lane": 33,
+           "protocol": "fused", "time_us": 40.0}
+    table = TuningTable.from_json({"format": 1, "gpu": "NVIDIA H200", "nranks": {},
+                                   "virtual_nranks": {"4": [row]}})
+    coll = collectives.all_reduce(4)
+    cluster = SimpleNamespace(datapath="sm", kind="virtual")
+    whole = select(coll, cluster, nbytes=16 << 20, dtype="bfloat16", table=table)
+    assert (whole.strategy, whole.protocol) == ("two-phase", "fused")
+    odd = select(coll, cluster, count=(8 << 20) + 1, dtype="bfloat16", table=table)
+    assert odd.protocol.startswith("fused") and odd.strategy != "two-phase"
+    schedule = plan(coll, odd.strategy, count=(8 << 20) + 1, dtype="bfloat16", chunks=odd.chunks)
+    assert fused_problems(schedule)[odd.protocol] is None

@@ -270,7 +270,7 @@ def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32"
                               dtype=sizing.dtype.name, strategy=strategy,
                               is_reduce=collective.op.is_reduce, virtual=bool(virtual))
         if choice is not None:
-            return runnable(choice, sizing) if datapath != "cpu" else choice
+            return runnable(choice, sizing, strategy) if datapath != "cpu" else choice
     if datapath != "cpu" and model is not False:
         return fast_choice(sizing, strategy)
     if strategy is not None:
@@ -294,17 +294,15 @@ def _fused_problem(sizing, choice: Choice, protocol: str):
     return fused_problems(schedule)[protocol]
 
 
-def runnable(choice: Choice, sizing) -> Choice:
+def runnable(choice: Choice, sizing, strategy: str | None = None) -> Choice:
     """``choice``, or where its fused protocol cannot run this sizing's plan (a table's
-    choice at a nearby size: an odd size, a layout the fused kernel refuses) the same plan
-    on the interpreter with the same signalling and the datapath's blocks."""
+    choice at a nearby size: an odd size, a layout the fused kernel refuses) the fast path
+    for this sizing (:func:`fast_choice`: the fused kernel with a plan it runs, else the
+    interpreter): a table entry says how fast the fused kernel was, not the interpreter."""
     if not choice.protocol.startswith("fused") or \
             _fused_problem(sizing, choice, choice.protocol) is None:
         return choice
-    return Choice(choice.strategy, choice.chunks, choice.lanes, None,
-                  choice.source + ", on the interpreter",
-                  "ll" if choice.protocol == "fused-ll" else "simple", choice.pdl,
-                  choice.lanes_by)
+    return fast_choice(sizing, strategy)
 
 
 PDL_MAX_BYTES = 1 << 20  # where the tables found PDL faster: the launch gap is still visible
