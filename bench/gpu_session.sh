@@ -308,7 +308,7 @@ for stage in "${stages[@]}"; do
                 -p nccl,ce:auto,ce:push-pull/c2/l2,ce:push-pull/c4/l4 \
                 --json "$OUT/cestage-all-gather.json"
             ;;
-        peers) TAIL=150 step peers 590 python3 bench/peers.py --out "$OUT/peers" ;;
+        peers) TAIL=150 step peers 570 python3 bench/peers.py --out "$OUT/peers" ;;
         allreduce) TAIL=40 step allreduce 280 python3 bench/allreduce.py --out "$OUT/allreduce.json" ;;
         *) echo "unknown stage $stage (see the head of bench/gpu_session.sh)" ;;
     esac

@@ -204,7 +204,8 @@ def _process_point(torch, dist, comm, coll, nbytes, rank, world, device):
             torch.cuda.synchronize()
             comm.check()
             ran = next((p for p in comm.plans() if p.get("function") == coll
-                        and p.get("dtype") == "bfloat16" and p.get("count") in (count, part)),
+                        and p.get("dtype") == "bfloat16" and p.get("count") in (count, part)
+                        and not p.get("root")),
                        None)
             if ran is None or "unprepared" in ran:  # torch.distributed ran it, not Purlin
                 why = ran["unprepared"] if ran else "no Purlin plan for this size"
@@ -530,9 +531,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tp", action="store_true")
     ap.add_argument("--replays", type=int, default=None, help="default 10000 (quick 1000)")
     ap.add_argument("--single-budget", type=float, default=None,
-                    help="seconds for the single-process Purlin points (default 170, quick 60)")
+                    help="seconds for the single-process Purlin points (default 150, quick 60)")
     ap.add_argument("--process-budget", type=float, default=None,
-                    help="seconds for process mode's six collectives (default 100, quick 40)")
+                    help="seconds for process mode's six collectives (default 90, quick 40)")
     ap.add_argument("--staging", type=int, default=6 << 30,
                     help="process mode's symmetric staging bytes per GPU (default 6 GiB)")
     args = ap.parse_args(argv)
@@ -599,7 +600,7 @@ def main(argv=None) -> int:
 
     opts = {"process_points": [(p.collective, p.nbytes) for p in plan.of("purlin-process")],
             "staging": args.staging, "replays": plan.replays,
-            "budget": args.process_budget or (40 if args.quick else 100),
+            "budget": args.process_budget or (40 if args.quick else 90),
             "norm_shapes": list(plan.norm_shapes), "flashinfer": fi_wanted,
             "flashinfer_points": [(p.peer, p.nbytes) for p in plan.of(
                 "flashinfer-oneshot", "flashinfer-twoshot")],

@@ -277,7 +277,22 @@ def test_the_gpu_session_has_a_peers_stage(tmp_path):
                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}).stdout
     assert [ln.split()[1] for ln in out.splitlines() if ln.startswith("=== ")] == ["env",
                                                                                     "peers"]
-    assert f"timeout 590 python3 bench/peers.py --out {tmp_path}/peers" in out
+    assert f"timeout 570 python3 bench/peers.py --out {tmp_path}/peers" in out
     wheels = (ROOT / "bench" / "wheels.sh").read_text()
     assert "--peers" in wheels and "strip_flashinfer" in wheels
     assert subprocess.run(["bash", "-n", str(ROOT / "bench" / "wheels.sh")]).returncode == 0
+
+
+@pytest.mark.slow
+def test_without_a_window_the_nccl_window_points_say_why_and_nccl_still_runs():
+    pytest.importorskip("torch")
+    from purlin.bench.torch_dist import run_baselines
+
+    points = [("nccl-window", "all-reduce", 256, "float32", "sum", "eager"),
+              ("nccl", "all-reduce", 256, "float32", "sum", "eager")]
+    window, nccl = run_baselines(points, world=2, repeats=2, eager_calls=3, device="cpu")
+    assert nccl.ok and nccl.wrong == 0
+    assert not window.ok and "no NCCL window" in window.extra["error"]
+    ran, lines = peers.failures_as_skips([window, nccl])
+    assert ran == [nccl] and len(lines) == 1
+    assert lines[0].startswith("nccl-window all-reduce 256 B: RuntimeError: no NCCL window")
