@@ -296,3 +296,69 @@ def test_without_a_window_the_nccl_window_points_say_why_and_nccl_still_runs():
     ran, lines = peers.failures_as_skips([window, nccl])
     assert ran == [nccl] and len(lines) == 1
     assert lines[0].startswith("nccl-window all-reduce 256 B: RuntimeError: no NCCL window")
+
+
+def test_the_run_put_together_on_fake_phases(tmp_path, monkeypatch, capsys):
+    """main()'s phases with the GPU work faked: every provider's records reach one table per
+    collective, the ratios, the JSON and the figure; failures become skip lines."""
+    import purlin.bench.torch_dist as torch_dist
+    import purlin.torch.testing as testing
+    from purlin.bench.sweep import Results
+
+    script = _load_script()
+    monkeypatch.setattr(script.peers, "probe", lambda: peers.Environment.complete(2))
+    marker = tmp_path / "marker"
+    marker.write_text("ok")
+
+    class Done:
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(script, "start_flashinfer_build", lambda out: (Done(), str(marker)))
+    asked = {}
+
+    def baselines(points, **kw):
+        asked["baselines"] = points
+        return [_rec(p[0], 10.0 if p[0] == "nccl" else 8.0, p[2], p[1]) for p in points]
+
+    monkeypatch.setattr(torch_dist, "run_baselines", baselines)
+    monkeypatch.setattr(script, "run_single_process", lambda plan, args, deadline: Results(
+        [_rec(p.peer, 4.0, p.nbytes, p.collective) for p in plan.points
+         if peers.BY_NAME[p.peer].mode == "single"], {}, ["ce:auto: a note"]))
+
+    def processes(fn, n, opts, **kw):
+        if fn.__name__ == "process_worker":
+            asked["process"] = opts
+            recs = [_rec("purlin-process", 5.0, nb, c).to_dict()
+                    for c, nb in opts["process_points"]]
+            recs += [_rec(p, 6.0, nb).to_dict() for p, nb in opts["flashinfer_points"]]
+            recs[0] = script._failed("purlin-process", "all-reduce", 8, 4, "fell back: x")
+            value = {"records": recs, "skipped": [], "replays": [
+                {"nbytes": nb, "replays": opts["replays"], "wrong": 0} for nb in (8192,)],
+                "norm": [{"rows": 1, "hidden": 4096, "purlin-epilogue_us": 5.0,
+                          "nccl+torch_us": 9.0, "flashinfer-oneshot_us": 6.0}]}
+        else:
+            asked["tp"] = opts
+            value = {"rows": [{"hidden": 4096, "batch": 1, "nccl_us": 10.0, "agree": True}],
+                     "skipped": ["flashinfer in the TP=2 decoder: a reason"]}
+        return [("ok", value), ("ok", None)]
+
+    monkeypatch.setattr(testing, "run_processes", processes)
+    rc = script.main(["--quick", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert {p[0] for p in asked["baselines"]} == {"nccl", "nccl-window", "symm-one-shot",
+                                                  "symm-two-shot"}
+    assert asked["process"]["replays"] == 1000 and asked["process"]["flashinfer"]
+    assert asked["tp"]["configs"] == [(4096, 1), (4096, 8)] and asked["tp"]["layers"] == 8
+    assert "# all-reduce: bf16 us per op" in out and "# reduce: bf16 us per op" in out
+    assert "# skipped: purlin-process all-reduce 8 B: fell back: x" in out
+    assert "# skipped: flashinfer in the TP=2 decoder: a reason" in out
+    assert "# replays 8 KiB: 0 wrong in 1000" in out
+    saved = json.loads((tmp_path / "peers.json").read_text())
+    ratio = {(r["collective"], r["nbytes"]): r for r in saved["ratios"]}
+    assert ratio[("all-gather", 8 * KiB)]["best_peer"] == "nccl-window"
+    assert ratio[("all-gather", 8 * KiB)]["ratio"] == pytest.approx(2.0)
+    assert saved["norm"][0]["rows"] == 1 and saved["tp_decoder"][0]["agree"]
+    assert saved["flashinfer_build"] == "ok"
+    assert (tmp_path / "peers.html").exists()

@@ -602,9 +602,9 @@ def tables(records, skipped=()) -> str:
             for p in cols:
                 r = by.get((coll, n, p))
                 if r is None:
-                    cells.append(f"{'-':>10}")
+                    cells.append(f"{'-':>9} ")
                 elif not r.ok:
-                    cells.append(f"{'!':>10}")
+                    cells.append(f"{'!':>9} ")
                 else:
                     cells.append(f"{r.time_us:>9.2f}{'*' if r.wrong else ' '}")
             x = ratio_of.get((coll, n), {})
