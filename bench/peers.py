@@ -531,7 +531,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tp", action="store_true")
     ap.add_argument("--replays", type=int, default=None, help="default 10000 (quick 1000)")
     ap.add_argument("--single-budget", type=float, default=None,
-                    help="seconds for the single-process Purlin points (default 150, quick 60)")
+                    help="seconds for the single-process Purlin points (default 180, quick 60)")
     ap.add_argument("--process-budget", type=float, default=None,
                     help="seconds for process mode's six collectives (default 90, quick 40)")
     ap.add_argument("--staging", type=int, default=6 << 30,

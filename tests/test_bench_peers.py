@@ -67,8 +67,9 @@ def test_dry_run_prints_the_whole_plan_and_what_is_skipped_here():
         assert not re.search(rf"^{peer}\s+all-gather", text, re.M)
     assert re.search(r"^flashinfer-oneshot\s+all-reduce\s+12 sizes: 64 B \.\. 256 MiB$", text,
                      re.M)
-    assert re.search(r"^flashinfer-twoshot\s+all-reduce\s+9 sizes: 32 KiB \.\. 1 GiB$", text,
-                     re.M)
+    assert re.search(r"^flashinfer-twoshot\s+all-reduce\s+8 sizes: 32 KiB \.\. 256 MiB$",
+                     text, re.M)
+    assert "flashinfer-twoshot all-reduce 1 GiB: FlashInfer runs up to 256 MiB here" in text
     assert re.search(r"^ce:auto\s+all-gather\s+3 sizes: 64 MiB \.\. 1 GiB$", text, re.M)
     assert not re.search(r"^purlin:two-phase\s+all-gather", text, re.M)
     assert "10000 per size" in text

@@ -44,6 +44,9 @@ CE_MIN_BYTES = 64 * MiB
 FLASHINFER_VEC = 8               # bf16 elements per 16-byte access: rows are multiples of it
 FLASHINFER_MAX_HIDDEN = 4096     # the row width an all-reduce of many elements is cut into
 FLASHINFER_MAX_COMM = 2147483647 & ~((1 << 21) - 1)  # its Lamport buffer's limit (bytes)
+# its workspace is sized for the largest message: 256 MiB takes ~2 GiB per GPU, 1 GiB ~8 GiB
+# with a Lamport buffer of more than 2^31 elements; TensorRT-LLM hands such sizes to NCCL
+FLASHINFER_MAX_BYTES = 256 * MiB
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,11 @@ def flashinfer_shape(nbytes: int, itemsize: int = 2) -> tuple[int, int] | None:
 def size_reason(peer: str, collective: str, nbytes: int, nranks: int = 2) -> str | None:
     """Why ``peer`` leaves out this size (None: it runs it)."""
     if peer.startswith("flashinfer"):
+        if nbytes > FLASHINFER_MAX_BYTES:
+            return (f"FlashInfer runs up to {size_text(FLASHINFER_MAX_BYTES)} here: its "
+                    "workspace, sized for the largest message, would take ~8 GiB per GPU "
+                    "with a Lamport buffer of more than 2^31 elements (TensorRT-LLM hands "
+                    "such sizes to NCCL)")
         shape = flashinfer_shape(nbytes)
         if shape is None:
             return (f"FlashInfer reduces rows of a multiple of {FLASHINFER_VEC} bf16 elements "
@@ -345,7 +353,7 @@ def plan(collectives, sizes, env: Environment, *, quick: bool = False, nranks: i
 
 
 # seconds the single-process Purlin points may take (bench/peers.py --single-budget)
-SINGLE_BUDGET = {False: 150, True: 60}
+SINGLE_BUDGET = {False: 180, True: 60}
 
 
 def estimate(points, shapes, configs, replays, single_budget: float = 170) -> dict:
