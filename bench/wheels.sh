@@ -7,7 +7,7 @@
 #   bash bench/wheels.sh --peers    also FlashInfer for bench/peers.py: flashinfer-python 0.7.4
 #                                   stripped to flashinfer.comm and the JIT sources and headers
 #                                   of its all-reduce kernels (purlin.bench.peers.strip_flashinfer:
-#                                   101 MB -> ~4 MB; the image's nvcc compiles them on first
+#                                   101 MB -> ~8 MB; the image's nvcc compiles them on first
 #                                   use), and apache-tvm-ffi, the one package it needs for them
 #                                   that the image lacks (~3 MB)
 set -euo pipefail

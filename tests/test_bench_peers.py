@@ -233,6 +233,7 @@ def _wheel(path: Path) -> Path:
             b'  #  include <cutlass/numeric_types.h>\n',
         "flashinfer/data/cutlass/include/cutlass/numeric_types.h": b"// cutlass\n",
         "flashinfer/data/cutlass/include/cutlass/gemm.h": b"// not needed\n",
+        "flashinfer/data/cccl/libcudacxx/include/cuda/std/atomic": b"// reached from CUDA's\n",
         "flashinfer/data/csrc/attention.cu": b'#include "flashinfer/attention.cuh"\n',
         "flashinfer/data/include/flashinfer/attention.cuh": b"// not needed\n",
         "flashinfer_python-0.7.4.dist-info/METADATA": b"Name: flashinfer-python\n",
@@ -255,6 +256,7 @@ def test_strip_flashinfer_keeps_the_all_reduce_kernels_and_their_headers(tmp_pat
             "flashinfer/data/include/flashinfer/comm/a.cuh",
             "flashinfer/data/include/flashinfer/comm/b.h",
             "flashinfer/data/cutlass/include/cutlass/numeric_types.h",
+            "flashinfer/data/cccl/libcudacxx/include/cuda/std/atomic",
             "flashinfer_python-0.7.4.dist-info/METADATA"} <= names
     assert not {"flashinfer/attention/big.py", "flashinfer/data/csrc/attention.cu",
                 "flashinfer/data/include/flashinfer/attention.cuh",

@@ -474,6 +474,7 @@ FLASHINFER_SOURCES = ("trtllm_allreduce.cu", "trtllm_allreduce_fusion.cu",
 FLASHINFER_INCLUDES = ("data/include", "data/csrc", "data/cutlass/include",
                        "data/cutlass/tools/util/include", "data/spdlog/include",
                        "data/cccl/libcudacxx/include", "data/cccl/cub", "data/cccl/thrust")
+FLASHINFER_CCCL = "data/cccl/"
 # the Python that `import flashinfer.comm.allreduce` loads, by folder (the rest of the package
 # is attention, GEMM and MoE kernels this run does not touch)
 FLASHINFER_PY = ("autotuner/", "cake_ulysses_backend/", "comm/", "cute_dsl/", "cutile/",
@@ -488,8 +489,9 @@ def strip_flashinfer(wheel, out_dir) -> Path:
     """Write a copy of FlashInfer's wheel that keeps only what its all-reduce kernels need:
     ``flashinfer/*.py`` and the folders of :data:`FLASHINFER_PY`, the JIT sources of
     :data:`FLASHINFER_SOURCES` and every header they include (followed through the vendored
-    include folders; CUDA's, the C++ library's and tvm-ffi's come from the machine), a
-    top-level ``__init__`` that imports nothing else, and a new RECORD. Returns its path."""
+    include folders; CUDA's, the C++ library's and tvm-ffi's come from the machine), all of
+    the vendored CCCL, a top-level ``__init__`` that imports nothing else, and a new RECORD.
+    Returns its path."""
     src = zipfile.ZipFile(wheel)
     names = set(src.namelist())
     root = "flashinfer/"
@@ -512,6 +514,9 @@ def strip_flashinfer(wheel, out_dir) -> Path:
                     todo.append(cand)
                     break
     keep |= seen
+    # the toolkit's own headers (cooperative_groups.h, ...) include CCCL too, and find the
+    # vendored copy first: keep all of it, or two CCCL versions would mix
+    keep |= {n for n in names if n.startswith(root + FLASHINFER_CCCL) and not n.endswith("/")}
     out = Path(out_dir) / Path(wheel).name
     out.parent.mkdir(parents=True, exist_ok=True)
     record_name = next((n for n in names if n.endswith(".dist-info/RECORD")),
