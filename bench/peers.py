@@ -569,7 +569,9 @@ def main(argv=None) -> int:
     fi_wanted = env.flashinfer is None and env.nvcc is None
     if fi_wanted:
         build, marker = start_flashinfer_build(out_dir)
-        print(f"# FlashInfer's kernels build in the background ({marker})", flush=True)
+        print(f"# FlashInfer's kernels build in the background (~"
+              f"{peers.COST['flashinfer_build'] / 60:.0f} CPU-minutes for the slowest source; "
+              f"{marker})", flush=True)
     records, skipped, extra = [], list(plan.skipped), {}
 
     # 1. the torch.distributed baselines, one pair of processes

@@ -299,9 +299,11 @@ def size_reason(peer: str, collective: str, nbytes: int, nranks: int = 2) -> str
     return None
 
 
-# rough seconds on 2 x H200 (process start and NCCL setup, then per point), for the estimate
+# rough seconds on 2 x H200 (process start and NCCL setup, then per point), for the estimate;
+# FlashInfer's build runs beside the first phases: its three sources took 136, 342 and 90 s
+# of one CPU core with nvcc 13.0 (sm_90a), and build in parallel
 COST = {"spawn": 15.0, "baseline": 0.35, "purlin": 1.2, "process": 0.6, "norm": 1.5,
-        "tp": 2.5, "replay": 0.00012, "flashinfer_build": 150.0}
+        "tp": 2.5, "replay": 0.00012, "flashinfer_build": 342.0}
 
 
 def plan(collectives, sizes, env: Environment, *, quick: bool = False, nranks: int = 2,
