@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from purlin.bench.metrics import Record, Timing
+from purlin.bench.sweep import SIX
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-SIX = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "broadcast", "reduce")
 SIZES = (8, 64, 512, 4 * KiB, 8 * KiB, 32 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB,
          16 * MiB, 64 * MiB, 256 * MiB, 1 * GiB)
 QUICK_SIZES = (8, 8 * KiB, 1 * MiB, 64 * MiB)
