@@ -27,6 +27,9 @@
 #   process processll processzc processzcll processauto tp tpgrids inlayer
 #                                                      bench/process_mode.py, tp_decoder, inlayer
 #   timeline tracecli notebooks                        timelines, `purlin trace`, notebooks
+#   peers                                              bench/peers.py: every peer beside Purlin
+#                                                      in one run, ~9 minutes (FlashInfer from
+#                                                      .whl: bash bench/wheels.sh --peers)
 # Set PURLIN_COMMIT to the commit being run (the device copy has no .git).
 set -uo pipefail
 limit="" dry=0 stages=()
@@ -305,6 +308,7 @@ for stage in "${stages[@]}"; do
                 -p nccl,ce:auto,ce:push-pull/c2/l2,ce:push-pull/c4/l4 \
                 --json "$OUT/cestage-all-gather.json"
             ;;
+        peers) TAIL=150 step peers 570 python3 bench/peers.py --out "$OUT/peers" ;;
         allreduce) TAIL=40 step allreduce 280 python3 bench/allreduce.py --out "$OUT/allreduce.json" ;;
         *) echo "unknown stage $stage (see the head of bench/gpu_session.sh)" ;;
     esac

@@ -7,6 +7,7 @@ nccl-tests table, JSON, plotly figures). Providers are named by text:
 * ``purlin:<strategy>`` — that strategy, its chunks/lanes/blocks from the tuning table or the
   model; ``purlin:ring/c4/l8/b2`` fixes them (chunks 4, lanes 8, 2 blocks per lane);
 * ``nccl`` — ``torch.distributed`` on NCCL, one process per GPU (the six standard collectives);
+  ``nccl-window`` — the same on buffers registered as a symmetric NCCL window;
 * ``symm-one-shot``, ``symm-two-shot`` — PyTorch symmetric memory's all-reduce (sum).
 
 Datapaths: ``"sm"`` (GPUs; ``mode`` "graph": device time per op over CUDA-graph replays of
@@ -43,7 +44,7 @@ from purlin.errors import SpecError
 from purlin.spec.collective import Collective
 
 SIX = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "broadcast", "reduce")
-BASELINES = ("nccl", "symm-one-shot", "symm-two-shot")
+BASELINES = ("nccl", "nccl-window", "symm-one-shot", "symm-two-shot")
 SWEEP_DATAPATHS = ("sm", "cpu", "model")  # what a sweep measures or predicts on
 MODES = ("graph", "eager")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -146,7 +147,7 @@ class Provider:
                 why = baseline_reason(self.kind, collective.nranks, gpus)
                 if why:
                     return why
-            if self.kind == "nccl" and collective.name not in SIX:
+            if self.kind in ("nccl", "nccl-window") and collective.name not in SIX:
                 return f"nccl runs the six standard collectives, not {collective.name}"
             if self.kind.startswith("symm") and (collective.name != "all-reduce"
                                                  or collective.op.reduce_op != "sum"):

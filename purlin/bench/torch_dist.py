@@ -1,5 +1,7 @@
-"""Baselines through ``torch.distributed``: NCCL and PyTorch symmetric memory, one process per
-GPU, timed the same way as Purlin (CUDA-graph replays with many ops per graph, and eager).
+"""Baselines through ``torch.distributed``: NCCL (``nccl``; ``nccl-window``: on buffers
+registered as a symmetric window, :class:`purlin.bench.peers.NcclWindow`) and PyTorch
+symmetric memory, one process per GPU, timed the same way as Purlin (CUDA-graph replays with
+many ops per graph, and eager).
 
 ``run_baselines(points, world)`` spawns ``world`` processes and returns Records. Everything a
 worker needs travels as plain data, so this module imports torch only inside functions.
@@ -15,6 +17,7 @@ from purlin.bench.metrics import Record, Timing, op_counts
 
 # the peers get the 32 hardware queues per device a Purlin GPU cluster asks for
 # (purlin.atom.ce.ask_for_queues), so both sides are measured under the same conditions
+NCCL_KINDS = ("nccl", "nccl-window")
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
@@ -41,7 +44,7 @@ def _buffers(torch, collective, nbytes, dtype, world, device):
 
 
 def _op(torch, dist, collective, inp, out, redop, provider, symm):
-    if provider == "nccl":
+    if provider in NCCL_KINDS:
         if collective == "all-reduce":
             return lambda: dist.all_reduce(out, op=redop)
         if collective == "all-gather":
@@ -136,13 +139,24 @@ def _worker(rank, world, port, points, opts, queue):
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    results = []
+    results, window, no_window = [], None, None
+    if any(p[0] == "nccl-window" for p in points):
+        try:  # collective: every rank builds it, before any point
+            from purlin.bench.peers import NcclWindow
+
+            window = NcclWindow(torch, dist, device, *NcclWindow.needs(points, world))
+        except Exception as exc:  # noqa: BLE001 - each window point then says why
+            no_window = f"no NCCL window: {type(exc).__name__}: {str(exc)[:300]}"
     for point in points:
         provider, collective, nbytes, dtype_name, redop_name, mode = point
         try:
             dtype = getattr(torch, dtype_name)
             redop = _REDOPS(dist).get(redop_name, dist.ReduceOp.SUM)  # "none": copies
             inp, out = _buffers(torch, collective, nbytes, dtype, world, device)
+            if provider == "nccl-window":
+                if window is None:
+                    raise RuntimeError(no_window)
+                inp, out = window.buffers(inp, out)
             symm = None
             if provider.startswith("symm"):
                 import torch.distributed._symmetric_memory as symm_mem
@@ -193,7 +207,7 @@ def _check(torch, dist, collective, inp, out, redop, provider, symm, world):
     reduce = {"sum": lambda x: x.sum(0), "avg": lambda x: x.mean(0), "max": lambda x: x.amax(0),
               "min": lambda x: x.amin(0)}.get(redop)
     k = n_in // world  # a rank's chunk of a reduce-scatter or all-to-all input
-    if provider != "nccl":
+    if provider not in NCCL_KINDS:
         buf, name = symm
         buf.copy_(mine.to(buf.dtype))
         dist.barrier()
@@ -238,10 +252,11 @@ def _REDOPS(dist):
 def run_baselines(points, world: int = 2, ops: int = 50, repeats: int = 20,
                   eager_calls: int = 200, progress=None, device: str = "cuda") -> list[Record]:
     """Time ``points`` = [(provider, collective, nbytes, dtype, redop, mode)] with providers
-    "nccl", "symm-one-shot", "symm-two-shot" in ``world`` processes; returns Records (a point
-    that failed gets ``extra["error"]`` and NaN time). ``progress(k)`` is called as points
-    finish. Ops and repeats shrink with the size (:func:`op_counts`). ``device="cpu"`` runs
-    "nccl" points eagerly on gloo in host processes (a harness check, not a baseline)."""
+    "nccl", "nccl-window", "symm-one-shot", "symm-two-shot" in ``world`` processes; returns
+    Records (a point that failed gets ``extra["error"]`` and NaN time). ``progress(k)`` is
+    called as points finish. Ops and repeats shrink with the size (:func:`op_counts`).
+    ``device="cpu"`` runs "nccl" points eagerly on gloo in host processes (a harness check,
+    not a baseline)."""
     import time
 
     import torch.multiprocessing as mp
