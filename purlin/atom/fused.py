@@ -1,26 +1,8 @@
 """Fuse lowered tables into block-matched programs: the input of :mod:`purlin.kernels.fused`.
 
-Pure numpy, like :mod:`purlin.atom.lowering`, whose one-lane tables (one block per lane) it
-reads for every rank at once. The fused kernel gives every thread the same items (16 bytes, or
-8: one LL unit) of every row on every rank and gives each flag a slot per block, so block b
-waits only for block b of its peers and no row needs a lane barrier. That is sound when:
-
-* each rank has one lane, and its rows are WAIT, NOTIFY, LL_PUT, LL_GET, COPY and REDUCE;
-* every row starts at addresses aligned to the item (its last item may be partial: a scalar
-  tail, whose thread reads the whole aligned item and stores only the row's bytes);
-* two rows (of any ranks) that touch the same bytes, one of them writing, cover exactly the
-  same bytes: item i is then block b's on both sides, so the block's flags order them;
-* rows of one rank between two flag operations touch common bytes only as the same span
-  (each thread then meets only its own items, in program order);
-* every LL_GET's destination is read only whole, by COPY / REDUCE rows, which then read the
-  LL units in place (the LL_GET and its scratch disappear);
-* a rank that sends LL units to a peer hears from that peer in the same call (an LL unit or
-  a flag), so the peer cannot run two calls ahead into the LL parity still being read.
-
-Every standard collective's one-lane plans fuse at any rank count (direct-push, direct-pull,
-two-phase, ring; with flags, or with LL transfers -- except a ring broadcast that relays LL
-data it received), at any size whose rows start aligned; a table that does not fuse is run
-by the interpreter.
+Pure numpy, like :mod:`purlin.atom.lowering`, whose one-lane tables it reads for every rank at
+once. The program format, the soundness rules and the epilogue: ARCHITECTURE.md, "The fused
+kernel" and "Add a fused epilogue".
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan
@@ -61,6 +43,19 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
                                 OP_WIDTH, OPCODE_NAMES, PEER, PER_CALL, PUT_BYTES, PUT_SRC, REDOP,
                                 REDUCE, SOURCE_ADDR, SOURCE_LL, SOURCE_WIDTH, SRC, STEP, VALUE,
                                 WAIT)
+
+# Why the soundness rules (ARCHITECTURE.md, "The fused kernel") suffice:
+#
+# * Every thread takes the same items of every row on every rank, so where two rows cover the
+#   same bytes, item i is block b's on both sides and block b's flag slots order them.
+# * A row's last item may be partial (a scalar tail): its thread reads the whole aligned item
+#   and stores only the row's bytes.
+# * Rows of one rank between two flag operations meet only as the same span, so each thread
+#   meets only its own items there, in program order: no lane barrier is needed.
+# * COPY / REDUCE rows read an LL_GET's destination whole, so they can poll the LL units in
+#   place and the LL_GET and its scratch disappear.
+# * A rank sending LL units to a peer hears from it in the same call (an LL unit or a flag), so
+#   the peer cannot run two calls ahead into the LL parity still being read.
 
 __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Source",
            "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",

@@ -1,21 +1,8 @@
 """Declared sweeps: collectives x sizes x dtypes x providers, every point checked and timed.
 
 A :class:`Sweep` is data; :meth:`Sweep.run` returns :class:`Results` (records, a DataFrame, an
-nccl-tests table, JSON, plotly figures). Providers are named by text:
-
-* ``purlin:auto`` — :func:`purlin.runtime.auto.select` picks strategy, chunks, lanes, blocks;
-* ``purlin:<strategy>`` — that strategy, its chunks/lanes/blocks from the tuning table or the
-  model; ``purlin:ring/c4/l8/b2`` fixes them (chunks 4, lanes 8, 2 blocks per lane);
-* ``nccl`` — ``torch.distributed`` on NCCL, one process per GPU (the six standard collectives);
-  ``nccl-window`` — the same on buffers registered as a symmetric NCCL window;
-* ``symm-one-shot``, ``symm-two-shot`` — PyTorch symmetric memory's all-reduce (sum).
-
-Datapaths: ``"sm"`` (GPUs; ``mode`` "graph": device time per op over CUDA-graph replays of
-many ops, or "eager": host-inclusive time per call), ``"cpu"`` (numpy and host threads, wall
-time: the harness works anywhere, the numbers are not GPU numbers) and ``"model"`` (the cost
-model's prediction; nothing runs). On ``"sm"`` the ranks run on ``Cluster.best`` (one GPU
-per rank, else virtual ranks on one GPU); the baselines run only with one GPU per rank and are
-otherwise skipped with the reason in ``Results.skipped``.
+nccl-tests table, JSON, plotly figures). Providers, datapaths and timing: ARCHITECTURE.md,
+"Benchmarks".
 
 >>> sweep = Sweep(collectives=["all-gather"], sizes=[1024, 4096], dtypes=["float32"],
 ...               providers=["purlin:auto", "purlin:ring"], datapath="cpu", nranks=2)

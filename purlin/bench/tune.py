@@ -1,31 +1,12 @@
 """``purlin tune``: measure candidate configurations on the GPUs and keep the fastest correct
 one per collective and size, as the tuning table that ``strategy="auto"`` reads.
 
-A candidate is (strategy, chunks, lanes, blocks per lane), and for small messages how it
-launches and signals: each candidate up to ``PDL_MAX_BYTES`` is also tried with programmatic
-dependent launch (``pdl``), direct-push up to ``LL_MAX_BYTES`` with the LL protocol (flags
-inside the data; ``purlin.atom.sm``) and with the fused kernel's LL transfers (``fused-ll``),
-and the fused kernel with flags for every strategy (one lane) up to ``FUSED_MAX_BYTES``, above
-it for two-phase with pipelined chunks. The generator keeps every launch within the SM budget
-(all blocks of a launch must be resident at once, or a wait could starve its producer:
-lanes x blocks per lane x ranks per launch <= SMs x blocks per SM), gives no
-lane nothing to do (lanes <= pieces), and orders the candidates from the most to the least
-plausible for the size, so that a time limit cuts the least likely ones.
+Which candidates, and why in that order: ARCHITECTURE.md, "Benchmarks".
 
 >>> from purlin.spec import collectives
 >>> cands = candidates(collectives.all_reduce(2), 64 << 20, sms=132)
 >>> all(c.lanes * c.blocks_per_lane <= 132 for c in cands), cands[0].strategy
 (True, 'direct-push')
->>> [c for c in candidates(collectives.all_reduce(2), 8 << 10, sms=132, limit=1)
-...  if c.strategy == "direct-push"]  # doctest: +NORMALIZE_WHITESPACE
-[direct-push c1 l1 b8 fused-ll pdl, direct-push c1 l1 b8 fused-ll,
- direct-push c1 l1 b4 fused-ll pdl, direct-push c1 l1 b16 fused-ll pdl,
- direct-push c1 l1 b4 fused pdl, direct-push c1 l1 b8 fused pdl,
- direct-push c1 l1 b1 ll pdl, direct-push c1 l1 b1 ll, direct-push c2 l2 b1 ll pdl,
- direct-push c2 l2 b1 ll, direct-push c4 l4 b1 ll pdl, direct-push c4 l4 b1 ll,
- direct-push c1 l1 b1, direct-push c1 l1 b1 pdl]
->>> sm_budget(132, threads=512), sm_budget(132, threads=128)
-(132, 528)
 """
 
 from __future__ import annotations
@@ -76,7 +57,11 @@ def launch_suffix(protocol: str = "simple", pdl: bool = False) -> str:
 
 def sm_budget(sms: int = 132, threads: int = 512, ranks_per_launch: int = 1) -> int:
     """Blocks one rank may launch so that every block of the launch is resident at once
-    (the same rule the sm datapath checks when it binds)."""
+    (the same rule the sm datapath checks when it binds).
+
+    >>> sm_budget(132, threads=512), sm_budget(132, threads=128)
+    (132, 528)
+    """
     from purlin.kernels.occupancy import resident_blocks
 
     return max(1, resident_blocks(sms, threads) // max(1, ranks_per_launch))
@@ -107,7 +92,18 @@ def candidates(collective, nbytes: int, dtype: str = "bfloat16", *, sms: int = 1
                threads: int = 512, ranks_per_launch: int = 1, limit: int | None = None,
                strategies=None) -> list[Config]:
     """Candidate configurations for ``collective`` at ``nbytes``, within the SM budget, most
-    plausible first, strategies interleaved; at most ``limit`` per strategy."""
+    plausible first, strategies interleaved; at most ``limit`` per strategy.
+
+    >>> from purlin.spec import collectives
+    >>> [c for c in candidates(collectives.all_reduce(2), 8 << 10, sms=132, limit=1)
+    ...  if c.strategy == "direct-push"]  # doctest: +NORMALIZE_WHITESPACE
+    [direct-push c1 l1 b8 fused-ll pdl, direct-push c1 l1 b8 fused-ll,
+     direct-push c1 l1 b4 fused-ll pdl, direct-push c1 l1 b16 fused-ll pdl,
+     direct-push c1 l1 b4 fused pdl, direct-push c1 l1 b8 fused pdl,
+     direct-push c1 l1 b1 ll pdl, direct-push c1 l1 b1 ll, direct-push c2 l2 b1 ll pdl,
+     direct-push c2 l2 b1 ll, direct-push c4 l4 b1 ll pdl, direct-push c4 l4 b1 ll,
+     direct-push c1 l1 b1, direct-push c1 l1 b1 pdl]
+    """
     from purlin.runtime.auto import rules, strategies_for
     from purlin.spec.sizing import fit_nbytes
 

@@ -1,25 +1,6 @@
 """strategy="auto": pick strategy, chunks, lanes and blocks per lane for a collective, size and
-rank count.
-
-Three sources, in order:
-
-1. a **tuning table** measured on the hardware (``purlin tune`` writes it): JSON named after
-   the GPU model, ``purlin/runtime/tuning/<gpu-name>.json``, or the file or folder that
-   ``$PURLIN_TUNING`` names, or a table passed as ``table=``. Entries are keyed by rank count
-   and by whether the ranks were real GPUs or virtual ranks sharing one (``nranks`` and
-   ``virtual_nranks``: one GPU's virtual ranks talk through its own memory, not NVLink, so a
-   table of real GPUs says nothing about them); the entry of the same collective at the
-   nearest size (in ratio) wins;
-2. on GPUs where no table covers the cluster, the **fast path**: the fused kernel
-   (:mod:`purlin.kernels.fused`, one lane, LL up to ``LL_MAX_BYTES``) with the strategy the
-   cost model ranks first (the trace layer's predicted latency, which ``import purlin`` hands
-   over with :func:`set_latency_model`: this layer sits below the trace layer; the profile
-   measured on 2xH200), or the interpreter with the rules' chunks and lanes where the fused
-   kernel cannot run the plan (:func:`purlin.atom.fused.fused_problems`). Every fused choice,
-   a table's too, is checked so: ``auto`` never picks what cannot bind;
-3. simple **rules** (the cpu datapath): one-shot direct push for small messages (latency-bound:
-   one hop), two-phase for large reductions (each byte crosses a link once per phase instead of
-   n-1 times), more pieces and lanes as messages grow.
+rank count -- from a tuning table, else on GPUs the fused fast path, else rules
+(ARCHITECTURE.md, "Runtime").
 
 >>> from purlin.spec import collectives
 >>> from purlin.runtime import Cluster
@@ -27,10 +8,6 @@ Three sources, in order:
 ('direct-push', 1, 1)
 >>> choose(collectives.all_reduce(8), Cluster.cpu(8), nbytes=256 << 20)
 ('two-phase', 8, 16)
->>> table = TuningTable("NVIDIA H200", {2: [{"collective": "all-reduce", "nbytes": 1 << 20,
-...     "strategy": "ring", "chunks": 2, "lanes": 4, "blocks_per_lane": 8}]})
->>> select(collectives.all_reduce(2), Cluster.cpu(2), nbytes=2 << 20, table=table)
-Choice(ring, chunks=2, lanes=4, blocks_per_lane=8, from table NVIDIA H200 @ 1048576 B)
 """
 
 from __future__ import annotations
@@ -254,7 +231,15 @@ def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32"
     ``cluster.kind == "virtual"``), else on GPUs the fast path (:func:`fast_choice`), else
     the rules (the cpu datapath; ``model=True``: the cost model's strategy there too).
     ``strategy`` fixes the strategy and picks only its chunks, lanes and blocks. A fused
-    protocol is only chosen where the fused kernel can run the plan."""
+    protocol is only chosen where the fused kernel can run the plan.
+
+    >>> from purlin.spec import collectives
+    >>> from purlin.runtime import Cluster
+    >>> table = TuningTable("NVIDIA H200", {2: [{"collective": "all-reduce", "nbytes": 1 << 20,
+    ...     "strategy": "ring", "chunks": 2, "lanes": 4, "blocks_per_lane": 8}]})
+    >>> select(collectives.all_reduce(2), Cluster.cpu(2), nbytes=2 << 20, table=table)
+    Choice(ring, chunks=2, lanes=4, blocks_per_lane=8, from table NVIDIA H200 @ 1048576 B)
+    """
     sizing = collective.sized(count, nbytes=nbytes, dtype=dtype, chunk_sizes=chunk_sizes)
     size = sizing.message_bytes
     datapath = getattr(cluster, "datapath", "cpu") if cluster is not None else "cpu"

@@ -1,20 +1,8 @@
 """Hierarchical collectives: SNAC inside each node, another library between nodes.
 
 ``plan_hierarchical(collective, node_of_rank)`` splits a standard all-reduce, all-gather or
-reduce-scatter over ranks on several nodes into phases, as a frozen data object:
-
-* all-reduce:      intra reduce-scatter -> inter all-reduce of each shard -> intra all-gather
-* all-gather:      inter all-gather -> intra all-gather into rank order
-* reduce-scatter:  intra reduce-scatter of each rank's chunks -> inter reduce-scatter
-
-An :class:`Intra` phase is a Purlin collective over the ``L`` ranks of one node (local rank
-``i`` is the ``i``-th rank of its node), planned and verified like any other; the same
-declaration serves every node. An :class:`Inter` phase is one standard collective per local
-index ``i`` over the ranks that have that index (one per node, ascending), which the caller
-runs on its inter-node library (``torch.distributed`` on NCCL). Where inter groups list their
-nodes in different orders, the intra phases use custom layouts that put every chunk where the
-inter phase expects it. :func:`simulate` runs a plan on numpy data, so tests can compare it with
-the flat collective's reference.
+reduce-scatter over several nodes into intra-node and inter-node phases (ARCHITECTURE.md,
+"SNAC").
 
 >>> from purlin.spec import collectives
 >>> hp = plan_hierarchical(collectives.all_reduce(4), (0, 0, 1, 1))
@@ -23,8 +11,6 @@ all-reduce (reduce:sum) over 2 nodes x 2 ranks: nodes [0, 1] [2, 3]
   1. intra reduce-scatter (reduce:sum), input -> mid
   2. inter all-reduce (sum) on groups [0, 2] [1, 3], mid -> mid
   3. intra all-gather (copy), mid -> output
->>> [r.ok for r in verify_intra(hp, count=10)]
-[True, True]
 """
 
 from __future__ import annotations
@@ -250,7 +236,13 @@ def _standard(kind: str, n: int, op: str) -> Collective:
 def verify_intra(hp: HierarchicalPlan, count: int | None = None, *, dtype="float32",
                  chunk_sizes=None, strategy: str = "direct-push", **plan_options) -> list:
     """Plan every intra phase for a message of ``count`` elements and verify it; returns
-    the :class:`purlin.snac.Report` of each."""
+    the :class:`purlin.snac.Report` of each.
+
+    >>> from purlin.spec import collectives
+    >>> hp = plan_hierarchical(collectives.all_reduce(4), (0, 0, 1, 1))
+    >>> [r.ok for r in verify_intra(hp, count=10)]
+    [True, True]
+    """
     from purlin.snac.planner import plan
     from purlin.snac.verify import verify
 

@@ -1,12 +1,9 @@
 """Strategies are routes, not code paths: each one says how a piece of a segment travels.
 
-A strategy is a function registered by name with :func:`strategy`. The planner cuts every
-segment (a run of output chunks that travel together) into pieces and calls the strategy once
-per piece with a :class:`Piece`; the strategy returns the :class:`Node` list of one route: a
-small DAG, in topological order, from the piece's sources to every output slot that holds it.
-:func:`check_route` refuses a malformed route before anything is lowered, naming the
-strategy, the rank and the output slot; ``verify`` then proves the whole schedule
-(ARCHITECTURE.md, "Add a strategy").
+A strategy is a function from a :class:`Piece` to the :class:`Node` list of one route,
+registered by name with :func:`strategy`; :func:`check_route` refuses a malformed route. How to
+write one, what it receives and what is checked: ARCHITECTURE.md, "Add a strategy"; the
+built-ins: "SNAC".
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan
@@ -21,18 +18,6 @@ strategy, the rank and the output slot; ``verify`` then proves the whole schedul
 >>> plan(collectives.all_reduce(4), "doc-star", count=8).summary()["remote_hops"]
 6
 >>> unregister("doc-star")
-
-The built-ins:
-
-* ``direct-push``: every holder gets every source straight; sources write into the holder's
-  scratch, the holder reduces or copies into its output (one shot).
-* ``direct-pull``: the same graph, but the holder reads the sources' inputs in place.
-* ``two-phase``: reduce-scatter to one owner per part, then all-gather from the owners.
-* ``ring``: the value walks the ranks in ring order, accumulating, then circulates to holders.
-* ``push-pull``: the first half of every segment travels as direct-push, the second as
-  direct-pull. On the ce datapath the pushes are copy-engine copies and the pulls SM reads, so
-  both engines carry bytes over NVLink at once (use chunks = lanes: one half per lane). On
-  2 x H200 that was slower than either engine alone.
 """
 
 from __future__ import annotations

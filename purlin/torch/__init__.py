@@ -1,48 +1,9 @@
 """Purlin for PyTorch applications: collectives on a ``torch.distributed`` process group.
 
-:class:`Communicator` is the whole API (its knobs in :class:`CommOptions`); ``init(group)``
-makes the communicator of a group that the module-level functions use, so code can swap
-``torch.distributed.all_reduce(x)`` for ``purlin.torch.all_reduce(x)``. The functions take
-``torch.distributed``'s signatures (torch 2.13): ``all_reduce``, ``all_gather``,
-``all_gather_into_tensor`` (and ``all_gather_single``), ``reduce_scatter``,
-``reduce_scatter_tensor`` (and ``reduce_scatter_single``), ``all_to_all_single``,
-``broadcast``, ``reduce``; ``group=`` picks the communicator ``init`` made for that group (a
-group without one runs on ``torch.distributed``, warned once); ``async_op=True`` returns a
-finished work (``wait()``, ``is_completed()``, ``get_future()``: the collective ran before
-the call returned); ``group_src=`` / ``group_dst=`` name a root by its rank in the group. A
-tensor that requires grad is written in place as ``torch.distributed`` writes it (no autograd
-record). An ``op`` that is neither a ``ReduceOp`` nor one of ``"sum"``, ``"max"``, ``"min"``,
-``"avg"`` is refused before anything runs with a TypeError (:class:`purlin.errors.OpError`),
-AVG of integers with a RuntimeError (:class:`purlin.errors.OpDtypeError`; torch raises it
-after writing the sum).
-
-What runs on ``torch.distributed`` instead (the group's own backend, with the same result),
-warned once per function and reason, the warning saying which:
-
-- a reduce op other than SUM, MAX, MIN, AVG (PRODUCT, BAND, BOR, BXOR, PREMUL_SUM);
-- a dtype the datapath does not move -- the cpu datapath moves float16, float32, float64,
-  int32 and int64; the sm datapath float32, float16, bfloat16 and int32 -- so e.g. int8,
-  uint8, bool, complex, bfloat16 on the CPU, float64 and int64 on GPUs;
-- tensors of different dtypes, or on another device than the communicator's;
-- sizes that do not fit the function: an all-gather output that is not world size x the
-  input, a reduce-scatter input that is not world size x the output, an all-to-all whose input
-  and output differ or do not divide by the world size, ``all_gather`` / ``reduce_scatter``
-  lists that are not world size tensors of the other argument's shape;
-- ``all_to_all_single`` with split sizes (Purlin runs the even all-to-all);
-- a message larger than the staging area (``CommOptions(staging_bytes=...)``);
-- a group of one rank; broadcast, reduce and all-to-all on a group that spans nodes;
-- on GPUs, the first call of a size inside a CUDA graph capture (call each size once eagerly).
-
-Results differ from gloo's in one documented way: MAX and MIN propagate NaN, as
-``torch.maximum`` does (an element is NaN if any rank's is); gloo keeps or drops a NaN
-depending on the rank order. Non-contiguous tensors run on Purlin (copied with their
-strides); ``reduce`` leaves non-root tensors untouched.
-
-Every rank must make the same calls in the same order. When they do not, each rank's error
-(:class:`purlin.errors.CallMismatchError`) names the ranks and what each called: every call's
-fingerprint (index, function, dtype, count, op, root) is written beside the flags on the CPU
-and compared by a waiting rank, and compared across ranks on the first call of each size on
-both datapaths (:mod:`purlin.runtime.fingerprint`).
+:class:`Communicator` is the API (its knobs in :class:`CommOptions`); ``init(group)`` makes the
+communicator of a group that the module-level functions, which take ``torch.distributed``'s
+signatures, use for that group, so ``dist.all_reduce(x)`` becomes ``purlin.torch.all_reduce(x)``.
+What runs where and what falls back: ARCHITECTURE.md, "Runtime" (process mode).
 """
 
 import warnings

@@ -1,36 +1,8 @@
 """``Communicator``: Purlin collectives for a ``torch.distributed`` process group.
 
-One process per GPU (or per CPU rank), as with NCCL. The communicator owns a symmetric staging
-area -- PyTorch symmetric memory on GPUs (datapath ``"sm"``), shared-memory blocks on the CPU
-(``"cpu"``) -- and runs SNAC schedules in it. Every (collective, size, dtype) is planned,
-verified, placed in a slice of the area and lowered once, on its first call; later calls copy
-the input in, run, and copy the output out. On GPUs that is three asynchronous operations on
-the current stream, so calls can be captured into CUDA graphs once each size has been called
-eagerly (the first call allocates and synchronizes the group).
-
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    comm = purlin.torch.Communicator()      # rendezvous of the staging area: before any capture
-    comm.all_reduce(x)                      # in place, like dist.all_reduce(x)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        comm.all_reduce(x)
-    graph.replay(); torch.cuda.synchronize(); comm.check()   # raise recorded timeouts
-
-What it cannot do -- a dtype the datapath does not move, a reduce op other than sum, max, min,
-avg, a message larger than the staging area, all-to-all split sizes; the full list is in
-:mod:`purlin.torch` -- goes to ``torch.distributed`` on the group's own backend instead, with a
-one-time warning per function and reason; never a silently wrong result. Non-contiguous
-tensors are copied into and out of the staging area with their strides (no temporary), so
-they need no fallback.
-
-A group whose ranks span nodes (told by ``ranks_per_node``/``node_of_rank``, else by hostname)
-runs all-reduce, all-gather and reduce-scatter hierarchically (:mod:`purlin.snac.hierarchical`):
-inside each node on Purlin, between nodes on the group's backend.
-
-Calls of one communicator must be ordered on every rank (one stream, or streams that wait on
-each other), and every rank must make the same calls in the same order -- as with NCCL; where
-they do not, every rank's CallMismatchError names what each rank called
-(:mod:`purlin.runtime.fingerprint`).
+One process per GPU (or per CPU rank), as with NCCL; each (collective, size, dtype) is prepared
+in a symmetric staging area on its first call. How it works, what it refuses and what falls
+back to ``torch.distributed``: ARCHITECTURE.md, "Runtime" (process mode).
 """
 
 from __future__ import annotations
@@ -69,29 +41,8 @@ _NO_OP = object()  # a function without a reduce op
 @dataclass(frozen=True)
 class CommOptions:
     """The knobs of a :class:`Communicator` beyond its group, datapath and timeout: what the
-    defaults pick is right for a user; experiments and benchmarks set them.
-
-    ``staging_bytes``: the symmetric area per rank that prepared collectives share.
-    ``strategy``/``chunks``/``lanes``: as in :func:`purlin.snac.plan` (``"auto"`` picks per
-    size). ``protocol`` (sm datapath): ``"simple"`` runs the interpreter with flags; ``"ll"``
-    does so with the Stage+Notify pairs the lowering can prove safe carrying their flags
-    inside the data, for messages up to ``LL_MAX_BYTES`` (``purlin.atom.sm.bind``);
-    ``"fused"`` / ``"fused-ll"`` run the fused kernel (:mod:`purlin.kernels.fused`: one pass
-    per row, flag slots per block; LL up to ``LL_MAX_BYTES``) where it can run the size's plan,
-    else the interpreter; ``"auto"`` (the default) takes each size's protocol from the tuning
-    table (``purlin.runtime.auto``), else ``"simple"``. ``pdl``: programmatic dependent launch
-    (default: the table's choice under ``"auto"``, on for the fused protocols, off otherwise).
-    ``zero_copy=True`` (sm datapath): where the plan has no peer touch this rank's input
-    (output), the executor reads (writes) the caller's tensor itself instead of a copy in (out)
-    of the staging area; each new pair of tensor addresses costs a relocated table once
-    (``SmPrepared.launch``). ``blocks_per_lane``/``threads``: the interpreter's grid (default:
-    per size). ``epilogue_grid`` (sm datapath): the fused kernel's grid for
-    :meth:`Communicator.all_reduce_add_rms_norm` -- None: the all-reduce's own (blocks trade
-    row sums); ``"rows"``: blocks owning whole rows (``purlin.atom.fused.row_grid``); an int:
-    blocks of that many threads, one item each. ``epilogue_kernel`` (sm datapath): ``"auto"``
-    -- the one-shot kernel (``purlin.kernels.fused.oneshot_norm``) where it runs the
-    epilogue's programs (the LL all-reduce), else the fused kernel with the NORM op;
-    ``"fused"`` -- always the latter.
+    defaults pick is right for a user; experiments and benchmarks set them. What each does and
+    why: ARCHITECTURE.md, "Knobs".
 
     >>> CommOptions(protocol="fused-ll").protocol
     'fused-ll'
@@ -138,8 +89,8 @@ class Communicator:
         comm = Communicator(group, options=CommOptions(protocol="fused-ll", zero_copy=True))
 
     The functions take ``torch.distributed``'s arguments (``group`` -- None or this
-    communicator's --, ``async_op``, ``group_src``/``group_dst``); see :mod:`purlin.torch`
-    for what falls back to the process group and why.
+    communicator's --, ``async_op``, ``group_src``/``group_dst``); what falls back to
+    the process group and why: ARCHITECTURE.md, "Runtime".
     """
 
     def __init__(self, group=None, datapath: str = "auto", timeout: float = DEFAULT_TIMEOUT, *,

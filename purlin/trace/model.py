@@ -1,19 +1,6 @@
 """The cost model: run a Schedule as a discrete-event simulation and predict its timeline.
 
-Every (rank, lane) walks its steps in program order; the lanes of a rank, and all ranks, run
-in parallel. A step first costs the profile's ``step_ns`` (issue), then:
-
-* **Notify** sets its flag at once;
-* **Consume** waits until every flag it waits for (in this call) was set by its Notify plus
-  ``alpha_ns`` (the hop latency), then moves its data, if any;
-* **Stage** and the data part of a Consume move bytes: a source on another rank than the
-  destination is a transfer over the link(s) between them; sources on the destination's
-  rank are read, and the destination written, through that rank's HBM.
-
-Transfers that run at the same time share a link fairly (max-min: a link's bandwidth is split
-among the transfers on it, and what a transfer cannot use because another link holds it back
-goes to the others); rates are re-divided whenever a transfer starts or ends. A data step ends
-when the last of its transfers does. All lanes start after ``launch_ns``.
+What a step costs and how transfers share links: ARCHITECTURE.md, "Timelines".
 
 >>> from purlin.spec import collectives
 >>> from purlin.snac import plan
