@@ -58,7 +58,7 @@ def test_scatter_offsets_and_counts(n):
 def test_nbytes_is_count_times_itemsize(dt, nbytes):
     coll = collectives.all_reduce(4, "max")
     itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8,
-                "int32": 4, "int64": 8}[dt]
+                "int32": 4, "int64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}[dt]
     by_bytes = coll.sized(nbytes=nbytes, dtype=dt)
     by_count = coll.sized(nbytes // itemsize, dtype=dt)
     assert by_bytes == by_count

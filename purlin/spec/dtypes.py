@@ -4,6 +4,12 @@
 2
 >>> dtype("float32").name
 'float32'
+>>> dtype("e4m3").itemsize, dtype("e4m3").is_fp8
+(1, True)
+
+numpy has no FP8: FP8 elements are held on the host as their bits (uint8 arrays), and
+:func:`fp8_decode` / :func:`fp8_encode` convert them with torch's own float8 casts (torch is
+imported only there, so ``import purlin`` stays torch-free).
 """
 
 from __future__ import annotations
@@ -24,11 +30,22 @@ class DType:
     def __repr__(self) -> str:
         return self.name
 
+    @property
+    def is_fp8(self) -> bool:
+        """An 8-bit float (``float8_e4m3fn`` or ``float8_e5m2``)."""
+        return self.name in FP8
+
     def numpy(self):
-        """The numpy dtype that holds these elements (bfloat16 is held as float32 on the host)."""
+        """The numpy dtype that holds these elements on the host: bfloat16 is held as
+        float32, FP8 as its bits in uint8."""
         import numpy as np
 
+        if self.is_fp8:
+            return np.dtype("uint8")
         return np.dtype("float32" if self.name == "bfloat16" else self.name)
+
+
+FP8 = ("float8_e4m3fn", "float8_e5m2")
 
 
 DTYPES = {
@@ -40,6 +57,8 @@ DTYPES = {
         DType("float64", 8, True),
         DType("int32", 4, False),
         DType("int64", 8, False),
+        DType("float8_e4m3fn", 1, True),
+        DType("float8_e5m2", 1, True),
     )
 }
 
@@ -52,6 +71,10 @@ _ALIASES = {
     "fp64": "float64",
     "double": "float64",
     "int": "int32",
+    "e4m3": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "e5m2": "float8_e5m2",
+    "fp8_e5m2": "float8_e5m2",
 }
 
 
@@ -72,3 +95,47 @@ def dtype(value) -> DType:
         known = ", ".join(DTYPES)
         raise SpecError(f"unknown dtype {value!r}: Purlin moves {known}")
     return DTYPES[text]
+
+
+def _fp8_torch(name: str):
+    import torch  # FP8 only: numpy has none, and torch's casts are the codec
+
+    if name not in FP8:
+        raise SpecError(f"{name} is not an FP8 dtype; FP8 dtypes are {', '.join(FP8)}")
+    return torch, getattr(torch, name)
+
+
+def fp8_decode(bits, name: str):
+    """FP8 elements as a float32 numpy array (exact): ``bits`` is a uint8 array of their bits
+    or a torch float8 tensor.
+
+    >>> fp8_decode(__import__("numpy").array([0x38, 0x7f], dtype="uint8"), "float8_e4m3fn")
+    array([ 1., nan], dtype=float32)
+    """
+    import numpy as np
+
+    torch, tdt = _fp8_torch(name)
+    if isinstance(bits, torch.Tensor):
+        return bits.detach().cpu().to(torch.float32).numpy()
+    raw = np.ascontiguousarray(bits, dtype=np.uint8)
+    return torch.from_numpy(raw).view(tdt).to(torch.float32).numpy()
+
+
+def fp8_encode(values, name: str, out=None):
+    """``values`` rounded to FP8 ``name`` once, to nearest even, by torch's cast (float32
+    inputs are cast directly, others go through float32 first); returns (or writes into
+    ``out``) the uint8 bits. Out of range, torch saturates e4m3fn to +-448 (it has no
+    infinity; an infinity saturates too) and sends e5m2 to +-inf; NaN stays NaN.
+
+    >>> fp8_encode([1.0, 500.0], "float8_e4m3fn").tolist()
+    [56, 126]
+    """
+    import numpy as np
+
+    torch, tdt = _fp8_torch(name)
+    f32 = np.ascontiguousarray(values, dtype=np.float32)
+    bits = torch.from_numpy(f32).to(tdt).view(torch.uint8).numpy()
+    if out is None:
+        return bits
+    np.copyto(out, bits.reshape(np.shape(out)))
+    return out
