@@ -208,13 +208,11 @@ class CeBound:
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads):
         from purlin.atom import ce_driver as drv
-        from purlin.atom.sm import _torch, allocate_buffers
+        from purlin.atom.sm import _torch, allocate_buffers, check_dtype
 
         self.closed = False
+        check_dtype(schedule.dtype, "ce", TORCH_DTYPES)
         torch = _torch()
-        if schedule.dtype not in TORCH_DTYPES:
-            raise CapabilityError(f"the ce datapath moves {', '.join(TORCH_DTYPES)}, not "
-                                  f"{schedule.dtype}")
         self.cluster, self.schedule, self.timeout, self.torch = cluster, schedule, timeout, torch
         self.broken: str | None = None
         n, lanes = schedule.nranks, schedule.lanes

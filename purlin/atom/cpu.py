@@ -11,6 +11,12 @@ for ``(e + w.call) * per_call + value``), exactly as on a GPU, so calls need no 
 >>> dst = np.zeros(2); reduce_into(dst, [np.ones(2), np.full(2, 2.0)], "avg", 2)
 >>> dst.tolist()
 [1.5, 1.5]
+
+FP8 (``float8_e4m3fn``, ``float8_e5m2``) is held as its bits in uint8 buffers: a copy moves
+the bytes (bit-exact, NaN payloads included); a reduction decodes its sources to float32,
+accumulates in float32 in the step's source order and rounds once, on the write into an FP8
+buffer. A reducing collective's scratch holds float32, so partial sums between hops (a ring,
+two-phase) are not rounded to FP8 on the way.
 """
 
 from __future__ import annotations
@@ -24,10 +30,11 @@ import numpy as np
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
 from purlin.snac.ir import Consume, Flag, Notify, Schedule, Stage
 from purlin.snac.planner import Capabilities
+from purlin.spec.dtypes import FP8, dtype as as_dtype, fp8_decode, fp8_encode
 
 CAPABILITIES = Capabilities(name="cpu", can_reduce=True)
 RUNS_ON = ("cpu",)  # cluster kinds (purlin.atom's registry)
-DTYPES = ("float16", "float32", "float64", "int32", "int64")
+DTYPES = ("float16", "float32", "float64", "int32", "int64", *FP8)
 
 _UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -38,20 +45,39 @@ def check_dtype(dtype_name: str) -> None:
                               "(numpy has no bfloat16; use the sm datapath on a GPU)")
 
 
-def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """Atom copy."""
+def copy_into(dst: np.ndarray, src: np.ndarray, fp8: str | None = None) -> None:
+    """Atom copy. With ``fp8`` (the dtype's name), uint8 arrays hold FP8 bits and float32
+    ones decoded values (a reducing collective's scratch): bits to bits is a byte copy."""
+    if fp8 and dst.dtype != src.dtype:
+        if dst.dtype == np.uint8:
+            fp8_encode(src, fp8, out=dst)
+        else:
+            np.copyto(dst, fp8_decode(src, fp8))
+        return
     np.copyto(dst, src)
 
 
-def reduce_into(dst: np.ndarray, srcs, op: str, divisor: int = 1) -> None:
-    """Atom reduce of k sources into ``dst`` in one pass; float16 accumulates in float32."""
-    acc_type = np.float32 if dst.dtype == np.float16 else dst.dtype
-    acc = np.array(srcs[0], dtype=acc_type, copy=True)
+def reduce_into(dst: np.ndarray, srcs, op: str, divisor: int = 1,
+                fp8: str | None = None) -> None:
+    """Atom reduce of k sources into ``dst`` in one pass, in the sources' order; float16 and
+    FP8 (``fp8`` names it; see :func:`copy_into`) accumulate in float32."""
+    acc_type = np.float32 if dst.dtype == np.float16 or fp8 else dst.dtype
+
+    def load(src):
+        if fp8 and src.dtype == np.uint8:
+            return fp8_decode(src, fp8)
+        return src.astype(acc_type, copy=False)
+
+    acc = np.array(load(srcs[0]), dtype=acc_type, copy=True)
     ufunc = _UFUNC[op]
-    for src in srcs[1:]:
-        ufunc(acc, src.astype(acc_type, copy=False), out=acc)
-    if op == "avg":
-        acc = acc / divisor
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and inf are data, as on a GPU
+        for src in srcs[1:]:
+            ufunc(acc, load(src), out=acc)
+        if op == "avg":
+            acc = (acc / divisor).astype(acc_type, copy=False)
+    if fp8 and dst.dtype == np.uint8:
+        fp8_encode(acc, fp8, out=dst)  # the one rounding
+        return
     np.copyto(dst, acc, casting="unsafe")
 
 
@@ -105,10 +131,14 @@ class CpuRun:
         self.schedule = schedule
         self.timeout = timeout
         check_dtype(schedule.dtype)
-        self.np_dtype = np.dtype(schedule.dtype)
+        self.np_dtype = as_dtype(schedule.dtype).numpy()
+        self.fp8 = schedule.dtype if schedule.dtype in FP8 else None
         n = schedule.nranks
         self.memory = CpuMemory(n, schedule.lanes)
-        self.scratch = [np.zeros(c * schedule.scratch_copies, dtype=self.np_dtype)
+        # FP8 partial sums stay float32 between hops: one rounding, on the write to an output
+        held = (np.float32 if self.fp8 and schedule.collective.op.is_reduce
+                else self.np_dtype)
+        self.scratch = [np.zeros(c * schedule.scratch_copies, dtype=held)
                         for c in schedule.scratch]
         self.per_call = schedule.flags()
         self.epoch = 0
@@ -176,9 +206,9 @@ class CpuRun:
                     dst = self._view(buffers, step.dst, shift)
                     srcs = [self._view(buffers, r, shift) for r in step.srcs]
                     if step.op == "copy":
-                        copy_into(dst, srcs[0])
+                        copy_into(dst, srcs[0], self.fp8)
                     else:
-                        reduce_into(dst, srcs, step.op, s.divisor(step))
+                        reduce_into(dst, srcs, step.op, s.divisor(step), self.fp8)
                     _record(trace, rank, lane, index,
                             "stage" if isinstance(step, Stage) else "consume", t0)
         except PurlinTimeoutError as exc:
@@ -218,14 +248,16 @@ class CpuBound:
         inputs = check_inputs(s, inputs)
         tensors = next((x for x in inputs if _is_tensor(x)), None)
         dt = self.run.np_dtype
+        # FP8 comes as torch float8 tensors or as uint8 numpy arrays of the bits
+        names = (s.dtype, "uint8") if self.run.fp8 else (dt.name,)
         flat_in, given_in = [], []
         for r, x in enumerate(inputs):
             if x is None:
                 flat_in.append(np.zeros(0, dtype=dt))
                 continue
-            if _dtype_name(x) != dt.name:
+            if _dtype_name(x) not in names:
                 raise ExecutionError(f"input of rank {r} is {_dtype_name(x)}; this binding "
-                                     f"moves {dt}")
+                                     f"moves {s.dtype}")
             x = _host_view(x)
             given_in.append(x)  # reshape may copy (non-contiguous): check overlap on the original
             flat_in.append(x.reshape(-1))
@@ -239,9 +271,9 @@ class CpuBound:
         flat_out, copy_back = [], []
         for r, o in enumerate(out):
             size = o.numel() if _is_tensor(o) else np.size(o)
-            if size != sizing.output_count(r) or _dtype_name(o) != dt.name:
+            if size != sizing.output_count(r) or _dtype_name(o) not in names:
                 raise ExecutionError(f"output of rank {r} must hold {sizing.output_count(r)} "
-                                     f"{dt} elements, got {size} {_dtype_name(o)}")
+                                     f"{s.dtype} elements, got {size} {_dtype_name(o)}")
             host = _host_view(o)
             if any(np.shares_memory(host, x) for x in given_in if x.size):
                 raise ExecutionError(f"output of rank {r} shares memory with an input: in-place "
@@ -301,14 +333,22 @@ def _host_view(x) -> np.ndarray:
     """``x`` as a numpy array: a torch tensor in host memory as a view of it, one elsewhere as
     a copy."""
     if _is_tensor(x):
-        return x.detach().cpu().numpy()
+        x = x.detach().cpu()
+        if str(x.dtype).removeprefix("torch.") in FP8:  # numpy has no FP8: view the bits
+            import torch
+
+            x = x.view(torch.uint8)
+        return x.numpy()
     return np.asarray(x)
 
 
 def _torch_from(a: np.ndarray, like):
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(a)).to(like.device)
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if str(like.dtype).removeprefix("torch.") in FP8:
+        t = t.view(like.dtype)
+    return t.to(like.device)
 
 
 def _as_tensor_like(o: np.ndarray, x, first):

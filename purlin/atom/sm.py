@@ -35,6 +35,20 @@ def _torch():
     return torch
 
 
+def check_dtype(name: str, datapath: str = "sm", moves=TORCH_DTYPES) -> None:
+    """Raise CapabilityError unless ``datapath`` moves dtype ``name`` (no GPU needed).
+
+    >>> check_dtype("float8_e5m2")
+    Traceback (most recent call last):
+    purlin.errors.CapabilityError: the sm datapath moves bfloat16, float16, float32, int32, \
+not float8_e5m2; FP8 runs on the cpu datapath today (Cluster.cpu(n))
+    """
+    if name not in moves:
+        fp8 = "; FP8 runs on the cpu datapath today (Cluster.cpu(n))" \
+            if name.startswith("float8") else ""
+        raise CapabilityError(f"the {datapath} datapath moves {', '.join(moves)}, not {name}{fp8}")
+
+
 def device_count() -> int:
     try:
         import torch
@@ -278,10 +292,8 @@ class SmBound:
                  protocol="simple", pdl=False, fit=False):
         from purlin.atom.lowering import flag_slots, ll_transfers, lower, scratch_layout
 
+        check_dtype(schedule.dtype)
         torch = _torch()
-        if schedule.dtype not in TORCH_DTYPES:
-            raise CapabilityError(f"the sm datapath moves {', '.join(TORCH_DTYPES)}, not "
-                                  f"{schedule.dtype}")
         self.cluster, self.schedule, self.timeout = cluster, schedule, timeout
         self.torch = torch
         n, lanes = schedule.nranks, schedule.lanes

@@ -31,7 +31,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from purlin.atom import cpu
-from purlin.errors import CallMismatchError, ExecutionError, PurlinTimeoutError
+from purlin.errors import CallMismatchError, CapabilityError, ExecutionError, PurlinTimeoutError
 from purlin.runtime import fingerprint
 from purlin.snac.ir import Consume, Flag, Notify, Schedule
 
@@ -359,6 +359,9 @@ class ShmRun:
     def __init__(self, schedule: Schedule, rank: int, arena: ShmArena, lay: Layout,
                  base: int = HEADER, timeout: float = 10.0):
         cpu.check_dtype(schedule.dtype)
+        if schedule.dtype in cpu.FP8:
+            raise CapabilityError(f"process mode does not move {schedule.dtype} yet; FP8 runs "
+                                  "on a cpu cluster in one process (Cluster.cpu(n))")
         self.schedule, self.rank, self.arena, self.timeout = schedule, rank, arena, timeout
         dt = np.dtype(schedule.dtype)
         sizing = schedule.sizing

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from purlin.atom.cpu import DTYPES
+from purlin.atom.cpu import DTYPES, FP8
 from purlin.runtime import shm
 from purlin.runtime.shm import HEADER, ShmRun, open_arena
 
@@ -41,7 +41,7 @@ class CpuPath:
     """Shared-memory staging for the ranks of ``group`` (all on this host)."""
 
     name = "cpu"
-    dtypes = DTYPES
+    dtypes = tuple(d for d in DTYPES if d not in FP8)  # process mode moves no FP8 yet
 
     def __init__(self, group, rank: int, nranks: int, nbytes: int, timeout: float, **_):
         self.group, self.rank, self.nranks, self.timeout = group, rank, nranks, timeout
