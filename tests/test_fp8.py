@@ -1,0 +1,238 @@
+"""FP8 (float8_e4m3fn, float8_e5m2) on the cpu datapath against purlin.spec.reference.
+
+Copies must move the bytes (every bit pattern, NaN payloads included). A reduction decodes to
+float32, accumulates there in the step's source order and rounds once, on the write, so its
+result is ``RNE_fp8(s32)`` where ``s32`` is the float32 accumulation; against the float64
+reference ``ref`` that gives
+
+    |out - ref| <= ulp_fp8(ref) / 2 + (k - 1) * 2**-24 * sum_i |x_i|        (k sources)
+
+and, where every partial sum is exact in float32 (any e4m3fn sum of up to 64 ranks; e5m2
+while partial sums stay below 256 in magnitude), ``out == RNE_fp8(ref)`` bit for bit.
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from purlin import atom
+from purlin.errors import CapabilityError, ExecutionError
+from purlin.runtime import Cluster
+from purlin.snac import plan
+from purlin.spec import STANDARD, dtype, reference, standard
+from purlin.spec.dtypes import FP8, fp8_decode, fp8_encode
+
+STRATEGIES = ["direct-push", "direct-pull", "two-phase", "ring"]
+REDUCING = [name for name in STANDARD if standard(name, 2).op.is_reduce]
+CHUNK = 7
+MANTISSA = {"float8_e4m3fn": 3, "float8_e5m2": 2}
+MIN_EXP = {"float8_e4m3fn": -6, "float8_e5m2": -14}   # of the smallest normal
+
+
+def ulp(values, name):
+    """The spacing of FP8 ``name`` at ``|values|`` (the subnormal spacing below the normals)."""
+    _, e = np.frexp(np.abs(np.asarray(values, dtype=np.float64)))
+    return np.ldexp(1.0, np.maximum(e - 1, MIN_EXP[name]) - MANTISSA[name])
+
+
+def cases():
+    for name in STANDARD:
+        for strategy in STRATEGIES:
+            if strategy == "two-phase" and name not in REDUCING:
+                continue
+            for fp8 in FP8:
+                for n, chunks, lanes in ((3, 1, 1), (4, 3, 2)):
+                    yield pytest.param(name, strategy, fp8, n, chunks, lanes,
+                                       id=f"{name}-{strategy}-{fp8}-n{n}-{chunks}x{lanes}")
+
+
+def bind(name, strategy, fp8, n, chunks=1, lanes=1, op="sum", chunk=CHUNK):
+    coll = standard(name, n, root=n - 1, op=op)
+    return Cluster.cpu(n).bind(coll, strategy, dtype=fp8, timeout=10.0, chunks=chunks,
+                               lanes=lanes, chunk_sizes={x: chunk for x in coll.input.names()})
+
+
+def finite_fp8(rng, length, fp8, top):
+    """Random FP8 bits of both signs, magnitudes from the subnormals up to ``top``."""
+    mags = np.exp2(rng.uniform(MIN_EXP[fp8] - MANTISSA[fp8], np.log2(top), length))
+    return fp8_encode(mags * rng.choice([-1.0, 1.0], length), fp8)
+
+
+# -- the grid ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, strategy, fp8, n, chunks, lanes", list(cases()))
+def test_standard_collective_matches_reference(name, strategy, fp8, n, chunks, lanes):
+    reduces = name in REDUCING
+    ops = ("sum", "avg", "max", "min") if reduces else ("copy",)
+    rng = np.random.default_rng(n * 7 + chunks)
+    for op in ops:
+        bound = bind(name, strategy, fp8, n, chunks, lanes, op=("sum" if op == "copy" else op))
+        sizing = bound.schedule.sizing
+        for call in range(2):
+            if reduces:  # in range, partial sums exact in float32: top * n <= 256
+                inputs = [finite_fp8(rng, sizing.input_count(r), fp8, 32.0) for r in range(n)]
+            else:  # every bit pattern, NaNs and infinities included
+                inputs = [rng.integers(0, 256, sizing.input_count(r), dtype=np.uint8)
+                          for r in range(n)]
+            out = None
+            if call:  # caller-given outputs full of NaN bits: every element must be written
+                out = [np.full(sizing.output_count(r), 0x7F, dtype=np.uint8) for r in range(n)]
+            got = bound(inputs, out=out)
+            want = reference(sizing, inputs, dtype=fp8)
+            for r in range(n):
+                where = f"{bound.schedule.title()} {op}: call {call}, rank {r}"
+                assert got[r].dtype == np.uint8 and got[r].shape == (sizing.output_count(r),)
+                if not reduces:
+                    # the reference moves the byte values as numbers: bytes in, same bytes out
+                    bytes_ref = reference(sizing, [x.astype(np.float64) for x in inputs])
+                    np.testing.assert_array_equal(got[r], bytes_ref[r].astype(np.uint8),
+                                                  err_msg=where)
+                    continue
+                value = fp8_decode(got[r], fp8).astype(np.float64)
+                bound_ = ulp(want[r], fp8) / 2  # accumulation is exact here
+                assert np.all(np.abs(value - want[r]) <= bound_), where
+                # and the one rounding is round-to-nearest-even of the exact result
+                np.testing.assert_array_equal(got[r], fp8_encode(want[r].astype(np.float32),
+                                                                 fp8), err_msg=where)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_e5m2_sum_within_the_stated_bound_when_float32_rounds(strategy):
+    """Values from 2^-16 to 2^12 over 8 ranks: float32 partial sums are not exact, the bound
+    with its accumulation term still holds."""
+    fp8, n = "float8_e5m2", 8
+    bound = bind("all-reduce", strategy, fp8, n, chunks=2, lanes=2, chunk=64)
+    rng = np.random.default_rng(5)
+    inputs = [finite_fp8(rng, bound.schedule.sizing.input_count(r), fp8, 4096.0)
+              for r in range(n)]
+    got = bound(inputs)
+    want = reference(bound.schedule.sizing, inputs, dtype=fp8)
+    magnitude = reference(bound.schedule.sizing, [np.abs(fp8_decode(x, fp8)) for x in inputs])
+    for r in range(n):
+        err = np.abs(fp8_decode(got[r], fp8).astype(np.float64) - want[r])
+        limit = ulp(want[r], fp8) / 2 + (n - 1) * 2.0 ** -24 * magnitude[r]
+        assert np.all(err <= limit), f"rank {r}: worst excess {np.max(err - limit)}"
+
+
+def test_ring_partial_sums_are_rounded_once():
+    """Values whose FP8 partial sums would round: 1 + 8 * 2^-4 is 1.5 in e4m3fn, but each
+    1 + 2^-4 rounds back to 1 (half an ulp, to even): rounding per hop would give 1."""
+    fp8, n = "float8_e4m3fn", 9
+    for strategy in STRATEGIES:
+        bound = bind("all-reduce", strategy, fp8, n, chunk=1)
+        count = bound.schedule.sizing.input_count(0)
+        inputs = [fp8_encode(np.full(count, 1.0 if r == 0 else 2.0 ** -4), fp8)
+                  for r in range(n)]
+        for r, x in enumerate(bound(inputs)):
+            assert fp8_decode(x, fp8).tolist() == [1.5] * count, (strategy, r)
+
+
+# -- NaN, infinity, overflow: as torch's casts do it --------------------------------------------
+
+
+def one_reduce(fp8, op, per_rank):
+    """All-reduce of one element per rank; the output value (all ranks must agree, bitwise)."""
+    n = len(per_rank)
+    bound = bind("all-reduce", "ring", fp8, n, op=op, chunk=1)
+    inputs = [np.full(n, fp8_encode([v], fp8)[0], dtype=np.uint8) for v in per_rank]
+    got = bound(inputs)
+    assert all(np.array_equal(g, got[0]) for g in got)
+    return got[0][0], fp8_decode(got[0][:1], fp8)[0]
+
+
+def test_torch_casts_as_documented():
+    """The rounding rules ARCHITECTURE.md states are torch's: e4m3fn saturates to +-448 (its
+    infinity too), e5m2 overflows to +-inf, NaN stays NaN, ties go to even."""
+    big = np.array([480.0, 1e6, np.inf, -np.inf, np.nan], dtype=np.float32)
+    e4 = fp8_decode(fp8_encode(big, "float8_e4m3fn"), "float8_e4m3fn")
+    assert e4[:4].tolist() == [448.0, 448.0, 448.0, -448.0] and np.isnan(e4[4])
+    e5 = fp8_decode(fp8_encode(np.array([61440.0, 1e6, -np.inf, np.nan]), "float8_e5m2"),
+                    "float8_e5m2")
+    assert e5[:3].tolist() == [np.inf, np.inf, -np.inf] and np.isnan(e5[3])
+    assert fp8_decode(fp8_encode([1.0625, 1.1875], "float8_e4m3fn"),
+                      "float8_e4m3fn").tolist() == [1.0, 1.25]
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_overflow_nan_and_inf_follow_torch(fp8):
+    top = 448.0 if fp8 == "float8_e4m3fn" else 57344.0
+    bits, value = one_reduce(fp8, "sum", [top, top, top])
+    assert bits == fp8_encode([3 * top], fp8)[0]  # float32 3 * top, cast once by torch
+    assert value == (448.0 if fp8 == "float8_e4m3fn" else np.inf)
+    for op in ("sum", "avg", "max", "min"):
+        assert np.isnan(one_reduce(fp8, op, [1.0, np.nan, 2.0])[1]), op
+    if fp8 == "float8_e5m2":
+        assert one_reduce(fp8, "sum", [np.inf, 1.0])[1] == np.inf
+        assert np.isnan(one_reduce(fp8, "sum", [np.inf, -np.inf])[1])
+        assert one_reduce(fp8, "max", [-np.inf, 3.0])[1] == 3.0
+
+
+# -- torch tensors in, torch tensors out ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_torch_float8_tensors_in_and_out(fp8):
+    tdt = getattr(torch, fp8)
+    n = 3
+    gather = bind("all-gather", "ring", fp8, n, chunk=4)
+    xs = [torch.randn(2, 2).to(tdt) for _ in range(n)]
+    got = gather(xs)
+    assert all(isinstance(g, torch.Tensor) and g.dtype == tdt for g in got)
+    whole = torch.cat([x.reshape(-1) for x in xs])
+    assert all(torch.equal(g.view(torch.uint8), whole.view(torch.uint8)) for g in got)
+
+    allreduce = bind("all-reduce", "two-phase", fp8, n, chunk=2)
+    xs = [torch.randn(2, 3).to(tdt) for _ in range(n)]
+    got = allreduce(xs)
+    assert all(g.dtype == tdt and g.shape == (2, 3) for g in got)
+    want = reference(allreduce.schedule.sizing, xs)[0]  # decodes the float8 tensors itself
+    expect = torch.from_numpy(want.astype(np.float32)).to(tdt).view(torch.uint8)
+    assert all(torch.equal(g.reshape(-1).view(torch.uint8), expect) for g in got)
+
+    outs = [torch.empty(6, dtype=tdt) for _ in range(n)]
+    assert all(a is b for a, b in zip(allreduce(xs, out=outs), outs))
+    assert all(torch.equal(o.view(torch.uint8), expect) for o in outs)
+    with pytest.raises(ExecutionError, match=f"input of rank 0 is float16; this binding moves "
+                                             f"{fp8}"):
+        allreduce([x.to(torch.float16) for x in xs])
+
+
+# -- the dtypes and the other datapaths ---------------------------------------------------------
+
+
+def test_fp8_dtypes():
+    for name, alias, tdt in (("float8_e4m3fn", "e4m3", torch.float8_e4m3fn),
+                             ("float8_e5m2", "fp8_e5m2", torch.float8_e5m2)):
+        d = dtype(name)
+        assert (d.itemsize, d.is_float, d.is_fp8) == (1, True, True)
+        assert dtype(alias) is d and dtype(tdt) is d and d.numpy() == np.uint8
+    assert not dtype("bf16").is_fp8
+
+
+def test_import_purlin_stays_torch_free():
+    """Importing, binding FP8 and moving its bytes need no torch; only the codec imports it."""
+    code = ("import sys, numpy as np, purlin; from purlin.runtime import Cluster; "
+            "from purlin.spec import standard; "
+            "b = Cluster.cpu(2).bind(standard('all-gather', 2), count=4, dtype='e5m2'); "
+            "out = b([np.arange(2, dtype=np.uint8), np.arange(2, 4, dtype=np.uint8)]); "
+            "assert out[1].tolist() == [0, 1, 2, 3], out; "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("datapath", ["sm", "ce"])
+@pytest.mark.parametrize("fp8", FP8)
+def test_gpu_datapaths_refuse_fp8_at_bind(datapath, fp8):
+    """The refusal comes before anything touches a GPU, so it is checked here without one."""
+    module = atom.load(datapath)
+    schedule = plan(standard("all-reduce", 2), "ring", count=8, dtype=fp8,
+                    capabilities=atom.capabilities(datapath))
+    bound = module.SmBound if datapath == "sm" else module.CeBound
+    with pytest.raises(CapabilityError, match=f"the {datapath} datapath moves .*, not {fp8}; "
+                                              r"FP8 runs on the cpu datapath today"):
+        bound(None, schedule, timeout=1.0, blocks_per_lane=1, threads=128,
+              **({"trace_rows": 0} if datapath == "sm" else {}))
