@@ -44,7 +44,9 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 def reduce_into(dst: np.ndarray, srcs, op: str, divisor: int = 1) -> None:
-    """Atom reduce of k sources into ``dst`` in one pass; float16 accumulates in float32."""
+    """Atom reduce of k sources into ``dst`` in one pass, element-wise in the sources' order
+    (never numpy's pairwise sum), in a fixed accumulation type (float16 in float32, every
+    other dtype in its own), rounded once on the write: deterministic mode relies on it."""
     acc_type = np.float32 if dst.dtype == np.float16 else dst.dtype
     acc = np.array(srcs[0], dtype=acc_type, copy=True)
     ufunc = _UFUNC[op]
