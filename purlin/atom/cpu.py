@@ -59,8 +59,10 @@ def copy_into(dst: np.ndarray, src: np.ndarray, fp8: str | None = None) -> None:
 
 def reduce_into(dst: np.ndarray, srcs, op: str, divisor: int = 1,
                 fp8: str | None = None) -> None:
-    """Atom reduce of k sources into ``dst`` in one pass, in the sources' order; float16 and
-    FP8 (``fp8`` names it; see :func:`copy_into`) accumulate in float32."""
+    """Atom reduce of k sources into ``dst`` in one pass, element-wise in the sources' order
+    (never numpy's pairwise sum), in a fixed accumulation type (float16 and FP8 -- ``fp8``
+    names it; see :func:`copy_into` -- in float32, every other dtype in its own), rounded once
+    on the write: deterministic mode relies on it."""
     acc_type = np.float32 if dst.dtype == np.float16 or fp8 else dst.dtype
 
     def load(src):

@@ -125,10 +125,14 @@ class _Memory:
 
 
 def _reduce(values, redop: int, divisor: int, code: int) -> np.ndarray:
-    """The reduction of the loaded ``values`` (sources in row order); avg divides the sum,
-    int32 truncating toward zero."""
-    out = (np.max(values, axis=0) if redop == isa.MAX else
-           np.min(values, axis=0) if redop == isa.MIN else np.sum(values, axis=0))
+    """The reduction of the loaded ``values`` as the kernels compute it: sources one after
+    another in row (pool) order, bfloat16, float16 and float32 accumulated in float32, rounded
+    once on the store; avg divides the sum, int32 truncating toward zero."""
+    acc_type = np.float32 if code in (isa.BF16, isa.F16, isa.F32) else values[0].dtype
+    out = np.array(values[0], dtype=acc_type)
+    combine = np.maximum if redop == isa.MAX else np.minimum if redop == isa.MIN else np.add
+    for v in values[1:]:
+        combine(out, v.astype(acc_type, copy=False), out=out)
     if redop == isa.AVG:
         out = (np.where(out < 0, -(-out // divisor), out // divisor) if code == isa.I32
                else out / divisor)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from purlin import atom
 from purlin.errors import CapabilityError, PlanError, SpecError
+from purlin.snac.determinism import DETERMINISTIC_STRATEGIES
 from purlin.snac.planner import plan
 from purlin.spec.collective import Collective
 
@@ -94,7 +95,7 @@ class Cluster:
     def bind(self, collective: Collective, strategy: str = "direct-push", *, count=None,
              nbytes=None, dtype="float32", chunk_sizes=None, sizing=None, chunks: int = 1,
              lanes: int = 1, lanes_by: str = "piece", timeout: float = 5.0,
-             datapath: str | None = None, **options):
+             datapath: str | None = None, deterministic: bool = False, **options):
         """Plan, verify and prepare ``collective`` for this cluster; call the result to run it.
 
         Everything is allocated here (buffers, flags, instruction tables); a call only runs.
@@ -102,11 +103,19 @@ class Cluster:
         on sm; on a cpu cluster the mixed schedule runs on the cpu datapath) or "auto".
         ``chunks``, ``lanes`` and ``lanes_by`` shape the plan (``purlin.snac.plan``);
         ``timeout`` (seconds, > 0) bounds every wait; ``options`` go to the datapath's bind.
+        ``deterministic=True``: bitwise the same result for the same inputs whatever the
+        strategy, chunks, lanes or arrival order (``plan(..., deterministic=True)``; ``auto``
+        then picks among the strategies that qualify); the cpu datapath only, for now.
         """
         timeout = check_timeout(timeout)
         if collective.nranks != self.nranks:
             raise PlanError(f"{collective.name} is declared for {collective.nranks} ranks but "
                             f"the cluster has {self.nranks}")
+        if deterministic and self.kind != "cpu":
+            raise CapabilityError(
+                f"deterministic=True is not yet checked on GPUs ({self!r}): the sm and ce "
+                "datapaths' reductions are not proven to sum in rank order with one rounding "
+                "on every protocol; use Cluster.cpu, or bind without deterministic")
         atom.refuse_stuck(self.devices)
         choice = None
         if strategy == "auto":
@@ -116,6 +125,11 @@ class Cluster:
                     if sizing is not None else {"count": count, "nbytes": nbytes,
                                                 "dtype": dtype, "chunk_sizes": chunk_sizes})
             choice = select(collective, self, **size)
+            if deterministic and collective.op.is_reduce \
+                    and choice.strategy not in DETERMINISTIC_STRATEGIES:
+                # ring is the bandwidth choice; two-phase is the deterministic one
+                choice = select(collective, self, **size, strategy="two-phase"
+                                if choice.strategy == "ring" else "direct-push")
             strategy, chunks, lanes = choice.strategy, choice.chunks, choice.lanes
             lanes_by = choice.lanes_by
         datapath = self._datapath(collective, datapath, count=count, nbytes=nbytes,
@@ -124,7 +138,8 @@ class Cluster:
             options = _auto_options(choice, options, sm=datapath == "sm")
         schedule = plan(collective, strategy, count=count, nbytes=nbytes, dtype=dtype,
                         chunk_sizes=chunk_sizes, sizing=sizing, chunks=chunks, lanes=lanes,
-                        lanes_by=lanes_by, capabilities=atom.capabilities(datapath))
+                        lanes_by=lanes_by, capabilities=atom.capabilities(datapath),
+                        deterministic=deterministic)
         runner = "cpu" if self.kind == "cpu" else datapath  # a cpu cluster runs any plan
         return atom.load(runner).bind(self, schedule, timeout=timeout, **options)
 

@@ -10,6 +10,7 @@ Write a strategy of your own with ``@strategy(name)``: a function from a :class:
 :class:`Node` list of one route (ARCHITECTURE.md, "Add a strategy").
 """
 
+from purlin.snac.determinism import DETERMINISTIC_STRATEGIES, check_deterministic
 from purlin.snac.ir import Consume, Flag, Notify, Region, Schedule, Stage, Wait
 from purlin.snac.planner import Capabilities, plan
 from purlin.snac.routes import INTO_OUTPUT, PULL, SCRATCH, Node
@@ -17,6 +18,6 @@ from purlin.snac.strategies import (STRATEGIES, Piece, Strategy, check_route, st
                                     unregister)
 from purlin.snac.verify import Report, verify
 
-__all__ = ["Capabilities", "Consume", "Flag", "INTO_OUTPUT", "Node", "Notify", "PULL", "Piece",
+__all__ = ["Capabilities", "Consume", "DETERMINISTIC_STRATEGIES", "Flag", "INTO_OUTPUT", "Node", "Notify", "PULL", "Piece",
            "Region", "Report", "SCRATCH", "STRATEGIES", "Schedule", "Stage", "Strategy", "Wait",
-           "check_route", "plan", "strategy", "unregister", "verify"]
+           "check_deterministic", "check_route", "plan", "strategy", "unregister", "verify"]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from purlin.errors import PlanError, SpecError
+from purlin.snac.determinism import DETERMINISTIC_STRATEGIES, check_deterministic
 from purlin.snac.ir import Schedule
 from purlin.snac.routes import Route, emit
 from purlin.snac.segments import segments
@@ -42,7 +43,7 @@ def plan(collective: Collective, strategy: str = "direct-push", *, count: int | 
          nbytes: int | None = None, dtype="float32", chunk_sizes=None,
          sizing: Sizing | None = None, chunks: int = 1, lanes: int = 1,
          lanes_by: str = "piece", capabilities: Capabilities | None = None,
-         check: bool = True) -> Schedule:
+         check: bool = True, deterministic: bool = False) -> Schedule:
     """Plan ``collective`` with ``strategy`` and verify the result (unless ``check=False``).
 
     The size is given as ``count`` elements or ``nbytes`` of the largest per-rank buffer, or
@@ -60,6 +61,11 @@ def plan(collective: Collective, strategy: str = "direct-push", *, count: int | 
     ...          lanes_by="stage")
     >>> sorted({(st.lane, st.kind) for st in s.steps[0]})  # doctest: +NORMALIZE_WHITESPACE
     [(0, 'notify'), (0, 'stage'), (1, 'consume'), (1, 'notify'), (1, 'stage'), (2, 'consume')]
+
+    ``deterministic=True`` lists every reduce step's sources in rank order and proves, with
+    :func:`~purlin.snac.determinism.check_deterministic` (even with ``check=False``), that each
+    reduced output element comes from one step reading all its contributions; a strategy that
+    sums hop by hop (ring on 3+ ranks) is refused with a PlanError.
     """
     if sizing is None:
         if count is None and nbytes is None and chunk_sizes is None:
@@ -72,13 +78,15 @@ def plan(collective: Collective, strategy: str = "direct-push", *, count: int | 
             raise PlanError(f"{label} must be a whole number >= 1, got {value!r}")
     if lanes_by not in LANES_BY:
         raise PlanError(f"lanes_by must be one of {', '.join(LANES_BY)}, got {lanes_by!r}")
+    if not isinstance(deterministic, bool):
+        raise PlanError(f"deterministic must be True or False, got {deterministic!r}")
     return _plan(sizing, strategy, chunks, lanes, lanes_by, capabilities or Capabilities(),
-                 check)
+                 check, deterministic)
 
 
 @lru_cache(maxsize=256)
 def _plan(sizing: Sizing, strategy: str, chunks: int, lanes: int, lanes_by: str,
-          caps: Capabilities, check: bool) -> Schedule:
+          caps: Capabilities, check: bool, deterministic: bool = False) -> Schedule:
     coll = sizing.collective
     check_strategy(strategy, coll)
     routes = build_routes(sizing, strategy, chunks, lanes)
@@ -91,10 +99,23 @@ def _plan(sizing: Sizing, strategy: str, chunks: int, lanes: int, lanes_by: str,
         else:
             engine_for = lambda op: caps.name if op == "copy" else caps.reduce_engine  # noqa
     shape = (strategy, chunks, lanes, lanes_by)
-    schedule, report = _safe_schedule(sizing, shape, routes, engine_for)
+    schedule, report = _safe_schedule(sizing, shape, routes, engine_for, deterministic)
     if check:
         (report or verify(schedule)).raise_if_failed()
+    if deterministic:
+        _require_deterministic(schedule)
     return schedule
+
+
+def _require_deterministic(schedule: Schedule) -> None:
+    problems = check_deterministic(schedule)
+    if problems:
+        n = schedule.nranks
+        raise PlanError(
+            f"strategy {schedule.strategy!r} cannot plan {schedule.collective.name} with "
+            f"deterministic=True: {problems[0]}. Deterministic mode needs every output element "
+            f"reduced by one step that reads all {n} contributions in rank order; of the "
+            f"built-in strategies {', '.join(DETERMINISTIC_STRATEGIES)} do that")
 
 
 strategies.on_change(_plan.cache_clear)  # a re-registered name must not keep old plans
@@ -145,7 +166,7 @@ def _schedule(sizing, shape, emitted, copies) -> Schedule:
         scratch_copies=copies)
 
 
-def _safe_schedule(sizing, shape, routes, engine_for):
+def _safe_schedule(sizing, shape, routes, engine_for, rank_order=False):
     """Make scratch reuse across back-to-back calls safe at the least cost: a single scratch
     area if the schedule's own waits already order the reuse, else two alternating areas,
     else two areas plus acknowledgements for exactly the edges that still race. Returns the
@@ -153,13 +174,15 @@ def _safe_schedule(sizing, shape, routes, engine_for):
     n = sizing.collective.nranks
     by_stage = shape[2] if shape[3] == "stage" else 0
     for copies in (1, 2):
-        emitted = emit(routes, n, copies=copies, engine_for=engine_for, stage_lanes=by_stage)
+        emitted = emit(routes, n, copies=copies, engine_for=engine_for, stage_lanes=by_stage,
+                       rank_order=rank_order)
         schedule = _schedule(sizing, shape, emitted, copies)
         report = verify(schedule, max_races=None)
         if report.ok or not _scratch_races(report):
             return schedule, report
     acks = frozenset(_racing_edges(report, emitted, schedule))
-    emitted = emit(routes, n, acks=acks, copies=2, engine_for=engine_for, stage_lanes=by_stage)
+    emitted = emit(routes, n, acks=acks, copies=2, engine_for=engine_for, stage_lanes=by_stage,
+                   rank_order=rank_order)
     return _schedule(sizing, shape, emitted, 2), None
 
 

@@ -73,13 +73,16 @@ def _depths(route: Route) -> list[int]:
 
 
 def emit(routes: list[Route], nranks: int, acks: frozenset = frozenset(),
-         copies: int = 1, engine_for=None, stage_lanes: int = 0) -> Emitted:
+         copies: int = 1, engine_for=None, stage_lanes: int = 0,
+         rank_order: bool = False) -> Emitted:
     """Lower routes to steps. ``acks`` holds scratch edge ids whose consumer must acknowledge
     the read before the producer writes the same scratch again ``copies`` calls later.
     ``engine_for(op)`` names the engine of a data step (for datapaths that cannot reduce).
     ``stage_lanes`` > 0: a node at depth d runs in lane d % stage_lanes instead of its
-    route's lane (``plan(..., lanes_by="stage")``)."""
-    out = _Emitter(nranks, engine_for)
+    route's lane (``plan(..., lanes_by="stage")``). A reduce step lists its sources as the
+    node's predecessors, then its own input; ``rank_order`` lists them by the rank they come
+    from instead (``plan(..., deterministic=True)``)."""
+    out = _Emitter(nranks, engine_for, rank_order)
     for route in routes:
         r = _RouteState(route, stage_lanes)
         out.land(r)
@@ -115,8 +118,8 @@ class _Emitter:
     """Steps of every rank as they are placed, with their sort keys, and the scratch, notify
     and edge bookkeeping ``emit`` needs."""
 
-    def __init__(self, nranks: int, engine_for):
-        self.nranks, self.engine_for = nranks, engine_for
+    def __init__(self, nranks: int, engine_for, rank_order: bool = False):
+        self.nranks, self.engine_for, self.rank_order = nranks, engine_for, rank_order
         self.scratch = [0] * nranks
         self.items: list = []      # (rank, lane, key, order, step-or-("notify", id))
         self.notifies: list = []   # (rank, lane, owner) per Notify id
@@ -160,14 +163,18 @@ class _Emitter:
         announce the result to its successors, release what it read."""
         route, node = r.route, r.route.nodes[i]
         key, lane, rank = route.seq + r.depth[i], r.lane_of[i], node.rank
-        inputs, waits = [], []
+        inputs, waits = [], []  # inputs: (rank the value comes from, region)
         for p in node.preds:
             r.contributions[i] += r.contributions[p]
-            inputs.append(r.value_at[p] if node.incoming == PULL else r.landing[(p, i)])
+            inputs.append((route.nodes[p].rank,
+                           r.value_at[p] if node.incoming == PULL else r.landing[(p, i)]))
             waits.append(_PendingWait(r.ready[(p, i)]))
         if node.own is not None:
-            inputs.append(node.own)
+            inputs.append((rank, node.own))
             r.contributions[i] += 1
+        if self.rank_order:
+            inputs.sort(key=lambda x: x[0])  # stable: a rank's own input stays one source
+        inputs = [region for _, region in inputs]
         if not inputs:
             raise PlanError(f"route node on rank {rank} has neither predecessors nor input")
         # a value that travels on and stays local is written here first, then sent from here:
