@@ -136,13 +136,13 @@ def shuffled_arrivals(monkeypatch):
     copy, reduce = cpu_datapath.copy_into, cpu_datapath.reduce_into
     rng = random.Random(7)
 
-    def slow_copy(dst, src):
+    def slow_copy(*args, **kwargs):
         time.sleep(rng.random() * 3e-4)
-        copy(dst, src)
+        copy(*args, **kwargs)
 
-    def slow_reduce(dst, srcs, op, divisor=1):
+    def slow_reduce(*args, **kwargs):
         time.sleep(rng.random() * 3e-4)
-        reduce(dst, srcs, op, divisor)
+        reduce(*args, **kwargs)
 
     monkeypatch.setattr(cpu_datapath, "copy_into", slow_copy)
     monkeypatch.setattr(cpu_datapath, "reduce_into", slow_reduce)
