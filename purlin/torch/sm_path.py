@@ -372,10 +372,10 @@ class SmPath:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None \
             else torch.device(device)
         self.blocks_per_lane, self.threads = blocks_per_lane, threads
-        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        from purlin.atom.sm import Gpu
+        from purlin.atom.sm import gpu_of
 
-        self.gpu = Gpu(self.device.index, self.sms)  # what launches are sized for
+        self.gpu = gpu_of(torch, self.device.index)  # what launches are sized for
+        self.sms = self.gpu.sms
         self.buf = symm_mem.empty(int(nbytes), dtype=torch.uint8, device=self.device)
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
         if enable is not None:  # needed before PyTorch 2.9, a deprecated no-op after
