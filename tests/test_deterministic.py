@@ -193,12 +193,12 @@ def test_auto_picks_only_qualifying_strategies(monkeypatch):
     """Where auto would pick ring (a table's choice), deterministic=True takes two-phase."""
     from purlin.runtime import auto
 
-    real = auto.select
+    real = auto.rules  # what auto picks on a cpu cluster
 
-    def ring_first(collective, cluster=None, *, strategy=None, **kw):
-        return real(collective, cluster, strategy=strategy or "ring", **kw)
+    def ring_first(collective, size, strategy=None):
+        return real(collective, size, strategy or "ring")
 
-    monkeypatch.setattr(auto, "select", ring_first)
+    monkeypatch.setattr(auto, "rules", ring_first)
     cluster = Cluster.cpu(3)
     coll = collectives.all_reduce(3)
     assert cluster.bind(coll, "auto", count=48).schedule.strategy == "ring"

@@ -225,13 +225,16 @@ def find_table(table=None, gpu: str | None = None) -> TuningTable | None:
 # -- choosing ----------------------------------------------------------------------------------
 def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32",
            chunk_sizes=None, strategy: str | None = None, table=None, gpu: str | None = None,
-           model: bool | None = None, virtual: bool | None = None) -> Choice:
+           model: bool | None = None, virtual: bool | None = None,
+           deterministic: bool = False) -> Choice:
     """The configuration for ``collective`` at this size on ``cluster``: from the tuning table
     of its GPU model, rank count and kind (``virtual``: one GPU's virtual ranks; by default
     ``cluster.kind == "virtual"``), else on GPUs the fast path (:func:`fast_choice`), else
     the rules (the cpu datapath; ``model=True``: the cost model's strategy there too).
     ``strategy`` fixes the strategy and picks only its chunks, lanes and blocks. A fused
-    protocol is only chosen where the fused kernel can run the plan.
+    protocol is only chosen where the fused kernel can run the plan. ``deterministic``: only
+    strategies whose every sum is one rank-ordered step (ring gives way to two-phase, the
+    other bandwidth choice; anything else to direct-push).
 
     >>> from purlin.spec import collectives
     >>> from purlin.runtime import Cluster
@@ -240,6 +243,16 @@ def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32"
     >>> select(collectives.all_reduce(2), Cluster.cpu(2), nbytes=2 << 20, table=table)
     Choice(ring, chunks=2, lanes=4, blocks_per_lane=8, from table NVIDIA H200 @ 1048576 B)
     """
+    if deterministic and strategy is None and collective.op.is_reduce:
+        from purlin.snac.determinism import DETERMINISTIC_STRATEGIES
+
+        size = dict(count=count, nbytes=nbytes, dtype=dtype, chunk_sizes=chunk_sizes,
+                    table=table, gpu=gpu, model=model, virtual=virtual)
+        choice = select(collective, cluster, **size)
+        if choice.strategy in DETERMINISTIC_STRATEGIES:
+            return choice
+        return select(collective, cluster, **size, strategy="two-phase"
+                      if choice.strategy == "ring" else "direct-push")
     sizing = collective.sized(count, nbytes=nbytes, dtype=dtype, chunk_sizes=chunk_sizes)
     size = sizing.message_bytes
     datapath = getattr(cluster, "datapath", "cpu") if cluster is not None else "cpu"

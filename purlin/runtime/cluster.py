@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from purlin import atom
 from purlin.errors import CapabilityError, PlanError, SpecError
-from purlin.snac.determinism import DETERMINISTIC_STRATEGIES
 from purlin.snac.planner import plan
 from purlin.spec.collective import Collective
 
@@ -124,12 +123,7 @@ class Cluster:
             size = ({"chunk_sizes": dict(sizing.chunks), "dtype": sizing.dtype.name}
                     if sizing is not None else {"count": count, "nbytes": nbytes,
                                                 "dtype": dtype, "chunk_sizes": chunk_sizes})
-            choice = select(collective, self, **size)
-            if deterministic and collective.op.is_reduce \
-                    and choice.strategy not in DETERMINISTIC_STRATEGIES:
-                # ring is the bandwidth choice; two-phase is the deterministic one
-                choice = select(collective, self, **size, strategy="two-phase"
-                                if choice.strategy == "ring" else "direct-push")
+            choice = select(collective, self, **size, deterministic=deterministic)
             strategy, chunks, lanes = choice.strategy, choice.chunks, choice.lanes
             lanes_by = choice.lanes_by
         datapath = self._datapath(collective, datapath, count=count, nbytes=nbytes,
