@@ -20,7 +20,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -205,9 +205,11 @@ def from_sm(bound, clocks: Clocks | Mapping | None = None, *, barriers: bool = T
     if not getattr(bound, "trace_rows", 0):
         raise ExecutionError("this collective was bound without tracing: bind it with "
                              "trace_rows=N (rows per block, at least the longest lane's)")
-    return from_sm_records(bound.schedule, bound.lowered, bound.read_trace(),
-                           bound.blocks_per_lane, devices=bound.devices, clocks=clocks,
-                           barriers=barriers, label=label)
+    timeline = from_sm_records(bound.schedule, bound.lowered, bound.read_trace(),
+                               bound.blocks_per_lane, devices=bound.devices, clocks=clocks,
+                               barriers=barriers, label=label)
+    kernel = getattr(bound, "kernel", None)  # which kernel ran: the interpreter or fused
+    return replace(timeline, meta={**timeline.meta, "kernel": kernel}) if kernel else timeline
 
 
 def from_sm_records(schedule: Schedule, lowered, traces, blocks_per_lane: int, *,
@@ -283,8 +285,8 @@ def from_sm_records(schedule: Schedule, lowered, traces, blocks_per_lane: int, *
 
 
 def _row_kind(schedule: Schedule, rank: int, row) -> str:
-    """stage | consume (COPY/REDUCE), notify, wait; a NOTIFY or WAIT with no peer, or whose
-    step is not a Notify / Consume, is a lane barrier."""
+    """stage | consume (COPY/REDUCE), notify, wait; stage (LL_PUT), wait (LL_GET); a NOTIFY
+    or WAIT with no peer, or whose step is not a Notify / Consume, is a lane barrier."""
     step = schedule.steps[rank][int(row[isa.STEP])]
     op = int(row[isa.OP])
     if op in (isa.COPY, isa.REDUCE):
@@ -293,4 +295,8 @@ def _row_kind(schedule: Schedule, rank: int, row) -> str:
         return "notify" if isinstance(step, Notify) and row[isa.PEER] >= 0 else "barrier"
     if op == isa.WAIT:
         return "wait" if isinstance(step, Consume) and row[isa.PEER] >= 0 else "barrier"
+    if op == isa.LL_PUT:  # a Stage and its Notify in one: the flag travels inside the data
+        return "stage"
+    if op == isa.LL_GET:  # a Consume's wait: polling the LL units until they land
+        return "wait"
     return "barrier"
