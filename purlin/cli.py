@@ -452,7 +452,10 @@ def run_command(args: argparse.Namespace) -> int:
          arg("--profile", default="H200", help="hardware profile of the prediction"),
          arg("--measure", action="store_true",
              help="also run it (GPUs where present, else the cpu datapath) and draw the "
-                  "measured timeline under the predicted one"))
+                  "measured timeline under the predicted one"),
+         arg("--protocol", default="auto", choices=("auto", "simple", "ll", "fused", "fused-ll"),
+             help="on GPUs, the sm protocol measured: auto (default) traces the fused kernel "
+                  "where it runs the plan (fused-ll up to 256 KiB), else the interpreter"))
 def trace_command(args: argparse.Namespace) -> int:
     """Draw the predicted (and optionally measured) SNAC timeline of a collective."""
     import numpy as np
@@ -472,7 +475,8 @@ def trace_command(args: argparse.Namespace) -> int:
     shown, fig = predicted, None
     if args.measure:
         cluster = choose(schedule.nranks)
-        options = {} if cluster.kind == "cpu" else {"trace_rows": 256}
+        options = {} if cluster.kind == "cpu" else \
+            {"trace_rows": 256, "protocol": trace_protocol(schedule, args.protocol)}
         bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
                              chunks=schedule.chunks, lanes=schedule.lanes,
                              lanes_by=schedule.lanes_by, **options)
@@ -492,6 +496,8 @@ def trace_command(args: argparse.Namespace) -> int:
             clocks = measure_clocks(clock_pair, sorted(set(cluster.devices)))
             shown = from_sm(bound, clocks)
         where = describe(cluster)
+        if getattr(bound, "kernel", None):  # which kernel the timeline is of
+            where += f", {bound.kernel}"
         fig = compare_figure(predicted, shown, title=f"{schedule.title()}<br><sup>predicted: "
                              f"profile {profile.name}; measured: {where}</sup>")
         print(f"measured on the {where}: {shown.duration_ns / 1e3:.2f} µs")
@@ -508,6 +514,29 @@ def trace_command(args: argparse.Namespace) -> int:
         to_perfetto(shown, perfetto)
         print(f"wrote {perfetto.resolve()} (open in ui.perfetto.dev or chrome://tracing)")
     return 0
+
+
+def trace_protocol(schedule, asked: str = "auto") -> str:
+    """The sm protocol ``purlin trace --measure`` binds: ``asked``, or for "auto" the fused
+    kernel where it runs ``schedule`` (on LL transfers up to ``LL_MAX_BYTES``), else the
+    interpreter ("simple").
+
+    >>> from purlin.snac import plan
+    >>> from purlin.spec import collectives
+    >>> trace_protocol(plan(collectives.all_reduce(4), "direct-push", nbytes=8192))
+    'fused-ll'
+    >>> trace_protocol(plan(collectives.all_reduce(4), "ring", nbytes=8192, lanes=2))
+    'simple'
+    """
+    if asked != "auto":
+        return asked
+    from purlin.atom.fused import fused_problems
+    from purlin.atom.sm import LL_MAX_BYTES
+
+    problems = fused_problems(schedule)
+    order = ("fused-ll", "fused") if schedule.sizing.message_bytes <= LL_MAX_BYTES else \
+        ("fused", "fused-ll")
+    return next((p for p in order if problems[p] is None), "simple")
 
 
 def _random_input(rng, count, dtype):
