@@ -460,6 +460,7 @@ def trace_command(args: argparse.Namespace) -> int:
     """Draw the predicted (and optionally measured) SNAC timeline of a collective."""
     import numpy as np
 
+    from purlin.atom.fused_trace import fused_protocol
     from purlin.bench.clusters import choose, describe
     from purlin.snac import verify
     from purlin.trace import from_cpu, from_sm, predict, to_perfetto
@@ -476,7 +477,7 @@ def trace_command(args: argparse.Namespace) -> int:
     if args.measure:
         cluster = choose(schedule.nranks)
         options = {} if cluster.kind == "cpu" else \
-            {"trace_rows": 256, "protocol": trace_protocol(schedule, args.protocol)}
+            {"trace_rows": 256, "protocol": fused_protocol(schedule, args.protocol)}
         bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
                              chunks=schedule.chunks, lanes=schedule.lanes,
                              lanes_by=schedule.lanes_by, **options)
@@ -514,29 +515,6 @@ def trace_command(args: argparse.Namespace) -> int:
         to_perfetto(shown, perfetto)
         print(f"wrote {perfetto.resolve()} (open in ui.perfetto.dev or chrome://tracing)")
     return 0
-
-
-def trace_protocol(schedule, asked: str = "auto") -> str:
-    """The sm protocol ``purlin trace --measure`` binds: ``asked``, or for "auto" the fused
-    kernel where it runs ``schedule`` (on LL transfers up to ``LL_MAX_BYTES``), else the
-    interpreter ("simple").
-
-    >>> from purlin.snac import plan
-    >>> from purlin.spec import collectives
-    >>> trace_protocol(plan(collectives.all_reduce(4), "direct-push", nbytes=8192))
-    'fused-ll'
-    >>> trace_protocol(plan(collectives.all_reduce(4), "ring", nbytes=8192, lanes=2))
-    'simple'
-    """
-    if asked != "auto":
-        return asked
-    from purlin.atom.fused import fused_problems
-    from purlin.atom.sm import LL_MAX_BYTES
-
-    problems = fused_problems(schedule)
-    order = ("fused-ll", "fused") if schedule.sizing.message_bytes <= LL_MAX_BYTES else \
-        ("fused", "fused-ll")
-    return next((p for p in order if problems[p] is None), "simple")
 
 
 def _random_input(rng, count, dtype):

@@ -233,6 +233,48 @@ def test_from_sm_names_the_kernel_that_ran():
     assert t.meta["kernel"] == "fused kernel" and len(t) == 2
 
 
+def test_the_bench_fused_mode_writes_its_table_json_and_figures(tmp_path, monkeypatch, capsys):
+    """bench/timelines.py --fused with the GPU parts faked (binds, graph timing, the measured
+    timeline): both layouts at every size, traced and untraced, one figure per traced call."""
+    import importlib.util
+
+    import purlin.bench.clusters as clusters
+    import purlin.bench.providers as providers
+    import purlin.trace as trace
+    from purlin.runtime import Cluster
+    from purlin.trace import predict
+
+    spec = importlib.util.spec_from_file_location("bench_timelines", ROOT / "bench/timelines.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    binds = []
+
+    def bind(self, coll, strategy, **kw):
+        from purlin.snac import plan
+
+        binds.append((coll.name, kw["nbytes"], kw["protocol"], kw["trace_rows"]))
+        s = plan(coll, strategy, nbytes=kw["nbytes"], dtype=kw["dtype"])
+        return SimpleNamespace(schedule=s, kernel=f"{kw['protocol']} kernel",
+                               blocks_per_lane=4, trace_rows=kw["trace_rows"])
+
+    monkeypatch.setattr(clusters, "gpu_count", lambda: 1)
+    monkeypatch.setattr(Cluster, "virtual", classmethod(lambda cls, n: Cluster("virtual", n,
+                                                                               (0,) * n)))
+    monkeypatch.setattr(Cluster, "bind", bind)
+    monkeypatch.setattr(providers, "time_graph",
+                        lambda torch, b, ops, repeats: [10.0 + 0.5 * (b.trace_rows > 0)] * 3)
+    monkeypatch.setattr(trace, "from_sm", lambda b: predict(b.schedule, "H200"))
+    monkeypatch.setattr("sys.argv", ["timelines.py", "--fused", "--out", str(tmp_path)])
+    assert script.main() == 0
+    assert len(binds) == 12 and {b[2] for b in binds} == {"fused-ll", "fused"}
+    data = json.loads((tmp_path / "fused-timelines.json").read_text())
+    assert len(data["rows"]) == 6 and all(r["overhead_us"] == 0.5 for r in data["rows"])
+    assert sorted(p.name for p in tmp_path.glob("*.html")) == sorted(
+        f"fused-{stem}-{size}.html" for stem in ("allreduce", "reversed-allgather")
+        for size in ("8KiB", "64KiB", "1MiB"))
+    assert "fused-ll kernel" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------- GPUs
 
 

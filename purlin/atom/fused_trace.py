@@ -32,7 +32,7 @@ from purlin.atom.lowering import LoweredRank
 from purlin.errors import ExecutionError
 from purlin.kernels.isa import LL_GET, OP, OPCODE_NAMES, TRACE_WIDTH
 
-__all__ = ["as_row_records", "op_rows", "traced_kernel"]
+__all__ = ["as_row_records", "fused_protocol", "op_rows", "traced_kernel"]
 
 # the Launcher's name of each fused kernel's traced twin
 TRACED = {"fused": "fused-trace", "fused-norm": "fused-norm-trace"}
@@ -73,3 +73,26 @@ def traced_kernel(kernel: str) -> str:
         raise ExecutionError(f"the {kernel} kernel has no traced twin; "
                              f"{', '.join(TRACED)} do")
     return TRACED[kernel]
+
+
+def fused_protocol(schedule, asked: str = "auto") -> str:
+    """The sm protocol that traces ``schedule`` on the kernel the benchmarks time: ``asked``,
+    or for "auto" the fused kernel where it runs the schedule (on LL transfers up to
+    ``purlin.atom.sm.LL_MAX_BYTES``), else the interpreter ("simple").
+
+    >>> from purlin.snac import plan
+    >>> from purlin.spec import collectives
+    >>> fused_protocol(plan(collectives.all_reduce(4), "direct-push", nbytes=8192))
+    'fused-ll'
+    >>> fused_protocol(plan(collectives.all_reduce(4), "ring", nbytes=8192, lanes=2))
+    'simple'
+    """
+    if asked != "auto":
+        return asked
+    from purlin.atom.fused import fused_problems
+    from purlin.atom.sm import LL_MAX_BYTES
+
+    problems = fused_problems(schedule)
+    order = ("fused-ll", "fused") if schedule.sizing.message_bytes <= LL_MAX_BYTES else \
+        ("fused", "fused-ll")
+    return next((p for p in order if problems[p] is None), "simple")
