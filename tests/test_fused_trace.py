@@ -108,7 +108,7 @@ def _check_case(name, coll, protocol):
         assert (starts[1:] >= ends[:-1]).all(), (name, block)
     as_rows = as_row_records(rec, rows, len(low[0].tables[0]))
     t = from_sm_records(s, low, [as_rows, None, None, None], 2, devices=[0] * 4,
-                        label=f"measured ({protocol} kernel)")
+                        label=f"measured ({protocol} kernel)", block_matched=True)
     # on LL transfers a move polls its peers' units in place: its wait is inside the consume
     kinds = {"fused": {"stage", "notify", "wait", "consume"}, "fused-ll": {"stage", "consume"}}
     assert set(t.kinds()) == kinds[protocol], (name, t.kinds())
@@ -180,6 +180,32 @@ def test_records_become_table_rows_and_a_norm_has_none():
     assert not out[1].any()
     with pytest.raises(ExecutionError, match="2 ops but its table 3 rows"):
         op_rows(_table(isa.WAIT, isa.NOTIFY, isa.COPY), 2)
+
+
+def test_block_matched_flows_pair_each_block_with_its_own_notify():
+    """Block 0 of both ranks runs far ahead of block 1: on the interpreter every block's wait
+    needs every block's notify (so block 0 ending its wait early is inconsistent); on the fused
+    kernel block 0 waits only for block 0 of its peer."""
+    from purlin.atom.lowering import lower
+    from purlin.snac import plan
+    from purlin.spec import collectives
+    from purlin.trace import from_sm_records
+
+    s = plan(collectives.all_reduce(2), "direct-push", count=64, dtype="float32")
+    bases = {(r, b): (1 + 4 * r + i) << 20 for r in range(2)
+             for i, b in enumerate(("input", "output", "scratch"))}
+    low = lower(s, bases, {r: (9 + r) << 20 for r in range(2)})
+    assert [int(x) for x in low[0].tables[0][:, isa.OP]] == [isa.COPY, isa.NOTIFY, isa.WAIT,
+                                                            isa.REDUCE]
+    spans = {0: (1000, 1010, 1020, 1030, 1040), 1: (1000, 1100, 1110, 1120, 1130)}
+    traces = [np.array([[(row, b, t[row], t[row + 1]) for row in range(4)]
+                        for b, t in spans.items()]) for _ in range(2)]
+    kw = dict(devices=[0, 0])
+    interpreter = from_sm_records(s, low, traces, 2, **kw)
+    fused = from_sm_records(s, low, traces, 2, block_matched=True, **kw)
+    assert any("which releases it" in p for p in interpreter.check())
+    assert fused.check() == [] and fused.meta["block_matched"] is True
+    assert {(n.block, w.block) for n, w in fused.flows()} == {(0, 0), (1, 1)}
 
 
 def test_a_traced_launcher_needs_its_buffer():

@@ -348,6 +348,8 @@ class SmBound:
         self.launches = []
         self.threads = threads or DEFAULT_THREADS
         self.kernel = "interpreter"  # what runs a call (and a traced call)
+        # the fused kernel's block b waits only for block b of its peers (trace.flows reads it)
+        self.block_matched = fused
         if fused:
             self.kernel = f"{protocol} kernel"
             self._launch_fused(groups, asked, wish, threads)

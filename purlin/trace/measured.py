@@ -207,19 +207,21 @@ def from_sm(bound, clocks: Clocks | Mapping | None = None, *, barriers: bool = T
                              "trace_rows=N (rows per block, at least the longest lane's)")
     timeline = from_sm_records(bound.schedule, bound.lowered, bound.read_trace(),
                                bound.blocks_per_lane, devices=bound.devices, clocks=clocks,
-                               barriers=barriers, label=label)
+                               barriers=barriers, label=label,
+                               block_matched=getattr(bound, "block_matched", False))
     kernel = getattr(bound, "kernel", None)  # which kernel ran: the interpreter or fused
     return replace(timeline, meta={**timeline.meta, "kernel": kernel}) if kernel else timeline
 
 
 def from_sm_records(schedule: Schedule, lowered, traces, blocks_per_lane: int, *,
                     devices: Sequence[int] | None = None, clocks=None, barriers: bool = True,
-                    label: str = "measured (gpu)") -> Timeline:
+                    label: str = "measured (gpu)", block_matched: bool = False) -> Timeline:
     """A Timeline from raw GPU trace records: ``traces[r]`` is int64[lanes * blocks_per_lane,
     trace_rows, 4] of rank r (None: not traced), ``lowered[r]`` its lowered tables. Rows that
     were never written (start or end <= 0) are skipped. Consecutive rows of one block that
     belong to one step and kind (the WAIT rows of a Consume; a lane barrier's NOTIFY and WAIT)
-    become one event."""
+    become one event. ``block_matched``: each block waited only for the same block of its
+    peers (the fused kernel), so :meth:`Timeline.flows` pairs them block by block."""
     n = schedule.nranks
     devices = list(devices) if devices is not None else list(range(n))
     if clocks is not None and not isinstance(clocks, Clocks):
@@ -268,7 +270,7 @@ def from_sm_records(schedule: Schedule, lowered, traces, blocks_per_lane: int, *
         events.append(step_event(schedule, r, index, kind, float(start - zero),
                                  float(end - zero), "measured-gpu", block=sub, engine="sm"))
     meta = {"source": "measured-gpu", "zero_ns": float(zero), "blocks_per_lane": blocks_per_lane,
-            "devices": devices, "truncated": truncated}
+            "devices": devices, "truncated": truncated, "block_matched": bool(block_matched)}
     used = sorted(set(devices[r] for r, *_ in spans))
     if clocks is not None:
         meta["clocks"] = clocks.to_json()
