@@ -300,6 +300,7 @@ def test_from_sm_names_the_kernel_that_ran():
                             trace_rows=1, read_trace=lambda: rec, kernel="fused kernel")
     t = from_sm(bound)
     assert t.meta["kernel"] == "fused kernel" and len(t) == 2
+    assert t.label == "measured (gpu, fused kernel)"
 
 
 def test_the_bench_fused_mode_writes_its_table_json_and_figures(tmp_path, monkeypatch, capsys):

@@ -198,18 +198,22 @@ def measure_clocks(measure_pair: Callable[[int, int], tuple], devices: Sequence[
 
 
 def from_sm(bound, clocks: Clocks | Mapping | None = None, *, barriers: bool = True,
-            label: str = "measured (gpu)") -> Timeline:
+            label: str | None = None) -> Timeline:
     """A Timeline from a GPU-bound collective's last call (bind it with ``trace_rows=N``).
     ``clocks`` gives the offsets of the GPUs' clocks (:func:`align_clocks`); without them,
-    ranks on different GPUs are compared on clocks that may disagree (said in ``meta``)."""
+    ranks on different GPUs are compared on clocks that may disagree (said in ``meta``).
+    The label (by default) and ``meta["kernel"]`` name the kernel that ran: the interpreter
+    or the fused kernel."""
     if not getattr(bound, "trace_rows", 0):
         raise ExecutionError("this collective was bound without tracing: bind it with "
                              "trace_rows=N (rows per block, at least the longest lane's)")
+    kernel = getattr(bound, "kernel", None)  # which kernel ran: the interpreter or fused
+    if label is None:
+        label = f"measured (gpu, {kernel})" if kernel else "measured (gpu)"
     timeline = from_sm_records(bound.schedule, bound.lowered, bound.read_trace(),
                                bound.blocks_per_lane, devices=bound.devices, clocks=clocks,
                                barriers=barriers, label=label,
                                block_matched=getattr(bound, "block_matched", False))
-    kernel = getattr(bound, "kernel", None)  # which kernel ran: the interpreter or fused
     return replace(timeline, meta={**timeline.meta, "kernel": kernel}) if kernel else timeline
 
 
