@@ -35,7 +35,7 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 PUT_BYTES, PUT_DST, PUT_SRC, SOURCE_ADDR, SOURCE_LL, SOURCE_PEER,
                                 SOURCE_STEP, SOURCE_WIDTH, WAIT_EPOCH_OFFSET, WAIT_FLAG,
                                 WAIT_PEER, WAIT_PER_CALL, WAIT_SLOT, WAIT_STEP, WAIT_VALUE)
-from purlin.kernels.isa import TRACE_WIDTH  # noqa: E402 - the traced kernels' records
+from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
 
 SPINS_PER_CHECK = 64
 WARPS = MAX_THREADS // 32
