@@ -208,6 +208,28 @@ def test_block_matched_flows_pair_each_block_with_its_own_notify():
     assert {(n.block, w.block) for n, w in fused.flows()} == {(0, 0), (1, 1)}
 
 
+def test_ll_rows_read_as_the_stage_and_the_wait_they_carry():
+    """An LL_PUT is a Stage with its Notify inside the data, an LL_GET a Consume's wait (the
+    interpreter's LL rows; on the fused kernel the LL_GET folds into the move)."""
+    from purlin.atom.lowering import lower
+    from purlin.snac import plan
+    from purlin.spec import collectives
+    from purlin.trace import from_sm_records
+
+    s = plan(collectives.all_reduce(2), "direct-push", count=64, dtype="float32")
+    bases = {(r, b): (1 + 4 * r + i) << 20 for r in range(2)
+             for i, b in enumerate(("input", "output", "scratch", "ll"))}
+    low = lower(s, bases, {r: (9 + r) << 20 for r in range(2)},
+                ll_bases={r: bases[(r, "ll")] for r in range(2)})
+    assert [int(x) for x in low[0].tables[0][:, isa.OP]] == [isa.LL_PUT, isa.LL_GET,
+                                                            isa.REDUCE]
+    traces = [np.array([[(row, 0, 100 + 10 * row, 110 + 10 * row) for row in range(3)]])
+              for _ in range(2)]
+    t = from_sm_records(s, low, traces, 1, devices=[0, 0])
+    assert [(e.kind, e.step) for e in t.where(rank=0)] == [("stage", 0), ("wait", 2),
+                                                           ("consume", 2)]
+
+
 def test_a_traced_launcher_needs_its_buffer():
     from purlin.errors import SpecError
     from purlin.kernels.launch import Launcher
