@@ -423,5 +423,16 @@ def test_gpu_auto_keeps_the_fused_kernel_when_tracing():
     assert traced.protocol == plain.protocol
 
 
+@pytest.mark.gpu
+def test_gpu_purlin_trace_measures_the_fused_kernel(tmp_path, capsys):
+    from purlin.cli import main
+
+    page = tmp_path / "t.html"
+    assert main(["trace", "all-reduce", "-n", "4", "-b", "64KiB", "--dtype", "bfloat16",
+                 "--measure", "--out", str(page)]) == 0
+    printed = capsys.readouterr().out
+    assert "fused-ll kernel" in printed and "fused-ll kernel" in page.read_text()
+
+
 if __name__ == "__main__":
     _run_simulated(sys.argv[1])
