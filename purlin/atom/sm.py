@@ -301,10 +301,9 @@ class SmBound:
         # (judged on the aligned scratch slots allocate_buffers makes room for)
         ll = protocol in ("ll", "fused-ll") and \
             len(ll_transfers(schedule, scratch_layout(schedule))) > 0
-        if fused and (trace_rows or lanes != 1):
-            raise CapabilityError(f"protocol={protocol!r} runs one lane without per-row traces; "
-                                  f"{schedule.title()} has {lanes} lanes"
-                                  + (" and a trace was asked for" if trace_rows else ""))
+        if fused and lanes != 1:
+            raise CapabilityError(f"protocol={protocol!r} runs one lane; {schedule.title()} has "
+                                  f"{lanes} lanes")
         devs = cluster.devices
         self.devices = devs
         groups: dict[int, list[int]] = {}
@@ -336,7 +335,7 @@ class SmBound:
         for r, low in enumerate(lowered):
             dev = torch.device("cuda", devs[r])
             trace = None
-            if trace_rows:
+            if trace_rows and not fused:  # (the fused kernel's: _fused_trace_buffer)
                 trace = torch.zeros(lanes * bpl * trace_rows * isa.TRACE_WIDTH,
                                     dtype=torch.int64, device=dev)
             self.traces.append(trace)
@@ -348,7 +347,11 @@ class SmBound:
         # one per device: (device, launcher, descriptor address, ranks, call counters or 0)
         self.launches = []
         self.threads = threads or DEFAULT_THREADS
+        self.kernel = "interpreter"  # what runs a call (and a traced call)
+        # the fused kernel's block b waits only for block b of its peers (trace.flows reads it)
+        self.block_matched = fused
         if fused:
+            self.kernel = f"{protocol} kernel"
             self._launch_fused(groups, asked, wish, threads)
         else:
             self._launch_tables(groups, blobs)
@@ -415,10 +418,40 @@ class SmBound:
             counters = torch.zeros(len(ranks) * isa.F_MAX_BLOCKS, dtype=torch.int64,
                                    device=table.device)
             self._keep += [table, counters]
+            traced = self._fused_trace_buffer(ranks, progs, d)
             launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
                                 blocks_per_lane=self.blocks_per_lane, threads=self.threads,
-                                pdl=self.pdl, kernel="fused", stride_words=stride)
+                                pdl=self.pdl, kernel="fused", stride_words=stride, **traced)
             self.launches.append((d, launcher, table.data_ptr(), ranks, counters.data_ptr()))
+
+    def _fused_trace_buffer(self, ranks, progs, device) -> dict:
+        """With ``trace_rows``: the traced fused kernel's Launcher options and its records for
+        the ranks of one launch (every op of every block: ``trace_rows`` only switches it
+        on), kept in ``self._fused_traces``; without, no options."""
+        if not self.trace_rows:
+            return {}
+        from purlin.atom.fused_trace import traced_kernel
+
+        ops = max(progs[r].ops for r in ranks)
+        buffer = self.torch.zeros(len(ranks) * self.blocks_per_lane * ops * isa.TRACE_WIDTH,
+                                  dtype=self.torch.int64, device=self.torch.device("cuda", device))
+        self._fused_traces = getattr(self, "_fused_traces", []) + [(ranks, buffer, progs)]
+        return dict(kernel=traced_kernel("fused"), trace=buffer.data_ptr(), trace_rows=ops)
+
+    def _read_fused_trace(self):
+        """The traced fused kernel's records per rank, as the interpreter's (table row, block,
+        start, end): int64[blocks, table rows, 4] (:mod:`purlin.atom.fused_trace`)."""
+        from purlin.atom.fused_trace import as_row_records, op_rows
+
+        out = [None] * self.schedule.nranks
+        for ranks, buffer, progs in self._fused_traces:
+            records = buffer.cpu().numpy().reshape(len(ranks), self.blocks_per_lane, -1,
+                                                   isa.TRACE_WIDTH)
+            for k, r in enumerate(ranks):
+                low = self.lowered[r]
+                out[r] = as_row_records(records[k], op_rows(low, progs[r].ops),
+                                        len(low.tables[0]))
+        return out
 
     # -- running -----------------------------------------------------------------------------
     def launch(self, streams=None) -> None:
@@ -505,8 +538,11 @@ class SmBound:
         return call_with_tensors(self, inputs, out)
 
     def read_trace(self):
-        """Raw trace records per rank: int64[blocks, trace_rows, 4] (row, sub, start, end)."""
+        """Raw trace records per rank: int64[blocks, trace_rows, 4] (row, sub, start, end);
+        of the fused kernel, int64[blocks, table rows, 4] in the same format (sub: the block)."""
         self.synchronize()
+        if getattr(self, "_fused_traces", None):
+            return self._read_fused_trace()
         bpr = self.schedule.lanes * self.blocks_per_lane
         return [None if t is None else t.cpu().numpy().reshape(bpr, self.trace_rows, 4)
                 for t in self.traces]
