@@ -13,7 +13,8 @@ share the work (a lane's blocks times their threads). Thread ``tid`` handles uni
   (avg divides the exact sum, truncating toward zero); float32 and float64 stay in their type.
   Vectors are used where every address has the same offset modulo 16 (after a scalar head);
   otherwise, and for the tail, one element at a time. Addresses must be aligned to the element
-  size.
+  size. FP8 (one byte an element) is reduced one element at a time: decoded to float32,
+  accumulated in the sources' order, rounded once on the store (:mod:`purlin.kernels.fp8`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from purlin.kernels.intrinsics import (bits_to_f32, device, f16x2_to_f32, f32x2_
                                        store_v4_i32, store_v4_u32, store_volatile_v4_u32)
 from purlin.kernels.isa import (AVG, BF16, ERR_ABORTED, ERR_TIMEOUT, F16, F32, F64, I32,
                                 LL_DATA, LL_TAG_MOD, LL_UNIT, MAX, MIN)
+from purlin.kernels.isa import E4M3, E5M2
+from purlin.kernels.fp8 import f32_to_fp8, fp8_to_f32
 
 # ---------------------------------------------------------------------------------------- copy
 
@@ -257,6 +260,11 @@ def _reduce_scalar(dst, pool, nsrc, first, count, dt, op, divisor, tid, nthreads
             for s in range(1, nsrc):
                 n = combine(n, np.int64(load_i32(load_i64(pool + s * 8) + at)), op)
             store_u32(dst + at, avg_int(n, op, divisor))
+        elif dt == E4M3 or dt == E5M2:
+            q = fp8_to_f32(load_u8(load_i64(pool) + at), dt)
+            for s in range(1, nsrc):
+                q = combine(q, fp8_to_f32(load_u8(load_i64(pool + s * 8) + at), dt), op)
+            store_u8(dst + at, f32_to_fp8(avg_float(q, op, np.float32(divisor)), dt))
         else:
             x = _load_as_f32(load_i64(pool) + at, dt)
             for s in range(1, nsrc):
@@ -272,6 +280,8 @@ def itemsize(dt):
         return 2
     if dt == F64:
         return 8
+    if dt == E4M3 or dt == E5M2:
+        return 1
     return 4
 
 
@@ -296,7 +306,7 @@ def reduce_row(dst, pool, nsrc, count, dt, op, divisor, tid, nthreads):
     """
     size = itemsize(dt)
     phase = dst & 15
-    aligned = phase % size == 0
+    aligned = phase % size == 0 and size > 1  # (FP8: element by element)
     for s in range(nsrc):
         if (load_i64(pool + s * 8) & 15) != phase:
             aligned = False
