@@ -209,11 +209,17 @@ def test_auto_picks_only_qualifying_strategies(monkeypatch):
     assert all(np.array_equal(o.view(np.uint8), want.view(np.uint8)) for o in b(xs))
 
 
-def test_gpu_clusters_refuse_deterministic_for_now():
+def test_gpu_clusters_take_deterministic():
+    """GPU clusters bind deterministic=True (every protocol sums a step's sources in the
+    order listed, one rounding): here the bind gets past the plan and stops at the missing
+    GPU; a hop-by-hop strategy is refused by the plan, as on the cpu datapath."""
     for kind in ("local", "virtual"):
-        with pytest.raises(CapabilityError, match="not yet checked on GPUs"):
-            Cluster(kind, 2, (0, 1) if kind == "local" else (0, 0)).bind(
-                collectives.all_reduce(2), count=8, deterministic=True)
+        cluster = Cluster(kind, 3, (0, 1, 2) if kind == "local" else (0, 0, 0))
+        with pytest.raises(CapabilityError) as caught:
+            cluster.bind(collectives.all_reduce(3), count=12, deterministic=True)
+        assert "deterministic" not in str(caught.value) and "GPU" in str(caught.value)
+        with pytest.raises(PlanError, match="deterministic=True"):
+            cluster.bind(collectives.all_reduce(3), "ring", count=12, deterministic=True)
 
 
 # -- the lowered tables on the host interpreter (what the GPU kernels run) ---------------------
