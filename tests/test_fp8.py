@@ -318,3 +318,50 @@ def _host_bits(bufs, blocks, inputs):
     finally:
         host._store, host._load = real_store, real_load
     return [o.astype(np.uint8) for o in outs[0]]
+
+
+# -- process mode (shared memory, a thread per rank here) ------------------------------------------
+@pytest.mark.parametrize("fp8", FP8)
+def test_process_mode_moves_fp8_and_sums_it_in_one_rounding(fp8):
+    """ShmRun, the code every process of process mode runs: an all-gather moves every byte, a
+    direct-push and a two-phase sum give the cpu datapath's bits; a 3-rank ring sum (its
+    scratch holds FP8, so it would round every hop) is refused naming the step."""
+    import threading
+
+    from purlin.runtime.shm import HEADER, ShmArena, ShmRun, layout
+
+    def run_all(schedule, inputs):
+        lay = layout(schedule)
+        arena = ShmArena.create(schedule.nranks, HEADER + lay.size)
+        try:
+            runs = [ShmRun(schedule, r, arena, lay, timeout=10.0)
+                    for r in range(schedule.nranks)]
+            for run, x in zip(runs, inputs):
+                run.input[:] = x
+            threads = [threading.Thread(target=run) for run in runs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            return [run.output.copy() for run in runs]
+        finally:
+            arena.close()
+
+    n, rng = 3, np.random.default_rng(9)
+    sizes = lambda coll: {x: CHUNK for x in coll.input.names()}  # noqa: E731
+    coll = standard("all-gather", n)
+    s = plan(coll, "direct-push", dtype=fp8, chunk_sizes=sizes(coll))
+    xs = [rng.integers(0, 256, s.sizing.input_count(r), dtype=np.uint8) for r in range(n)]
+    outs = run_all(s, xs)
+    assert all(np.array_equal(o, np.concatenate(xs)) for o in outs)
+    coll = standard("all-reduce", n)
+    for strategy in ("direct-push", "two-phase"):
+        s = plan(coll, strategy, dtype=fp8, chunk_sizes=sizes(coll))
+        xs = [finite_fp8(rng, s.sizing.input_count(r), fp8, 32.0) for r in range(n)]
+        want = Cluster.cpu(n).bind(coll, strategy, dtype=fp8, chunk_sizes=sizes(coll))(xs)
+        for got, w in zip(run_all(s, xs), want):
+            np.testing.assert_array_equal(got, w, err_msg=strategy)
+    ring = plan(coll, "ring", dtype=fp8, chunk_sizes=sizes(coll))
+    with pytest.raises(CapabilityError, match=r"process-mode datapath reduces FP8 in one "
+                                              r"rounding only.*rank \d+ step \d+"):
+        ShmRun(ring, 0, None, None)

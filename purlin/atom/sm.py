@@ -622,7 +622,10 @@ def call_with_tensors(bound, inputs=None, out=None):
             if not x.is_contiguous():
                 raise ExecutionError(f"input of rank {r} is not contiguous; pass "
                                      "x.contiguous()")
-            bound.inputs[r][:want].copy_(x.reshape(-1).to(bound.inputs[r].dtype))
+            dst = bound.inputs[r][:want]
+            if x.dtype == torch.uint8 and dst.element_size() == 1:  # FP8 given as its bits
+                dst = dst.view(torch.uint8)
+            dst.copy_(x.reshape(-1).to(dst.device).to(dst.dtype))
     bound.launch()
     bound.check()
     outs = [bound.outputs[r][:sizing.output_count(r)] for r in range(schedule.nranks)]
