@@ -94,9 +94,10 @@ def device_codec_matches_torch():
 
 @case
 def reduce_rows_equal_the_cpu_datapath_bit_for_bit():
-    """FP8 reduce rows (sum, avg, max, min; 1 to 5 sources; addresses at odd offsets; two
-    lanes of two blocks of four threads) give the cpu datapath's bits: float32 accumulation
-    in source order, one rounding on the store, saturation and NaN as torch casts."""
+    """FP8 reduce rows (sum, avg, max, min; 1 to 5 sources; addresses at one offset modulo 4
+    -- the 32-bit word path after a scalar head -- or at unrelated ones; two lanes of two
+    blocks of four threads) give the cpu datapath's bits: float32 accumulation in source
+    order, one rounding on the store, saturation and NaN as torch casts."""
     from purlin.atom.cpu import reduce_into
     from purlin.kernels import isa, sim
 
@@ -106,12 +107,14 @@ def reduce_rows_equal_the_cpu_datapath_bit_for_bit():
         rows, checks = [[], []], []
         i = 0
         for op, code in ops.items():
-            for nsrc in (1, 2, 3, 5):
+            for nsrc, together in ((1, True), (2, True), (3, False), (3, True), (5, False),
+                                   (5, True)):
                 count = 37 + i
-                srcs = [_aligned(count, offset=(s + i) % 16) for s in range(nsrc)]
+                offsets = [(i % 4) + 4 * s if together else (s + i) % 16 for s in range(nsrc)]
+                srcs = [_aligned(count, offset=o % 16) for o in offsets]
                 for raw, addr in srcs:
                     _at(raw, addr, count)[:] = _finite_bits(name, rng, count, nan=True)
-                out_raw, out = _aligned(count, offset=(3 * i) % 16)
+                out_raw, out = _aligned(count, offset=(i % 4 + 8) if together else (3 * i) % 16)
                 rows[i % 2].append(sim.reduce_row(out, [a for _, a in srcs], count,
                                                   dtype=_code(name), redop=code,
                                                   divisor=nsrc, step=i))
