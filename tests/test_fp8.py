@@ -1,4 +1,5 @@
-"""FP8 (float8_e4m3fn, float8_e5m2) on the cpu datapath against purlin.spec.reference.
+"""FP8 (float8_e4m3fn, float8_e5m2) on the cpu datapath, the sm datapath's tables (host
+threads) and process mode, against purlin.spec.reference.
 
 Copies must move the bytes (every bit pattern, NaN payloads included). A reduction decodes to
 float32, accumulates there in the step's source order and rounds once, on the write, so its
