@@ -35,6 +35,7 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 PUT_BYTES, PUT_DST, PUT_SRC, SOURCE_ADDR, SOURCE_LL, SOURCE_PEER,
                                 SOURCE_STEP, SOURCE_WIDTH, WAIT_EPOCH_OFFSET, WAIT_FLAG,
                                 WAIT_PEER, WAIT_PER_CALL, WAIT_SLOT, WAIT_STEP, WAIT_VALUE)
+from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
 from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
 
 SPINS_PER_CHECK = 64
@@ -206,18 +207,22 @@ def _store_half8(dst, acc, dt, redop, div):
 
 @device
 def _store4(dst, w, valid):
-    """The first ``valid`` bytes (4, or 2: a 16-bit element) of word ``w``."""
+    """The first ``valid`` bytes (4, 3, 2 or 1: FP8 rows end on any byte) of word ``w``."""
     if valid >= 4:
         store_u32(dst, w)
-    else:
+    elif valid >= 2:
         store_u16(dst, w & 0xFFFF)
+        if valid == 3:
+            store_u8(dst + 2, (w >> 16) & 0xFF)
+    else:
+        store_u8(dst, w & 0xFF)
 
 
 @device
 def _store16(dst, w, valid):
     """The first ``valid`` bytes of a 16-byte item (four uint32 words): one vector store
-    for a whole item, else a row's scalar tail in 4- and 2-byte stores (every element type
-    is a multiple of 2 bytes), never past the row."""
+    for a whole item, else a row's scalar tail in 4-, 2- and 1-byte stores, never past the
+    row."""
     if valid >= 16:
         store_v4_u32(dst, w)
         return

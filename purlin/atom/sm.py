@@ -19,7 +19,7 @@ from purlin.snac.planner import Capabilities
 
 CAPABILITIES = Capabilities(name="sm", can_reduce=True)
 RUNS_ON = ("local", "virtual")  # cluster kinds (purlin.atom's registry)
-TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32")
+TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float8_e4m3fn", "float8_e5m2")
 DEFAULT_THREADS = 512
 
 
@@ -38,15 +38,31 @@ def _torch():
 def check_dtype(name: str, datapath: str = "sm", moves=TORCH_DTYPES) -> None:
     """Raise CapabilityError unless ``datapath`` moves dtype ``name`` (no GPU needed).
 
-    >>> check_dtype("float8_e5m2")
+    >>> check_dtype("float64")
     Traceback (most recent call last):
     purlin.errors.CapabilityError: the sm datapath moves bfloat16, float16, float32, int32, \
-not float8_e5m2; FP8 runs on the cpu datapath today (Cluster.cpu(n))
+float8_e4m3fn, float8_e5m2, not float64
     """
     if name not in moves:
-        fp8 = "; FP8 runs on the cpu datapath today (Cluster.cpu(n))" \
-            if name.startswith("float8") else ""
-        raise CapabilityError(f"the {datapath} datapath moves {', '.join(moves)}, not {name}{fp8}")
+        raise CapabilityError(f"the {datapath} datapath moves {', '.join(moves)}, not {name}")
+
+
+def check_fp8_reduction(schedule, datapath: str = "sm") -> None:
+    """Raise CapabilityError unless an FP8 reduction of ``schedule`` rounds once: the GPU
+    kernels keep FP8 in FP8 buffers, so every element must be reduced by one step over all
+    its contributions (a sum built hop by hop -- ring, recursive doubling -- would round at
+    every hop). Other dtypes and copy collectives pass."""
+    if not (schedule.dtype.startswith("float8") and schedule.collective.op.is_reduce):
+        return
+    from purlin.snac.determinism import check_one_rounding
+
+    problems = check_one_rounding(schedule)
+    if problems:
+        raise CapabilityError(
+            f"the {datapath} datapath reduces FP8 in one rounding only, and "
+            f"{schedule.title()} builds its sums hop by hop: {problems[0]}; use a strategy "
+            "that sums every element in one step (direct-push, direct-pull, push-pull, "
+            "two-phase, or strategy='auto'), or the cpu datapath, whose scratch holds float32")
 
 
 def device_count() -> int:
@@ -293,6 +309,7 @@ class SmBound:
         from purlin.atom.lowering import flag_slots, ll_transfers, lower, scratch_layout
 
         check_dtype(schedule.dtype)
+        check_fp8_reduction(schedule)
         torch = _torch()
         self.cluster, self.schedule, self.timeout = cluster, schedule, timeout
         self.torch = torch
@@ -641,7 +658,10 @@ def call_with_tensors(bound, inputs=None, out=None):
             if not x.is_contiguous():
                 raise ExecutionError(f"input of rank {r} is not contiguous; pass "
                                      "x.contiguous()")
-            bound.inputs[r][:want].copy_(x.reshape(-1).to(bound.inputs[r].dtype))
+            dst = bound.inputs[r][:want]
+            if x.dtype == torch.uint8 and dst.element_size() == 1:  # FP8 given as its bits
+                dst = dst.view(torch.uint8)
+            dst.copy_(x.reshape(-1).to(dst.dtype))
     bound.launch()
     bound.check()
     outs = [bound.outputs[r][:sizing.output_count(r)] for r in range(schedule.nranks)]
