@@ -27,6 +27,9 @@
 #   process processll processzc processzcll processauto tp tpgrids inlayer
 #                                                      bench/process_mode.py, tp_decoder, inlayer
 #   timeline tracecli notebooks                        timelines, `purlin trace`, notebooks
+# Either (one GPU is enough):
+#   fusedtrace   the fused kernel traced: GPU tests, traced vs untraced latency, timelines
+#   fp8det       FP8 and deterministic mode: GPU tests, bench/fp8_deterministic.py
 #   peers                                              bench/peers.py: every peer beside Purlin
 #                                                      in one run, ~9 minutes (FlashInfer from
 #                                                      .whl: bash bench/wheels.sh --peers)
@@ -238,6 +241,16 @@ for stage in "${stages[@]}"; do
                 --sections norm --out "$OUT/process_mode_norm.json"
             ;;
         timeline) TAIL=25 step timeline 200 python3 bench/timelines.py --out "$OUT/timelines" ;;
+        fusedtrace)  # the fused kernel traced: its GPU tests, then traced vs untraced latency
+            pytest_gpu gpu_fused_trace_tests 200 120 tests/test_fused_trace.py
+            TAIL=25 step fused_timelines 200 python3 bench/timelines.py --fused \
+                --out "$OUT/timelines"
+            ;;
+        fp8det)  # FP8 and deterministic mode: their GPU tests, then bench/fp8_deterministic.py
+            pytest_gpu gpu_fp8_deterministic_tests 300 300 tests/test_fp8_deterministic_gpu.py
+            TAIL=40 step fp8_deterministic 240 python3 bench/fp8_deterministic.py --ranks 4,8 \
+                --out "$OUT/fp8_deterministic.json"
+            ;;
         tracecli)
             step tracecli 120 python3 -m purlin trace all-reduce -n 2 -b 1MiB --dtype bfloat16 \
                 --measure --out "$OUT/trace-cli-allreduce-1MiB.html" \
