@@ -13,7 +13,7 @@
 #   env         nvidia-smi -L, the versions of python, torch, numba, numpy, the GPUs torch sees
 #   imports     purlin.kernels imported three ways (PYTHONPATH=. from the checkout, installed
 #               with pip --target, editable in a venv), each printing where purlin.kernels.isa is
-#   vtests      the GPU test files; on one GPU the tests that need one GPU per rank skip (-rs
+#   vtests      every gpu-marked test; on one GPU the tests that need one GPU per rank skip (-rs
 #               lists why) and the virtual-rank ones run
 #   cli1        purlin bench / run / trace --measure on 4 ranks (virtual on one GPU)
 #   notebooks1  notebooks/0*.ipynb executed headless (needs the wheels of bench/wheels.sh);
@@ -192,8 +192,7 @@ for stage in "${stages[@]}"; do
             TAIL=20 step imports 180 bash -c imports
             ;;
         vtests)  # on one GPU the local-cluster tests skip with their reason
-            pytest_gpu gpu_tests_virtual 300 120 -x tests/test_gpu_sm.py tests/test_gpu_ce.py \
-                tests/test_gpu_process.py
+            pytest_gpu gpu_tests_virtual 420 300 --maxfail 10 -m gpu tests
             ;;
         cli1)
             run_gpu="--datapath sm"  # the run command's GPU switch, whichever this tree has
