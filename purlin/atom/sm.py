@@ -438,15 +438,15 @@ class SmBound:
             traced = self._fused_trace_buffer(ranks, progs, d)
             launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
                                 blocks_per_lane=self.blocks_per_lane, threads=self.threads,
-                                pdl=self.pdl, kernel="fused", stride_words=stride, **traced)
+                                pdl=self.pdl, stride_words=stride, **traced)
             self.launches.append((d, launcher, table.data_ptr(), ranks, counters.data_ptr()))
 
     def _fused_trace_buffer(self, ranks, progs, device) -> dict:
         """With ``trace_rows``: the traced fused kernel's Launcher options and its records for
         the ranks of one launch (every op of every block: ``trace_rows`` only switches it
-        on), kept in ``self._fused_traces``; without, no options."""
+        on), kept in ``self._fused_traces``; without, the untraced kernel."""
         if not self.trace_rows:
-            return {}
+            return {"kernel": "fused"}
         from purlin.atom.fused_trace import traced_kernel
 
         ops = max(progs[r].ops for r in ranks)
