@@ -402,7 +402,8 @@ def fuse_problem(lowered: list[LoweredRank], unit: int = 16) -> str | None:
 
 
 def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
-            epilogue: Epilogue | None = None, threads: int = 0) -> FusedProgram:
+            epilogue: Epilogue | None = None, threads: int = 0, ops: list | None = None,
+            rotation: dict | None = None) -> FusedProgram:
     """The fused program of rank ``low`` (check the whole cluster with :func:`fuse_problem`
     first): ``error`` is the address of the rank's error record (``isa.ERR_WIDTH`` words),
     ``abort`` that of the cluster's abort word, ``flag_slot(address)`` the address of block
@@ -410,11 +411,13 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
     bytes (16; 8: one LL unit, twice the threads for LL transfers; 4: half an LL unit) of a
     row at a time -- every rank of a cluster the same (:func:`fused_unit` picks it).
     ``epilogue`` (checked by :func:`epilogue_problem` for blocks of ``threads`` threads):
-    a NORM op after the last move."""
+    a NORM op after the last move. ``ops`` and ``rotation``: the rank's ops and the rotation
+    of each move (by op index) as :func:`regrouped` gives them (else :func:`rank_ops`'s, no
+    rotation)."""
     if unit not in (4, 8, 16):
         raise CapabilityError(f"a fused program moves 16, 8 or 4 bytes per thread at a time, "
                               f"not {unit}")
-    ops = rank_ops(low, unit)
+    ops = rank_ops(low, unit) if ops is None else list(ops)
     if epilogue is not None:
         problem = _epilogue_problem(low.rank, ops, epilogue, unit, threads)
         if problem:
@@ -446,7 +449,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
             words[at: at + SOURCE_WIDTH] = (e.residual, e.weight, e.sums, e.hidden, eps)
             at += SOURCE_WIDTH
         else:
-            row = (F_OP_MOVE, op.dst_even, op.dst_odd, op.nbytes, len(op.sources), at)
+            row = (F_OP_MOVE, op.dst_even, op.dst_odd, op.nbytes, len(op.sources), at,
+                   (rotation or {}).get(k, 0))
             for src in op.sources:
                 words[at: at + SOURCE_WIDTH] = src
                 at += SOURCE_WIDTH

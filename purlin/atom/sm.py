@@ -380,7 +380,8 @@ class SmBound:
         stride, with a flag slot per block; the executor's control words keep the error
         record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
         ``wish``: a tuning table's (cut to what fits)."""
-        from purlin.atom.fused import fused_unit, program
+        from purlin.atom.fused import fused_unit
+        from purlin.atom.fused_rows import cluster_programs
         from purlin.kernels.launch import Launcher
 
         torch = self.torch
@@ -398,9 +399,9 @@ class SmBound:
             rank, index = self._flag_of(address)
             return self.block_flags[rank].data_ptr() + index * isa.F_MAX_BLOCKS * 8
 
-        progs = [program(low, error=self.control[r].data_ptr() + 2 * 8,
-                         abort=self.abort.data_ptr(), flag_slot=flag_slot, unit=unit)
-                 for r, low in enumerate(self.lowered)]
+        # (several pieces per peer: one flag each and rows side by side, purlin.atom.fused_rows)
+        progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
+                                 self.abort.data_ptr(), flag_slot, unit)
         size = max(p.items for p in progs)
         per_launch = max(len(r) for r in groups.values())
         self.blocks_per_lane, self.threads = fused_launch(
