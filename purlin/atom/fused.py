@@ -60,7 +60,7 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
 __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Source",
            "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",
            "fused_problems", "fused_unit", "grid", "oneshot_problem", "program", "rank_ops",
-           "row_grid", "row_sums_bytes", "threads_grid"]
+           "row_grid", "row_sums_bytes", "round_blocks", "threads_grid"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 
@@ -523,6 +523,22 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     most = 32 if nbytes < 4 << 20 else F_MAX_BLOCKS
     blocks = max(1, min(most, -(-items // threads)))
     return max(1, min(blocks, resident_blocks(sms, threads) // ranks_in_launch)), threads
+
+
+def round_blocks(items: int, blocks: int, threads: int, most: int) -> int:
+    """``blocks``, or one more (at most ``most``) where that saves the rank's threads a round
+    over ``items`` -- a size a few elements past a whole one, whose last partial item would
+    otherwise give one thread a round of its own (every thread's loads wait for it).
+
+    >>> round_blocks(8192, 32, 256, 64), round_blocks(8193, 32, 256, 64)
+    (32, 33)
+    >>> round_blocks(8193, 32, 256, 32), round_blocks(3 * 8192, 32, 256, 64)
+    (32, 32)
+    """
+    rounds = -(-items // (blocks * threads))
+    if rounds > 1 and blocks < most and items <= (rounds - 1) * (blocks + 1) * threads:
+        return blocks + 1
+    return blocks
 
 
 def threads_grid(nbytes: int, unit: int, threads: int, sms: int = 132) -> tuple[int, int] | None:

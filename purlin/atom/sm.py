@@ -245,7 +245,7 @@ def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=Non
     >>> fused_launch(Gpu(0, 132), 1 << 16, 4), fused_launch(Gpu(0, 132), 1 << 20, 4, wish=132)
     ((32, 512), (33, 512))
     """
-    from purlin.atom.fused import grid
+    from purlin.atom.fused import grid, round_blocks
 
     default_blocks, default_threads = grid(items, ranks, gpu.sms, unit)
     threads = int(threads or default_threads)
@@ -259,7 +259,8 @@ def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=Non
     most = min(isa.F_MAX_BLOCKS, gpu.resident(threads) // ranks)
     if most < 1:
         fit_blocks(gpu, 1, threads, ranks, kind)
-    return max(1, min(int(wish or default_blocks), most)), threads
+    chosen = max(1, min(int(wish or default_blocks), most))
+    return round_blocks(items, chosen, threads, most), threads  # (an odd size's last item)
 
 
 def _overflow(gpu: Gpu, lanes, ranks, bpl, threads, kind, what="blocks_per_lane") -> str:
