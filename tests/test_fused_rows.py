@@ -251,3 +251,71 @@ def test_gpu_random_layouts():
         strategy = str(rng.choice(["direct-push", "direct-pull"]))
         ran += _gpu_check(coll, sizes, dtype, strategy, str(rng.choice(["fused", "fused-ll"])))
     assert ran >= 20, ran
+
+
+# ---------------------------------------------------------------- odd sizes
+
+@pytest.mark.parametrize("strategy", ["two-phase", "ring", "direct-push"])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_odd_sizes_cut_parts_on_16_byte_items_and_fuse(strategy, n):
+    """An all-reduce one (or a few) elements past a size whose parts are whole 16-byte
+    items: every part starts aligned (the last one takes the tail), so two-phase and ring
+    fuse as the whole size does, chunked too, and give the reference."""
+    from purlin.atom.fused import fused_problems
+    from purlin.spec import collectives
+
+    coll = collectives.all_reduce(n)
+    for dtype, extra in (("bfloat16", 1), ("float32", 3), ("bfloat16", 7)):
+        e = 16 // ITEM[dtype]
+        each = 2 * n * e * 4
+        names = coll.input.names()
+        sizes = {k: each for k in names}
+        sizes[names[-1]] += extra
+        for chunks in (1, 2):
+            s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype, chunks=chunks)
+            whole = plan(coll, strategy, chunk_sizes={k: each for k in names}, dtype=dtype,
+                         chunks=chunks)
+            assert fused_problems(whole)["fused"] is None
+            assert fused_problems(s)["fused"] is None, (dtype, extra, chunks)
+        check_on_host(coll, sizes, dtype, strategy, "fused", blocks=2, threads=4)
+
+
+def test_a_last_partial_round_gets_one_more_block():
+    """One item past what the grid's threads take in a round: one more block (where it
+    fits), not a second round for one thread."""
+    from purlin.atom.sm import Gpu, fused_launch
+
+    gpu = Gpu(0, 132)
+    whole = fused_launch(gpu, 4096, 4, 16)
+    assert fused_launch(gpu, 4096 + 1, 4, 16) == (whole[0] + 1, whole[1])
+    assert fused_launch(gpu, 8192 + 1, 8, 8, wish=16) == (17, 256)
+    assert fused_launch(gpu, 8192, 8, 8, wish=16) == (16, 256)
+
+
+# ---------------------------------------------------------------- auto for custom layouts
+
+def test_custom_copy_layouts_borrow_their_twins_table_entry():
+    import types
+
+    from purlin.runtime.auto import TuningTable, select, twin_name
+    from purlin.spec import collectives
+
+    table = TuningTable("NVIDIA H200", {}, virtual={4: [
+        {"collective": "broadcast", "nbytes": 1 << 20, "strategy": "direct-pull",
+         "chunks": 1, "lanes": 1, "protocol": "fused"},
+        {"collective": "all-gather", "nbytes": 16 << 20, "strategy": "direct-pull",
+         "chunks": 1, "lanes": 1, "protocol": "fused"}]})
+    cluster = types.SimpleNamespace(datapath="sm", kind="virtual", nranks=4, devices=[0] * 4)
+    two_root = Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy")
+    assert twin_name(two_root) == "broadcast" and twin_name(gqa(4)) == "all-gather"
+    assert twin_name(collectives.all_reduce(4)) is None
+    got = select(two_root, cluster, chunk_sizes={"a": 1 << 18, "b": 1 << 18}, dtype="bfloat16",
+                 table=table)
+    assert (got.strategy, got.protocol) == ("direct-pull", "fused") and "twin broadcast" in \
+        got.source, got
+    got = select(gqa(4), cluster, chunk_sizes=gqa_sizes(4, 1 << 18), dtype="bfloat16",
+                 table=table)
+    assert got.strategy == "direct-pull" and "twin all-gather" in got.source, got
+    small = select(two_root, cluster, chunk_sizes={"a": 4096, "b": 4096}, dtype="bfloat16",
+                   table=table)
+    assert "twin" not in small.source, small  # small sizes keep the fast path
