@@ -3,8 +3,9 @@ flags and rotated rows, checked against ``purlin.reference`` without a GPU on th
 interpreter of fused programs (a thread per rank and block, the kernel's item rules with
 rotations), over the GQA all-gather (q, k, v of 4:1:1 per rank, delivered interleaved) and
 seeded random layouts x sizes x strategies x dtypes; the same cases on a GPU (virtual ranks)
-with ``-m gpu``. The kernel's own rotation code runs on the CUDA simulator in
-``tests/test_kernels_sim.py`` (``fused_rotated_rows_of_a_gqa_all_gather``)."""
+with ``-m gpu``. The kernel itself runs these programs on the CUDA simulator in
+``tests/test_kernels_sim.py`` (``fused_rotated_rows_of_a_gqa_all_gather``,
+``fused_random_layouts_of_unequal_rows``)."""
 
 from __future__ import annotations
 

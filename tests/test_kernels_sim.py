@@ -936,6 +936,59 @@ def fused_rotated_rows_of_a_gqa_all_gather():
                 got = bf16_floats(bufs.outputs[r][:len(want[r])])
             assert np.array_equal(got, want[r]), (n, dtype, r, got, want[r])
 
+
+@case
+def fused_random_layouts_of_unequal_rows():
+    """Seeded random layouts of unequal pieces (copies and reductions, scalar tails, 2..6
+    ranks, four dtypes, direct-push and direct-pull, both protocols): every rank's fused
+    program, run again by the kernel after the host interpreter ran call 0, gives the
+    reference."""
+    from test_fused_rows import random_layout
+
+    from purlin.atom.fused import fused_unit
+    from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
+    from purlin.kernels import fused, isa
+    from purlin.snac import plan
+    from purlin.spec import reference
+
+    rng = np.random.default_rng(11)
+    ran = 0
+    for _ in range(10):
+        n = int(rng.integers(2, 7))
+        dtype = str(rng.choice(["bfloat16", "float16", "float32", "int32"]))
+        coll, sizes = random_layout(rng, n, dtype)
+        strategy = str(rng.choice(["direct-push", "direct-pull"]))
+        protocol = str(rng.choice(["fused", "fused-ll"]))
+        s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+        bufs = HostBuffers(s, ll=protocol == "fused-ll")
+        low = bufs.lower()
+        unit, problem = fused_unit(low, protocol)
+        if problem is not None:
+            continue
+        programs = [w.copy() for w in fused_programs(low, bufs, unit)]
+        xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
+               for r in range(n)]]
+        for x in xs[0]:
+            x[x == 0] = 3
+        run_fused_calls(programs, bufs, xs, blocks=2, threads=3)
+        want = reference(s.sizing, xs[0])
+        for r in range(n):
+            if not len(want[r]):
+                continue
+            bufs.outputs[r][:] = 0
+            counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
+            w = programs[r]
+            fused.fused[2, 3](w.ctypes.data, 1, 2, 10_000_000, w.size, counters.ctypes.data)
+            assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, r, bufs.fused_error)
+            got = bufs.outputs[r][:len(want[r])]
+            got = bf16_floats(got) if dtype == "bfloat16" else \
+                (got.view(np.float16) if dtype == "float16" else got).astype(np.float64)
+            tol = 0.02 if dtype in ("bfloat16", "float16") else 0
+            assert (np.abs(got - want[r]) <= tol * (1 + np.abs(want[r]))).all(), \
+                (coll.name, strategy, protocol, dtype, r, got, want[r])
+        ran += 1
+    assert ran >= 5, ran
+
 # ------------------------------------------------------------------------ pytest entry points
 
 
