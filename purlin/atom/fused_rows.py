@@ -177,10 +177,16 @@ def regrouped(lowered, unit: int = 16) -> tuple[list[list[tuple]], list[dict]]:
     return ops, rotations(ops, unit)
 
 
-def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16) -> list:
+def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
+                     regroup: bool = True) -> list:
     """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the
-    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address)."""
-    ops, rot = regrouped(lowered, unit)
+    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address);
+    ``regroup=False``: on :func:`purlin.atom.fused.rank_ops`'s, an op per table row (what a
+    trace of the fused kernel names, ``purlin.atom.fused_trace.op_rows``)."""
+    if regroup:
+        ops, rot = regrouped(lowered, unit)
+    else:
+        ops, rot = [rank_ops(low, unit) for low in lowered], [{} for _ in lowered]
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
                     rotation=rot[i]) for i, low in enumerate(lowered)]
 
