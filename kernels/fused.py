@@ -36,6 +36,7 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 SOURCE_STEP, SOURCE_WIDTH, WAIT_EPOCH_OFFSET, WAIT_FLAG,
                                 WAIT_PEER, WAIT_PER_CALL, WAIT_SLOT, WAIT_STEP, WAIT_VALUE)
 from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
+from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
 from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
 
 SPINS_PER_CHECK = 64
@@ -690,6 +691,16 @@ def _begin(desc_ptr, slot, blocks_per_rank, stride_words, counters, meta, status
 
 
 @device
+def _rotated(g, rotation, stride):
+    """The first item of a MOVE that thread ``g`` of ``stride`` takes when item i is thread
+    (i + ``rotation``) mod ``stride``'s (``isa.MOVE_ROTATE``; 0: item g)."""
+    first = g - rotation  # (rotations are small: a few strides at most, no division)
+    while first < 0:
+        first += stride
+    return first
+
+
+@device
 def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl,
          norm, trace=0, trace_rows=0):
     # (no 64-bit division on the way to the first store: one rank per launch is the
@@ -791,16 +802,17 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             for k2 in range(nsrc):
                 if _word(meta, head, first + k2 * SOURCE_WIDTH + SOURCE_LL) != 0:
                     plain = False
-            i = g
+            gm = _rotated(g, _word(meta, head, at + MOVE_ROTATE), stride)
+            i = gm
             if plain and nsrc == 1:
                 copy_v16(_word(meta, head, at + MOVE_DST + odd),
-                         _word(meta, head, first + SOURCE_ADDR + odd), whole, g, stride)
+                         _word(meta, head, first + SOURCE_ADDR + odd), whole, gm, stride)
                 i = items
-                if whole < items and (whole - g) % stride == 0:
+                if whole < items and (whole - gm) % stride == 0:
                     i = whole  # the tail's thread
             elif plain and (dt == BF16 or dt == F16):
                 i = _reduce_pairs_half(meta, head, first, nsrc,
-                                       _word(meta, head, at + MOVE_DST + odd), whole, g, stride,
+                                       _word(meta, head, at + MOVE_DST + odd), whole, gm, stride,
                                        odd, dt, redop, divisor)
             while i < items:
                 valid = min(unit_bytes, nbytes - (i << shift))

@@ -109,6 +109,9 @@ NOTIFY_SLOT, NOTIFY_VALUE = 1, 2
 PUT_SRC, PUT_DST, PUT_BYTES, PUT_PEER, PUT_STEP = 1, 2, 4, 5, 6
 # MOVE:   kind, destination on even calls, on odd calls, bytes, sources, first source word
 MOVE_DST, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES = 1, 3, 4, 5
+# (and, word 6, a rotation: item i is thread (i + rotation) mod the rank's threads', so the
+#  small rows of one segment run on different threads at once; 0 for most programs)
+MOVE_ROTATE = 6
 # NORM:   kind, target on even calls, on odd calls, bytes, 1, first parameter word, chunks,
 #         chunks per row -- the epilogue (residual add and RMSNorm) over a MOVE's
 #         destination, in chunks of threads x unit bytes; its parameters take one source

@@ -354,16 +354,24 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None
                 return buffers.block_flags[r].ctypes.data + index * isa.F_MAX_BLOCKS * 8
         raise ValueError(f"0x{address:x} is no flag of these buffers")
 
+    if not epilogues:  # (the programs the sm datapath runs: purlin.atom.fused_rows)
+        from purlin.atom.fused_rows import cluster_programs
+
+        return [p.words for p in cluster_programs(
+            lowered, lambda r: buffers.fused_error.ctypes.data,
+            buffers.fused_abort.ctypes.data, flag_slot, unit)]
     return [program(low, buffers.fused_error.ctypes.data, buffers.fused_abort.ctypes.data,
                     flag_slot, unit, epilogue=(epilogues or {}).get(low.rank),
                     threads=threads).words for low in lowered]
 
 
-def _items(nbytes: int, unit: int, block: int, blocks: int, threads: int) -> list[int]:
+def _items(nbytes: int, unit: int, block: int, blocks: int, threads: int,
+           rotation: int = 0) -> list[int]:
     """The items (``unit`` bytes each, the last one partial where ``nbytes`` is not whole
-    items: a scalar tail) block ``block`` takes: item i goes to thread ``i % (blocks *
-    threads)`` of the rank's grid, as in the fused kernel."""
-    return [i for i in range(-(-nbytes // unit)) if (i % (blocks * threads)) // threads == block]
+    items: a scalar tail) block ``block`` takes: item i goes to thread ``(i + rotation) %
+    (blocks * threads)`` of the rank's grid, as in the fused kernel."""
+    return [i for i in range(-(-nbytes // unit))
+            if ((i + rotation) % (blocks * threads)) // threads == block]
 
 
 def _tail(data: bytes, valid: int, unit: int) -> bytes:
@@ -410,7 +418,7 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
             sources = [[int(x) for x in head[first + s * isa.SOURCE_WIDTH:]
                         [:isa.SOURCE_WIDTH]] for s in range(nsrc)]
             count = unit // isa.ITEMSIZE[code]
-            for i in _items(nbytes, unit, block, blocks, threads):
+            for i in _items(nbytes, unit, block, blocks, threads, op[isa.MOVE_ROTATE]):
                 valid = min(unit, nbytes - unit * i)  # a scalar tail: the row's bytes only
                 raw = []
                 for is_ll, even, odd_at, _, _ in sources:

@@ -261,7 +261,7 @@ def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=Non
     >>> fused_launch(Gpu(0, 132), 1 << 16, 4), fused_launch(Gpu(0, 132), 1 << 20, 4, wish=132)
     ((32, 512), (33, 512))
     """
-    from purlin.atom.fused import grid
+    from purlin.atom.fused import grid, round_blocks
 
     default_blocks, default_threads = grid(items, ranks, gpu.sms, unit)
     threads = int(threads or default_threads)
@@ -275,7 +275,8 @@ def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=Non
     most = min(isa.F_MAX_BLOCKS, gpu.resident(threads) // ranks)
     if most < 1:
         fit_blocks(gpu, 1, threads, ranks, kind)
-    return max(1, min(int(wish or default_blocks), most)), threads
+    chosen = max(1, min(int(wish or default_blocks), most))
+    return round_blocks(items, chosen, threads, most), threads  # (an odd size's last item)
 
 
 def _overflow(gpu: Gpu, lanes, ranks, bpl, threads, kind, what="blocks_per_lane") -> str:
@@ -400,7 +401,8 @@ class SmBound:
         stride, with a flag slot per block; the executor's control words keep the error
         record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
         ``wish``: a tuning table's (cut to what fits)."""
-        from purlin.atom.fused import fused_unit, program
+        from purlin.atom.fused import fused_unit
+        from purlin.atom.fused_rows import cluster_programs
         from purlin.kernels.launch import Launcher
 
         torch = self.torch
@@ -418,9 +420,10 @@ class SmBound:
             rank, index = self._flag_of(address)
             return self.block_flags[rank].data_ptr() + index * isa.F_MAX_BLOCKS * 8
 
-        progs = [program(low, error=self.control[r].data_ptr() + 2 * 8,
-                         abort=self.abort.data_ptr(), flag_slot=flag_slot, unit=unit)
-                 for r, low in enumerate(self.lowered)]
+        # (several pieces per peer: one flag each and rows side by side, purlin.atom.fused_rows)
+        progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
+                                 self.abort.data_ptr(), flag_slot, unit,
+                                 regroup=not self.trace_rows)  # (a trace names table rows)
         size = max(p.items for p in progs)
         per_launch = max(len(r) for r in groups.values())
         self.blocks_per_lane, self.threads = fused_launch(
