@@ -75,6 +75,10 @@ DESC_WIDTH = 12
 E_CODE, E_RANK, E_STEP, E_FLAG, E_EXPECTED, E_SEEN, E_LANE, E_BLOCK, E_PEER = range(9)
 ERR_WIDTH = 9
 ERR_NONE, ERR_TIMEOUT, ERR_ABORTED = 0, 1, 2
+# written by the variable-length pack kernel (kernels/varlen.py): E_STEP holds the chunk's
+# input position, E_FLAG its index in the counts, E_SEEN the count, E_EXPECTED the capacity
+# (ERR_COUNT) or the packed input's elements (ERR_PACKED)
+ERR_COUNT, ERR_PACKED = 3, 4
 
 # trace record (int64 each): row index, block within the lane, start ns, end ns
 TRACE_WIDTH = 4

@@ -105,7 +105,17 @@ class Cluster:
         ``deterministic=True``: bitwise the same result for the same inputs whatever the
         strategy, chunks, lanes or arrival order (``plan(..., deterministic=True)``; ``auto``
         then picks among the strategies that qualify); the cpu datapath only, for now.
+        A :class:`purlin.spec.varlen.VarLen` binds at its capacity and is called with counts
+        (``purlin.runtime.varlen``).
         """
+        from purlin.spec.varlen import VarLen
+
+        if isinstance(collective, VarLen):  # planned at capacity; counts come per call
+            from purlin.runtime.varlen import bind_varlen
+
+            return bind_varlen(self, collective, strategy, dtype=dtype, chunks=chunks,
+                               lanes=lanes, lanes_by=lanes_by, timeout=timeout,
+                               datapath=datapath, deterministic=deterministic, **options)
         timeout = check_timeout(timeout)
         if collective.nranks != self.nranks:
             raise PlanError(f"{collective.name} is declared for {collective.nranks} ranks but "
