@@ -133,13 +133,7 @@ class VarLenBound:
         self._views, self._meta, self._outs, self._out_counts, self._errors = [], [], [], [], []
         for r in range(v.nranks):
             dev = self.bound.inputs[r].device
-            metas = []
-            for row in (c.input[r], c.output[r]):
-                m = np.zeros((max(len(row), 1), 3), dtype=np.int64)
-                for p, name in enumerate(row):
-                    m[p] = (v.index(name), p * self.slot, p * self.slot * size // 8)
-                metas.append(torch.from_numpy(m).to(dev))
-            self._meta.append(metas)
+            self._meta.append([torch.from_numpy(m).to(dev) for m in slot_meta(v, r, self.dtype)])
             i, o = self.bound.inputs[r], self.bound.outputs[r]
             self._views.append((i.view(idt), i.view(torch.int64), o.view(idt),
                                 o.view(torch.int64)))
@@ -224,6 +218,28 @@ class VarLenBound:
 
     def __repr__(self) -> str:
         return f"<bound {self.varlen!r}, {self.schedule.strategy}, on {self.cluster}>"
+
+
+def slot_meta(varlen: VarLen, rank: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The pack and unpack kernels' tables of ``rank`` (``purlin.kernels.varlen``): per input
+    and per output position, the chunk's index in the counts, its slot's first element and
+    its header's int64 word.
+
+    >>> from purlin.spec.varlen import all_to_all_v
+    >>> slot_meta(all_to_all_v(2, 3), 1, "float32")[1].tolist()
+    [[1, 0, 0], [3, 8, 4]]
+    """
+    from purlin.kernels.varlen import META_WIDTH
+
+    _, slot = varlen.slot(dtype)
+    size = as_dtype(dtype).itemsize
+    tables = []
+    for row in (varlen.collective.input[rank], varlen.collective.output[rank]):
+        m = np.zeros((max(len(row), 1), META_WIDTH), dtype=np.int64)
+        for p, name in enumerate(row):
+            m[p] = (varlen.index(name), p * slot, p * slot * size // 8)
+        tables.append(m)
+    return tables[0], tables[1]
 
 
 def _is_tensor(x) -> bool:
