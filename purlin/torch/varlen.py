@@ -1,0 +1,133 @@
+"""The variable-length all-to-all of process mode: pack this rank's rows into the padded
+all-to-all's slots, run it (``Communicator._run_sized``), unpack what arrived.
+
+Tensors on the host go through ``VarLen.pack``/``unpack`` on numpy views of them; tensors on
+a GPU through the kernels of ``purlin.kernels.varlen`` on the current stream (no host sync).
+ARCHITECTURE.md, "Variable-length collectives".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from purlin.errors import CallMismatchError, CountError
+from purlin.spec.collective import _fmt
+from purlin.spec.varlen import VarLen
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of host tensor ``t`` (FP8 and bfloat16 as integers of their size)."""
+    return t.view(_INT[t.element_size()]).numpy()
+
+
+class Slots:
+    """This rank's slot buffers, tables and error record for one (capacity, row, dtype)."""
+
+    def __init__(self, varlen: VarLen, rank: int, dtype: torch.dtype, device):
+        from purlin.runtime.varlen import slot_meta
+
+        self.varlen, self.rank, self.device = varlen, rank, device
+        name = str(dtype).removeprefix("torch.")
+        self.sizing = varlen.sized(name)
+        self.head, self.slot = varlen.slot(name)
+        self.padded_in = torch.zeros(self.sizing.input_count(rank), dtype=dtype, device=device)
+        self.padded_out = torch.zeros(self.sizing.output_count(rank), dtype=dtype,
+                                      device=device)
+        meta_in, meta_out = slot_meta(varlen, rank, name)
+        self.headers = meta_out[:, 2].copy()
+        self.meta_in = torch.from_numpy(meta_in).to(device)
+        self.meta_out = torch.from_numpy(meta_out).to(device)
+        self.error = torch.zeros(16, dtype=torch.int64, device=device)
+        self.out_counts = torch.zeros(varlen.nranks, dtype=torch.int64, device=device)
+
+    def pack(self, flat: torch.Tensor, counts: torch.Tensor) -> None:
+        """``flat``: this rank's packed rows; ``counts``: every chunk's rows (this rank's own
+        read), int64 on the device."""
+        v, r = self.varlen, self.rank
+        if self.device.type == "cpu":
+            checked = v.counts(counts.tolist())
+            rows = v.input_counts(r, checked)
+            need = sum(rows) * v.row
+            if need > flat.numel():
+                raise CountError(f"rank {r}: its splits {list(rows)} need {need} elements, "
+                                 f"its input holds {flat.numel()}")
+            v.pack(r, _np(flat)[:need], checked, self.sizing.dtype.name,
+                   out=_np(self.padded_in))
+            return
+        from numba import cuda
+
+        from purlin.kernels import varlen as kv
+
+        arr = cuda.as_cuda_array
+        stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        src = flat.view(_INT[flat.element_size()]) if flat.numel() else \
+            self.padded_in[:1].view(_INT[flat.element_size()])
+        p = self.padded_in
+        kv.pack[kv.grid(len(v.collective.input[r]), v.capacity * v.row), kv.THREADS, stream](
+            arr(src), flat.numel(), arr(p.view(_INT[p.element_size()])),
+            arr(p.view(torch.int64)), arr(counts), arr(self.meta_in), self.head, v.row,
+            v.capacity, arr(self.error), r)
+
+    def received(self) -> list[int]:
+        """Rows each rank sent here, read from the slot headers (synchronizes)."""
+        words = self.padded_out.view(torch.int64)[torch.from_numpy(self.headers)
+                                                  .to(self.device)]
+        return [int(c) for c in words.cpu().tolist()]
+
+    def expect(self, splits) -> None:
+        """CallMismatchError unless the senders sent the rows ``splits`` says (host splits)."""
+        got = self.received()
+        for j, (want, sent) in enumerate(zip(splits, got)):
+            if want != sent:
+                raise CallMismatchError(
+                    f"rank {self.rank} expects {want} rows from rank {j} (output_split_sizes"
+                    f"[{j}]) but rank {j} sends {sent} (its input_split_sizes[{self.rank}]); "
+                    "every rank's output splits must be the senders' input splits")
+
+    def unpack(self, flat_out: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Unpack into ``flat_out`` (room for every row that can arrive); returns the rows per
+        sender (int64, on the device)."""
+        v, r = self.varlen, self.rank
+        if self.device.type == "cpu":
+            packed, got = v.unpack(r, _np(self.padded_out), self.sizing.dtype.name)
+            _np(flat_out)[:packed.size] = packed
+            self.out_counts.copy_(torch.tensor(got, dtype=torch.int64))
+            return self.out_counts
+        from numba import cuda
+
+        from purlin.kernels import varlen as kv
+
+        arr = cuda.as_cuda_array
+        stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
+        p = self.padded_out
+        kv.unpack[kv.grid(len(v.collective.output[r]), v.capacity * v.row), kv.THREADS,
+                  stream](
+            arr(p.view(_INT[p.element_size()])), arr(p.view(torch.int64)),
+            arr(flat_out.view(_INT[flat_out.element_size()])), arr(counts),
+            arr(self.meta_out), self.head, v.row, v.capacity, arr(self.out_counts))
+        return self.out_counts
+
+    def check(self) -> None:
+        """Raise the bad count the pack kernel recorded, if any (synchronizes); the record is
+        cleared once reported."""
+        from purlin.kernels import isa
+
+        rec = self.error.cpu().numpy()
+        if rec[isa.E_CODE] == isa.ERR_NONE:
+            return
+        self.error.zero_()
+        j = int(rec[isa.E_STEP])
+        name = self.varlen.names[int(rec[isa.E_FLAG])]
+        where = f"rank {self.rank} chunk {_fmt(name)} (its split for rank {j})"
+        if rec[isa.E_CODE] == isa.ERR_COUNT:
+            seen, cap = int(rec[isa.E_SEEN]), int(rec[isa.E_EXPECTED])
+            why = "is negative" if seen < 0 else f"is over the capacity of {cap} rows"
+            raise CountError(f"{where}: split {seen} {why} (caught on the GPU by the pack "
+                             f"kernel; {max(min(seen, cap), 0)} rows were sent); pass a larger "
+                             "capacity, or send fewer rows")
+        raise CountError(f"{where}: the splits up to this rank need {int(rec[isa.E_SEEN])} rows "
+                         f"but the input holds {int(rec[isa.E_EXPECTED])} (caught on the GPU by "
+                         "the pack kernel; the rows past the input were not sent)")
