@@ -1,5 +1,8 @@
 """A mixture-of-experts layer on Purlin's variable-length all-to-all, checked against one device.
 
+    PYTHONPATH=. python3 bench/moe.py [--ranks 4] [--tokens 64] [--hidden 128] [--ffn 256]
+        [--experts 8] [--topk 2] [--datapath cpu|sm] [--out FOLDER_OR_FILE.json]
+
 Every rank routes its tokens to the top-k of ``experts`` experts (a linear router, softmax
 over the k picked), sends each (token, expert) row to the rank holding the expert
 (``all_to_all_v``, the per-rank row counts a device tensor: no host sync), runs its experts'
@@ -7,9 +10,6 @@ MLPs (``relu(x W1) W2``) on what arrived, sends the results back with the receiv
 the new splits (the combine), and sums them weighted by the gates. The same layer computed on
 one device in float64 from the same weights and tokens is the reference; the table says the
 largest difference and how uneven the dispatch was.
-
-    PYTHONPATH=. python3 bench/moe.py [--ranks 4] [--tokens 64] [--hidden 128] [--ffn 256]
-        [--experts 8] [--topk 2] [--datapath cpu|sm] [--out FOLDER_OR_FILE.json]
 
 ``--datapath cpu`` (the default without a GPU) runs the ranks on ``Cluster.cpu(n)``; ``sm``
 on ``Cluster.virtual(n)`` (n ranks on one GPU). Exit status 1 if any row is wrong.

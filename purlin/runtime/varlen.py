@@ -68,6 +68,8 @@ class VarLenBound:
             return outs
         torch = self.bound.torch
         dev = self.bound.inputs[0].device
+        inputs = [torch.as_tensor(x).to(self.bound.inputs[r].device)
+                  for r, x in enumerate(inputs)]
         outs, _ = self.launch(inputs, torch.tensor(counts, dtype=torch.int64, device=dev))
         self.check()
         return [o[:sum(v.output_counts(r, counts)) * v.row] for r, o in enumerate(outs)]
@@ -163,11 +165,12 @@ class VarLenBound:
             if x is None or not c.input[r]:
                 continue
             if x.numel() > v.input_capacity(r) or not x.is_contiguous() or \
-                    x.device != self.bound.inputs[r].device:
-                raise ExecutionError(f"input of rank {r} must be a contiguous tensor on "
-                                     f"{self.bound.inputs[r].device} of at most "
-                                     f"{v.input_capacity(r)} elements, got {x.numel()} on "
-                                     f"{x.device}")
+                    x.device != self.bound.inputs[r].device or \
+                    x.dtype != self.bound.inputs[r].dtype:
+                raise ExecutionError(f"input of rank {r} must be a contiguous {self.dtype} "
+                                     f"tensor on {self.bound.inputs[r].device} of at most "
+                                     f"{v.input_capacity(r)} elements, got {x.numel()} "
+                                     f"{x.dtype} on {x.device}")
             src = x.reshape(-1).view(self._int_dtype) if x.numel() else \
                 self._views[r][0][:1]
             cr = counts if counts.device == x.device else counts.to(x.device)
