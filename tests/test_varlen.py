@@ -168,3 +168,26 @@ def test_plan_is_the_padded_collective():
     assert {c for _, c in sizing.chunks} == {slot}
     # reductions carry no header: the receiver holds the counts
     assert reduce_scatter_v(2, 4).slot("float32") == (0, 4)
+
+
+def test_auto_strategy_binds_at_capacity():
+    v = all_to_all_v(4, capacity=16, row=8)
+    bound = Cluster.cpu(4).bind(v, "auto", dtype="float32")
+    counts = [[16, 0, 3, 1]] * 4
+    ins = [np.arange(20 * 8, dtype=np.float32) + 1000 * r for r in range(4)]
+    want = v.reference(ins, counts)
+    assert all(np.array_equal(o, w) for o, w in zip(bound(ins, counts), want))
+
+
+def test_moe_example_on_the_cpu_datapath():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "moe.py"
+    spec = importlib.util.spec_from_file_location("bench_moe", path)
+    moe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(moe)
+    row = moe.run(ranks=2, tokens=16, hidden=16, ffn=32, experts=4, k=2, datapath="cpu",
+                  repeats=1, log=None)
+    assert row["status"] == "ok" and row["max_abs_error"] < 1e-4, row
+    assert sum(row["rows_per_rank_received"]) == 2 * 16 * 2  # every (token, expert) row
