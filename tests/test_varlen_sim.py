@@ -46,8 +46,8 @@ def _shared(a):
     return FakeCUDAArray(a)
 
 
-def _int_view(a):
-    return _shared(a.view({1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]))
+def _int_view(a, kw):
+    return _shared(a.view(kw.int_name))
 
 
 def _move(v, sizing, padded_in, dtype):
@@ -71,10 +71,12 @@ def _move(v, sizing, padded_in, dtype):
 def _run(v, dtype, counts, inputs, threads=32):
     """pack -> padded collective -> unpack through the kernels; (outputs, counts, errors)."""
     from purlin.kernels import varlen as kv
-    from purlin.runtime.varlen import slot_meta
+    from purlin.runtime.varlen import kernel_view, slot_meta
 
     c = v.collective
-    head, slot = v.slot(dtype)
+    _, slot = v.slot(dtype)
+    kw = kernel_view(v, dtype)  # rows move as integers of kw.unit bytes
+    head, row = kw.head, kw.row
     counts = np.asarray(counts, dtype=np.int64)
     padded, errors = [], []
     for r in range(v.nranks):
@@ -82,10 +84,11 @@ def _run(v, dtype, counts, inputs, threads=32):
         err = np.zeros(16, dtype=np.int64)
         meta_in, _ = slot_meta(v, r, dtype)
         if c.input[r]:
-            src = inputs[r] if inputs[r].size else np.zeros(1, inputs[r].dtype)
-            kv.pack[kv.grid(len(c.input[r]), v.capacity * v.row, threads), threads](
-                _int_view(src), inputs[r].size, _int_view(buf), _shared(buf.view(np.int64)), counts,
-                _shared(meta_in), head, v.row, v.capacity, _shared(err), r)
+            src = inputs[r] if inputs[r].size else np.zeros(v.row, inputs[r].dtype)
+            kv.pack[kv.grid(len(c.input[r]), v.capacity * row, threads), threads](
+                _int_view(src, kw), inputs[r].size // v.row * row, _int_view(buf, kw),
+                _shared(buf.view(np.int64)), counts, _shared(meta_in), head, row, v.capacity,
+                _shared(err), r)
         padded.append(buf)
         errors.append(err)
     moved = _move(v, v.sized(dtype), padded, dtype)
@@ -95,9 +98,9 @@ def _run(v, dtype, counts, inputs, threads=32):
         out = np.full(max(v.output_capacity(r), 1), SENTINEL, dtype=inputs[r].dtype)
         oc = np.zeros(max(len(c.output[r]), 1), dtype=np.int64)
         if c.output[r]:
-            kv.unpack[kv.grid(len(c.output[r]), v.capacity * v.row, threads), threads](
-                _int_view(moved[r]), _shared(moved[r].view(np.int64)), _int_view(out), counts,
-                _shared(meta_out), head, v.row, v.capacity, _shared(oc))
+            kv.unpack[kv.grid(len(c.output[r]), v.capacity * row, threads), threads](
+                _int_view(moved[r], kw), _shared(moved[r].view(np.int64)), _int_view(out, kw),
+                counts, _shared(meta_out), head, row, v.capacity, _shared(oc))
         outs.append(out)
         got.append(oc[:len(c.output[r])])
     return outs, got, errors
@@ -132,9 +135,9 @@ def _decode(x, dtype):
     return x.astype(np.float64)
 
 
-def case_reference(kind, dtype, style):
-    rng = np.random.default_rng(abs(hash((kind, dtype, style))) % 2**32)
-    v = _builder(kind)(3, 4, row=2)
+def case_reference(kind, dtype, style, row=2):
+    rng = np.random.default_rng(abs(hash((kind, dtype, style, row))) % 2**32)
+    v = _builder(kind)(3, 4, row=row)
     if style == "zero":
         counts = [0] * len(v.names)
     elif style == "full":
@@ -189,6 +192,10 @@ def case_bad_counts():
 def _cases():
     out = {f"ref-{k}-{d}-{s}": (case_reference, (k, d, s))
            for k in KINDS for d in DTYPES for s in STYLES}
+    # rows of 3 and 8 elements: the kernels move them in units of 2, 4 or 8 bytes
+    out.update({f"ref-{k}-{d}-row{row}": (case_reference, (k, d, "mixed", row))
+                for k in KINDS for d in ("bfloat16", "float8_e4m3fn", "float32")
+                for row in (3, 8)})
     out["bad-counts"] = (case_bad_counts, ())
     return out
 

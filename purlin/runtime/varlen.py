@@ -20,6 +20,8 @@ is planned, verified and bound once at capacity; each call packs, runs and unpac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from purlin.errors import CountError, ExecutionError
@@ -72,7 +74,7 @@ class VarLenBound:
                   for r, x in enumerate(inputs)]
         outs, _ = self.launch(inputs, torch.tensor(counts, dtype=torch.int64, device=dev))
         self.check()
-        return [o[:sum(v.output_counts(r, counts)) * v.row] for r, o in enumerate(outs)]
+        return [o[:sum(v.output_counts(r, counts)) * v.row].clone() for r, o in enumerate(outs)]
 
     def _inputs(self, inputs) -> list:
         inputs = list(inputs)
@@ -130,8 +132,8 @@ class VarLenBound:
     def _prepare_gpu(self) -> None:
         torch = self.bound.torch
         v, c = self.varlen, self.varlen.collective
-        size = as_dtype(self.dtype).itemsize
-        idt = getattr(torch, _INT_VIEW[size])
+        self.view = kernel_view(v, self.dtype)
+        idt = getattr(torch, self.view.int_name)
         self._views, self._meta, self._outs, self._out_counts, self._errors = [], [], [], [], []
         for r in range(v.nranks):
             dev = self.bound.inputs[r].device
@@ -159,11 +161,14 @@ class VarLenBound:
         if counts.dtype not in (torch.int32, torch.int64):
             raise CountError(f"{v.name}: counts must be int32 or int64, got {counts.dtype}")
         counts = counts.reshape(-1)
+        kw = self.view
         stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         arr = cuda.as_cuda_array
         for r, x in enumerate(inputs):
-            if x is None or not c.input[r]:
+            if not c.input[r]:
                 continue
+            if x is None:  # nothing to send: every count of this rank must be 0
+                x = self.bound.inputs[r][:0]
             if x.numel() > v.input_capacity(r) or not x.is_contiguous() or \
                     x.device != self.bound.inputs[r].device or \
                     x.dtype != self.bound.inputs[r].dtype:
@@ -171,22 +176,22 @@ class VarLenBound:
                                      f"tensor on {self.bound.inputs[r].device} of at most "
                                      f"{v.input_capacity(r)} elements, got {x.numel()} "
                                      f"{x.dtype} on {x.device}")
-            src = x.reshape(-1).view(self._int_dtype) if x.numel() else \
-                self._views[r][0][:1]
+            x = x.reshape(-1)[:x.numel() // v.row * v.row]  # whole rows: whole units
+            src = x.view(self._int_dtype) if x.numel() else self._views[r][0][:1]
             cr = counts if counts.device == x.device else counts.to(x.device)
             i_view, i64, _, _ = self._views[r]
-            kv.pack[kv.grid(len(c.input[r]), v.capacity * v.row), kv.THREADS, stream](
-                arr(src), x.numel(), arr(i_view), arr(i64), arr(cr), arr(self._meta[r][0]),
-                self.head, v.row, v.capacity, arr(self._errors[r]), r)
+            kv.pack[kv.grid(len(c.input[r]), v.capacity * kw.row), kv.THREADS, stream](
+                arr(src), x.numel() // v.row * kw.row, arr(i_view), arr(i64), arr(cr),
+                arr(self._meta[r][0]), kw.head, kw.row, v.capacity, arr(self._errors[r]), r)
         self.bound.launch()
         for r in range(v.nranks):
             if not c.output[r]:
                 continue
             _, _, o_view, o64 = self._views[r]
             cr = counts if counts.device == o_view.device else counts.to(o_view.device)
-            kv.unpack[kv.grid(len(c.output[r]), v.capacity * v.row), kv.THREADS, stream](
+            kv.unpack[kv.grid(len(c.output[r]), v.capacity * kw.row), kv.THREADS, stream](
                 arr(o_view), arr(o64), arr(self._outs[r].view(self._int_dtype)), arr(cr),
-                arr(self._meta[r][1]), self.head, v.row, v.capacity,
+                arr(self._meta[r][1]), kw.head, kw.row, v.capacity,
                 arr(self._out_counts[r]))
         return ([o[:v.output_capacity(r)] for r, o in enumerate(self._outs)],
                 [k[:len(c.output[r])] for r, k in enumerate(self._out_counts)])
@@ -223,10 +228,35 @@ class VarLenBound:
         return f"<bound {self.varlen!r}, {self.schedule.strategy}, on {self.cluster}>"
 
 
+@dataclass(frozen=True)
+class KernelView:
+    """How the pack/unpack kernels see the buffers of a VarLen in a dtype: as integers of
+    ``unit`` bytes, the widest (up to 8) that a row is a whole number of, so rows move in
+    wide words whatever the dtype; ``head`` and ``row`` in those units.
+
+    >>> from purlin.spec.varlen import all_to_all_v
+    >>> kernel_view(all_to_all_v(2, 3, row=4), "bfloat16")
+    KernelView(unit=8, int_name='int64', head=2, row=1)
+    """
+
+    unit: int
+    int_name: str
+    head: int
+    row: int
+
+
+def kernel_view(varlen: VarLen, dtype) -> KernelView:
+    size = as_dtype(dtype).itemsize
+    row_bytes = varlen.row * size
+    unit = next(u for u in (8, 4, 2, 1) if row_bytes % u == 0 and u >= size or u == size)
+    head, _ = varlen.slot(dtype)
+    return KernelView(unit, _INT_VIEW[unit], head * size // unit, row_bytes // unit)
+
+
 def slot_meta(varlen: VarLen, rank: int, dtype) -> tuple[np.ndarray, np.ndarray]:
     """The pack and unpack kernels' tables of ``rank`` (``purlin.kernels.varlen``): per input
-    and per output position, the chunk's index in the counts, its slot's first element and
-    its header's int64 word.
+    and per output position, the chunk's index in the counts, its slot's first unit (of
+    :func:`kernel_view`) and its header's int64 word.
 
     >>> from purlin.spec.varlen import all_to_all_v
     >>> slot_meta(all_to_all_v(2, 3), 1, "float32")[1].tolist()
@@ -236,11 +266,12 @@ def slot_meta(varlen: VarLen, rank: int, dtype) -> tuple[np.ndarray, np.ndarray]
 
     _, slot = varlen.slot(dtype)
     size = as_dtype(dtype).itemsize
+    unit = kernel_view(varlen, dtype).unit
     tables = []
     for row in (varlen.collective.input[rank], varlen.collective.output[rank]):
         m = np.zeros((max(len(row), 1), META_WIDTH), dtype=np.int64)
         for p, name in enumerate(row):
-            m[p] = (varlen.index(name), p * slot, p * slot * size // 8)
+            m[p] = (varlen.index(name), p * slot * size // unit, p * slot * size // 8)
         tables.append(m)
     return tables[0], tables[1]
 

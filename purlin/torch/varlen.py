@@ -27,12 +27,14 @@ class Slots:
     """This rank's slot buffers, tables and error record for one (capacity, row, dtype)."""
 
     def __init__(self, varlen: VarLen, rank: int, dtype: torch.dtype, device):
-        from purlin.runtime.varlen import slot_meta
+        from purlin.runtime.varlen import kernel_view, slot_meta
 
         self.varlen, self.rank, self.device = varlen, rank, device
         name = str(dtype).removeprefix("torch.")
         self.sizing = varlen.sized(name)
         self.head, self.slot = varlen.slot(name)
+        self.view = kernel_view(varlen, name)
+        self.int = getattr(torch, self.view.int_name)
         self.padded_in = torch.zeros(self.sizing.input_count(rank), dtype=dtype, device=device)
         self.padded_out = torch.zeros(self.sizing.output_count(rank), dtype=dtype,
                                       device=device)
@@ -63,12 +65,12 @@ class Slots:
 
         arr = cuda.as_cuda_array
         stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-        src = flat.view(_INT[flat.element_size()]) if flat.numel() else \
-            self.padded_in[:1].view(_INT[flat.element_size()])
-        p = self.padded_in
-        kv.pack[kv.grid(len(v.collective.input[r]), v.capacity * v.row), kv.THREADS, stream](
-            arr(src), flat.numel(), arr(p.view(_INT[p.element_size()])),
-            arr(p.view(torch.int64)), arr(counts), arr(self.meta_in), self.head, v.row,
+        kw, p = self.view, self.padded_in
+        flat = flat[:flat.numel() // v.row * v.row]  # whole rows: whole units
+        src = flat.view(self.int) if flat.numel() else p.view(self.int)[:1]
+        kv.pack[kv.grid(len(v.collective.input[r]), v.capacity * kw.row), kv.THREADS, stream](
+            arr(src), flat.numel() // v.row * kw.row, arr(p.view(self.int)),
+            arr(p.view(torch.int64)), arr(counts), arr(self.meta_in), kw.head, kw.row,
             v.capacity, arr(self.error), r)
 
     def received(self) -> list[int]:
@@ -102,12 +104,12 @@ class Slots:
 
         arr = cuda.as_cuda_array
         stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-        p = self.padded_out
-        kv.unpack[kv.grid(len(v.collective.output[r]), v.capacity * v.row), kv.THREADS,
+        kw, p = self.view, self.padded_out
+        kv.unpack[kv.grid(len(v.collective.output[r]), v.capacity * kw.row), kv.THREADS,
                   stream](
-            arr(p.view(_INT[p.element_size()])), arr(p.view(torch.int64)),
-            arr(flat_out.view(_INT[flat_out.element_size()])), arr(counts),
-            arr(self.meta_out), self.head, v.row, v.capacity, arr(self.out_counts))
+            arr(p.view(self.int)), arr(p.view(torch.int64)), arr(flat_out.view(self.int)),
+            arr(counts), arr(self.meta_out), kw.head, kw.row, v.capacity,
+            arr(self.out_counts))
         return self.out_counts
 
     def check(self) -> None:
