@@ -95,6 +95,21 @@ def test_protocols(protocol):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_copy_engine_datapath(kind):
+    """The padded collective on copy engines (reductions on sm): the same pack and unpack."""
+    torch = _torch()
+    from purlin import Cluster
+
+    rng = np.random.default_rng(5)
+    v, counts, values = _case(kind, "float32", "mixed", rng, n=2)
+    bound = Cluster.virtual(2).bind(v, dtype="float32", datapath="ce")
+    outs = bound([torch.from_numpy(x).float().cuda() for x in values], counts)
+    want = v.reference(values, counts)
+    assert all(np.array_equal(o.double().cpu().numpy(), w) for o, w in zip(outs, want))
+
+
+@pytest.mark.gpu
 def test_device_counts_replay_in_a_cuda_graph():
     """Counts and rows change in place between replays of one captured graph: the outputs
     follow them with no host sync inside."""
