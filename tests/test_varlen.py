@@ -191,3 +191,8 @@ def test_moe_example_on_the_cpu_datapath():
                   repeats=1, log=None)
     assert row["status"] == "ok" and row["max_abs_error"] < 1e-4, row
     assert sum(row["rows_per_rank_received"]) == 2 * 16 * 2  # every (token, expert) row
+
+
+def test_a_varlen_takes_no_message_size():
+    with pytest.raises(SpecError, match=r"all-gather-v is sized by its capacity \(4 rows of 1\)"):
+        Cluster.cpu(2).bind(all_gather_v(2, 4), count=8)

@@ -113,6 +113,11 @@ class Cluster:
         if isinstance(collective, VarLen):  # planned at capacity; counts come per call
             from purlin.runtime.varlen import bind_varlen
 
+            if any(x is not None for x in (count, nbytes, chunk_sizes, sizing)):
+                raise SpecError(f"{collective.name} is sized by its capacity "
+                                f"({collective.capacity} rows of {collective.row}); bind it "
+                                "without count, nbytes, chunk_sizes or sizing")
+
             return bind_varlen(self, collective, strategy, dtype=dtype, chunks=chunks,
                                lanes=lanes, lanes_by=lanes_by, timeout=timeout,
                                datapath=datapath, deterministic=deterministic, **options)

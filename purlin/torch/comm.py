@@ -441,6 +441,9 @@ class Communicator:
             splits.append(given)
         if self.path is not None and _dtype_name(input) not in self.path.dtypes:
             return f"dtype {_dtype_name(input)}"
+        if _capturing():  # agreeing on a capacity and checking the splits read the host
+            return ("split sizes inside a CUDA graph capture (all_to_all_v takes them in a "
+                    "tensor and captures)")
         self._announce(call)
         largest = torch.tensor([max(max(splits[0]), max(splits[1]), 1)], dtype=torch.int32,
                                device=self.device)
