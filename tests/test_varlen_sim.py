@@ -5,7 +5,9 @@ child process (``NUMBA_ENABLE_CUDASIM=1 python tests/test_varlen_sim.py OUT``) a
 checks one case's verdict. Each case packs every rank's packed input into its slots with the
 kernel, moves the slots as the padded collective does (numpy, by the sizing's offsets: the
 strategies only change how the schedule moves those bytes, tested on the cpu datapath),
-unpacks with the kernel and compares with the unpadded reference.
+unpacks with the kernel and compares with the unpadded reference. The "lowered" cases run
+each strategy's plan of the padded collective through the instruction tables the GPU executor
+interprets (on host memory, ``purlin.atom.host``) instead.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("all-gather-v", "reduce-scatter-v", "all-to-all-v")
 DTYPES = ("float16", "float32", "float64", "int32", "float8_e4m3fn", "bfloat16")
 STYLES = ("mixed", "zero", "full")
+LOWERED_DTYPES = ("bfloat16", "float16", "float32", "float64", "int32")  # isa's dtypes
 SENTINEL = 0x7F  # the unpacked outputs start so: nothing past the packed rows may change
 
 
@@ -68,7 +71,25 @@ def _move(v, sizing, padded_in, dtype):
     return outs
 
 
-def _run(v, dtype, counts, inputs, threads=32):
+def _move_lowered(strategy):
+    """The padded collective as ``strategy`` plans it, lowered to the instruction tables the
+    GPU executor runs and run on host memory (``purlin.atom.host``)."""
+    def move(v, sizing, padded_in, dtype):
+        from purlin.atom.host import HostBuffers, run_calls
+        from purlin.snac.planner import plan
+
+        bufs = HostBuffers(plan(v.collective, strategy, sizing=sizing))
+        # run_calls takes and gives values; the headers' small counts are subnormal floats
+        # there, which survive the round trip bit for bit
+        outs = run_calls(bufs.lower(), bufs, [[_decode(p, dtype) for p in padded_in]])[0]
+        back = [_encode(o, dtype) for o in outs]
+        assert all(np.array_equal(_decode(b, dtype), o) for b, o in zip(back, outs))
+        return back
+
+    return move
+
+
+def _run(v, dtype, counts, inputs, threads=32, move=None):
     """pack -> padded collective -> unpack through the kernels; (outputs, counts, errors)."""
     from purlin.kernels import varlen as kv
     from purlin.runtime.varlen import kernel_view, slot_meta
@@ -91,7 +112,7 @@ def _run(v, dtype, counts, inputs, threads=32):
                 _shared(err), r)
         padded.append(buf)
         errors.append(err)
-    moved = _move(v, v.sized(dtype), padded, dtype)
+    moved = (move or _move)(v, v.sized(dtype), padded, dtype)
     outs, got = [], []
     for r in range(v.nranks):
         _, meta_out = slot_meta(v, r, dtype)
@@ -135,7 +156,7 @@ def _decode(x, dtype):
     return x.astype(np.float64)
 
 
-def case_reference(kind, dtype, style, row=2):
+def case_reference(kind, dtype, style, row=2, strategy=None):
     rng = np.random.default_rng(abs(hash((kind, dtype, style, row))) % 2**32)
     v = _builder(kind)(3, 4, row=row)
     if style == "zero":
@@ -151,7 +172,8 @@ def case_reference(kind, dtype, style, row=2):
         f, x = _values(dtype, sum(v.input_counts(r, checked)) * v.row, rng)
         values.append(f)
         ins.append(x)
-    outs, got, errors = _run(v, dtype, counts, ins)
+    outs, got, errors = _run(v, dtype, counts, ins,
+                             move=_move_lowered(strategy) if strategy else None)
     want = v.reference(values, counts)
     for r in range(v.nranks):
         assert tuple(got[r].tolist()) == v.output_counts(r, checked), (r, got[r], counts)
@@ -196,6 +218,21 @@ def _cases():
     out.update({f"ref-{k}-{d}-row{row}": (case_reference, (k, d, "mixed", row))
                 for k in KINDS for d in ("bfloat16", "float8_e4m3fn", "float32")
                 for row in (3, 8)})
+    # every strategy's plan, lowered and run on host memory between the kernels
+    from purlin.errors import PlanError
+    from purlin.snac.planner import plan
+    from purlin.snac.strategies import STRATEGIES
+
+    for k in KINDS:
+        for strategy in STRATEGIES:
+            v = _builder(k)(3, 4, row=2)
+            try:
+                plan(v.collective, strategy, sizing=v.sized("float32"))
+            except PlanError:
+                continue
+            for d in LOWERED_DTYPES:
+                out[f"lowered-{k}-{strategy}-{d}"] = (case_reference, (k, d, "mixed", 2,
+                                                                       strategy))
     out["bad-counts"] = (case_bad_counts, ())
     return out
 
