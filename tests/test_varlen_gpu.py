@@ -177,3 +177,78 @@ def test_moe_example_on_virtual_ranks():
     spec.loader.exec_module(moe)
     row = moe.run(ranks=4, tokens=64, datapath="sm", repeats=2, log=None)
     assert row["status"] == "ok", row
+
+
+def _process_worker(rank, n):
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from purlin.errors import CountError
+    from purlin.torch import Communicator
+
+    warnings.simplefilter("ignore")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    comm = Communicator(datapath="sm", timeout=10.0)
+    bad = []
+    for dtype in (torch.bfloat16, torch.float32, torch.int32):
+        for send in ([1, 3], [0, 0], [4, 4]):
+            send = send if rank == 0 else send[::-1]
+            inp = (torch.arange(sum(send) * 8, device=dev) + 100 * rank).to(dtype)
+            inp = inp.reshape(sum(send), 8)
+            recv_t = torch.empty(n, dtype=torch.int64, device=dev)
+            dist.all_to_all_single(recv_t, torch.tensor(send, device=dev))
+            recv = recv_t.tolist()
+            a = torch.zeros(sum(recv), 8, dtype=dtype, device=dev)
+            b = a.clone()
+            dist.all_to_all_single(a, inp, recv, send)
+            comm.all_to_all_single(b, inp, recv, send)
+            if not torch.equal(a, b):
+                bad.append(f"all_to_all_single {dtype} {send}")
+            out = torch.zeros(n * 4, 8, dtype=dtype, device=dev)
+            got = comm.all_to_all_v(out, inp, torch.tensor(send, device=dev), capacity=4)
+            if got.tolist() != recv or not torch.equal(out[:sum(recv)], a):
+                bad.append(f"all_to_all_v {dtype} {send}: {got.tolist()}")
+    # captured with device splits, replayed with new ones written in place
+    splits = torch.tensor([2, 1], device=dev)
+    inp = torch.randn(8, 8, device=dev)
+    out = torch.zeros(2 * 4, 8, device=dev)
+    comm.all_to_all_v(out, inp, splits, capacity=4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = comm.all_to_all_v(out, inp, splits, capacity=4)
+    for trial in ([3, 0], [1, 4]):
+        splits.copy_(torch.tensor(trial if rank == 0 else trial[::-1], device=dev))
+        graph.replay()
+        torch.cuda.synchronize()
+        comm.check()
+        recv_t = torch.empty(n, dtype=torch.int64, device=dev)
+        dist.all_to_all_single(recv_t, splits.to(torch.int64))
+        ref = torch.zeros(int(recv_t.sum()), 8, device=dev)
+        dist.all_to_all_single(ref, inp[:int(splits.sum())], recv_t.tolist(),
+                               splits.tolist())
+        if got.tolist() != recv_t.tolist() or not torch.equal(out[:ref.shape[0]], ref):
+            bad.append(f"graph replay {trial}: {got.tolist()}")
+    error = ""
+    try:
+        comm.all_to_all_v(out, inp, torch.tensor([5, 0], device=dev), capacity=4)
+    except CountError as exc:
+        error = str(exc)
+    comm.close()
+    return bad, error
+
+
+@pytest.mark.gpu
+def test_process_mode_on_two_gpus():
+    torch = _torch()
+    from purlin.torch.testing import raise_for, run_processes
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    results = raise_for(run_processes(_process_worker, 2, backend="nccl", timeout=240,
+                                      pg_timeout=120))
+    for rank, (bad, error) in enumerate(results):
+        assert bad == [], (rank, bad)
+        assert f"rank {rank} chunk ({rank},0) (its split for rank 0): split 5 is over the " \
+               "capacity of 4 rows (caught on the GPU" in error, error

@@ -399,7 +399,8 @@ class Communicator:
 
     def check_counts(self) -> None:
         """Raise the first bad split a device-side check of :meth:`all_to_all_v` recorded
-        (CountError; synchronizes), for calls made with ``check=False`` or captured."""
+        (CountError; synchronizes), for calls made with ``check=False`` or captured;
+        :meth:`check` does it too."""
         for slots in self._slots.values():
             slots.check()
 
@@ -648,6 +649,7 @@ class Communicator:
                 self.broken, self._broken_as = errors[0] + more, PurlinTimeoutError
         if self.broken:
             raise self._broken_as(self.broken)
+        self.check_counts()
 
     def close(self) -> None:
         """Release the staging area (the communicator cannot be used afterwards)."""
