@@ -198,6 +198,6 @@ def test_notebook_06_variable_length_and_fp8(tmp_path):
     figures = [o["data"][PLOTLY] for o in outputs(nb, PLOTLY)]
     assert len(figures) == 1
     names = {t["name"] for t in figures[0]["data"]}
-    assert names == {f"{k}, {d}" for k in ("all_to_all_v", "all_to_all (capacity)")
+    assert names == {f"{k}, {d}, cpu" for k in ("all_to_all_v", "all_to_all (capacity)")
                      for d in ("float32", "float8_e4m3fn")}
     assert "not GPU numbers" in figures[0]["layout"]["title"]["text"]
