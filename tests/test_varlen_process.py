@@ -79,9 +79,21 @@ def _worker(rank, n):
             errors[label] = "ran"
         except CountError as exc:
             errors[label] = str(exc)
+    # only rank 1 passes a split over capacity: the others must not hang
+    try:
+        comm.all_to_all_v(torch.zeros(n * 2), torch.zeros(n * 3),
+                          torch.tensor([3 if rank == 1 else 1] + [1] * (n - 1)), capacity=2)
+        one_bad = "ran"
+    except CountError:
+        one_bad = "raised"
+    out = torch.zeros(n * 2)
+    got = comm.all_to_all_v(out, torch.full((n,), float(rank)), torch.ones(n, dtype=torch.int64),
+                            capacity=2)
+    after = "ok" if got.tolist() == [1] * n and out[:n].tolist() == list(map(float, range(n))) \
+        else f"wrong: {got.tolist()} {out.tolist()}"
     fell = [str(w.message) for w in caught if "falls back" in str(w.message)]
     comm.close()
-    return {"bad": bad, "fallbacks": fell, "errors": errors}
+    return {"bad": bad, "fallbacks": fell, "errors": errors, "one bad": one_bad, "after": after}
 
 
 def test_splits_run_on_purlin_and_equal_torch_distributed():
@@ -95,8 +107,12 @@ def test_splits_run_on_purlin_and_equal_torch_distributed():
         assert f"must be {WORLD} whole numbers" in e["wrong length"], e
         assert f"input_split_sizes [2, 2, 2] sum to 6 rows but the input has {WORLD}" in \
             e["sum"], e
-        assert f"rank {rank} chunk ({rank},0): count 3 is over the capacity of 2 rows" in \
+        assert f"rank {rank} chunk ({rank},0) (its split for rank 0): split 3 is over the " \
+               "capacity of 2 rows (caught by the pack; 2 rows were sent)" in \
             e["over capacity"], e
+        # one rank's bad split: every rank still completes the call, that rank raises
+        assert res["one bad"] == ("raised" if rank == 1 else "ran"), res["one bad"]
+        assert res["after"] == "ok", res["after"]
         assert "takes input_splits as an integer tensor of 3 rows" in e["tensor length"], e
 
 

@@ -206,7 +206,7 @@ class VarLenBound:
 
         self.bound.synchronize()
         for r, err in enumerate(self._errors):
-            rec = err.cpu().numpy()
+            rec = err.cpu().numpy().copy()
             if rec[isa.E_CODE] == isa.ERR_NONE:
                 continue
             err.zero_()

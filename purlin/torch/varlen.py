@@ -50,14 +50,9 @@ class Slots:
         read), int64 on the device."""
         v, r = self.varlen, self.rank
         if self.device.type == "cpu":
-            checked = v.counts(counts.tolist())
-            rows = v.input_counts(r, checked)
-            need = sum(rows) * v.row
-            if need > flat.numel():
-                raise CountError(f"rank {r}: its splits {list(rows)} need {need} elements, "
-                                 f"its input holds {flat.numel()}")
-            v.pack(r, _np(flat)[:need], checked, self.sizing.dtype.name,
-                   out=_np(self.padded_in))
+            sent = self._clamp_host(counts.tolist(), flat.numel() // v.row)
+            v.pack(r, _np(flat)[:sum(v.input_counts(r, sent)) * v.row], sent,
+                   self.sizing.dtype.name, out=_np(self.padded_in))
             return
         from numba import cuda
 
@@ -72,6 +67,29 @@ class Slots:
             arr(src), flat.numel() // v.row * kw.row, arr(p.view(self.int)),
             arr(p.view(torch.int64)), arr(counts), arr(self.meta_in), kw.head, kw.row,
             v.capacity, arr(self.error), r)
+
+    def _clamp_host(self, raw, rows_held: int) -> tuple:
+        """The counts the pack kernel would send, on the host: each clamped to 0..capacity
+        and to the rows the input holds, the first bad one recorded in the error record as
+        the kernel records it (so every rank still takes part in the collective)."""
+        from purlin.kernels import isa
+
+        v, err = self.varlen, _np(self.error)
+        sent, start = [int(c) for c in raw], 0
+        for p, name in enumerate(v.collective.input[self.rank]):
+            i = v.index(name)
+            c = sent[i]
+            k = min(max(c, 0), v.capacity)
+            code = isa.ERR_COUNT if c != k else isa.ERR_PACKED if start + k > rows_held \
+                else isa.ERR_NONE
+            if code and err[isa.E_CODE] == isa.ERR_NONE:
+                seen, limit = (c, v.capacity) if code == isa.ERR_COUNT else (start + k,
+                                                                             rows_held)
+                err[[isa.E_CODE, isa.E_RANK, isa.E_STEP, isa.E_FLAG, isa.E_SEEN,
+                     isa.E_EXPECTED]] = (code, self.rank, p, i, seen, limit)
+            sent[i] = max(0, min(k, rows_held - start))
+            start += k
+        return tuple(sent)
 
     def received(self) -> list[int]:
         """Rows each rank sent here, read from the slot headers (synchronizes)."""
@@ -117,19 +135,20 @@ class Slots:
         cleared once reported."""
         from purlin.kernels import isa
 
-        rec = self.error.cpu().numpy()
+        rec = self.error.cpu().numpy().copy()  # on the host .cpu() is the tensor itself
         if rec[isa.E_CODE] == isa.ERR_NONE:
             return
         self.error.zero_()
         j = int(rec[isa.E_STEP])
         name = self.varlen.names[int(rec[isa.E_FLAG])]
         where = f"rank {self.rank} chunk {_fmt(name)} (its split for rank {j})"
+        by = "on the GPU by the pack kernel" if self.device.type == "cuda" else "by the pack"
         if rec[isa.E_CODE] == isa.ERR_COUNT:
             seen, cap = int(rec[isa.E_SEEN]), int(rec[isa.E_EXPECTED])
             why = "is negative" if seen < 0 else f"is over the capacity of {cap} rows"
-            raise CountError(f"{where}: split {seen} {why} (caught on the GPU by the pack "
-                             f"kernel; {max(min(seen, cap), 0)} rows were sent); pass a larger "
+            raise CountError(f"{where}: split {seen} {why} (caught {by}; "
+                             f"{max(min(seen, cap), 0)} rows were sent); pass a larger "
                              "capacity, or send fewer rows")
         raise CountError(f"{where}: the splits up to this rank need {int(rec[isa.E_SEEN])} rows "
-                         f"but the input holds {int(rec[isa.E_EXPECTED])} (caught on the GPU by "
-                         "the pack kernel; the rows past the input were not sent)")
+                         f"but the input holds {int(rec[isa.E_EXPECTED])} (caught {by}; the "
+                         "rows past the input were not sent)")
