@@ -16,7 +16,7 @@ device array -- never read by the host, so a call stays capturable into a CUDA g
 
 Buffers are passed as integer views of their element size (bits move unchanged, whatever the
 dtype) plus an int64 view of the slot buffer for the headers. ``meta`` is int64[positions,
-META_WIDTH] per rank: the chunk's index in the counts, its slot's first element, and the
+isa.VL_META_WIDTH] per rank: the chunk's index in the counts, its slot's first unit, and the
 int64 word of its header.
 """
 
@@ -29,10 +29,9 @@ ensure_numpy_compat()
 from numba import cuda  # noqa: E402
 
 from purlin.kernels.isa import (E_CODE, E_EXPECTED, E_FLAG, E_RANK, E_SEEN,  # noqa: E402
-                                E_STEP, ERR_COUNT, ERR_PACKED)
-
-M_INDEX, M_SLOT, M_HEADER = 0, 1, 2
-META_WIDTH = 3
+                                E_STEP, ERR_COUNT, ERR_PACKED, VL_HEADER as M_HEADER,
+                                VL_INDEX as M_INDEX, VL_META_WIDTH as META_WIDTH,
+                                VL_SLOT as M_SLOT)
 THREADS = 256
 
 

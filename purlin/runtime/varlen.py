@@ -262,7 +262,7 @@ def slot_meta(varlen: VarLen, rank: int, dtype) -> tuple[np.ndarray, np.ndarray]
     >>> slot_meta(all_to_all_v(2, 3), 1, "float32")[1].tolist()
     [[1, 0, 0], [3, 8, 4]]
     """
-    from purlin.kernels.varlen import META_WIDTH
+    from purlin.kernels.isa import VL_META_WIDTH as META_WIDTH  # no Numba needed here
 
     _, slot = varlen.slot(dtype)
     size = as_dtype(dtype).itemsize

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from purlin.errors import CallMismatchError, CountError
+from purlin.kernels.isa import VL_HEADER
 from purlin.spec.collective import _fmt
 from purlin.spec.varlen import VarLen
 
@@ -39,7 +40,7 @@ class Slots:
         self.padded_out = torch.zeros(self.sizing.output_count(rank), dtype=dtype,
                                       device=device)
         meta_in, meta_out = slot_meta(varlen, rank, name)
-        self.headers = meta_out[:, 2].copy()
+        self.headers = meta_out[:, VL_HEADER].copy()
         self.meta_in = torch.from_numpy(meta_in).to(device)
         self.meta_out = torch.from_numpy(meta_out).to(device)
         self.error = torch.zeros(16, dtype=torch.int64, device=device)
