@@ -211,6 +211,139 @@ def case_bad_counts():
     return "ok"
 
 
+def _fake_gpu():
+    """Run the GPU code paths of ``purlin.runtime.varlen`` and ``purlin.torch.varlen`` here:
+    host tensors handed to the simulator's kernels as they are (no copies), no streams."""
+    from types import SimpleNamespace
+
+    import torch
+    from numba import cuda
+
+    from purlin.kernels import varlen as kv
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    cuda.as_cuda_array = lambda t: FakeCUDAArray(t.numpy())
+    cuda.external_stream = lambda handle: 0
+    torch.cuda.current_stream = lambda device=None: SimpleNamespace(cuda_stream=0)
+    kv.THREADS = 32  # the simulator runs a Python thread per CUDA thread
+
+
+class _FakeGpuBound:
+    """A padded collective bound "on a GPU": the sm datapath's buffers and front door, the
+    collective itself run by the cpu datapath on those buffers."""
+
+    def __init__(self, v, dtype, strategy="direct-push"):
+        import torch
+
+        from purlin import Cluster
+
+        self.torch = torch
+        self.cpu = Cluster.cpu(v.nranks).bind(v.collective, strategy, sizing=v.sized(dtype))
+        self.schedule = self.cpu.schedule
+        sizing, tdt = self.schedule.sizing, getattr(torch, dtype)
+        self.inputs = [torch.zeros(sizing.input_count(r), dtype=tdt) for r in range(v.nranks)]
+        self.outputs = [torch.zeros(sizing.output_count(r), dtype=tdt)
+                        for r in range(v.nranks)]
+
+    def launch(self):
+        outs = self.cpu([x.numpy() for x in self.inputs])
+        for o, got in zip(self.outputs, outs):
+            o.copy_(self.torch.from_numpy(got))
+
+    def synchronize(self):
+        pass
+
+    def check(self):
+        pass
+
+
+def case_runtime_gpu_path(kind, dtype):
+    """VarLenBound's GPU path (device counts, kernels, error records) end to end."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from purlin.errors import CountError
+    from purlin.runtime.varlen import VarLenBound
+
+    _fake_gpu()
+    v = _builder(kind)(3, 4, row=2)
+    bound = VarLenBound(SimpleNamespace(kind="virtual", nranks=3), v, _FakeGpuBound(v, dtype),
+                        dtype)
+    rng = np.random.default_rng(7)
+    counts = rng.integers(0, 5, len(v.names)).tolist()
+    counts[0] = 4
+    checked = v.counts(counts)
+    values = [rng.integers(-3, 4, sum(v.input_counts(r, checked)) * 2).astype(np.float64)
+              for r in range(3)]
+    tdt = getattr(torch, dtype)
+    outs = bound([torch.from_numpy(x).to(tdt) for x in values], counts)  # host counts
+    want = v.reference(values, counts)
+    assert all(np.array_equal(o.double().numpy(), w) for o, w in zip(outs, want)), outs
+    # device counts, fixed-size inputs; then a count over capacity, recorded and raised
+    fixed = [torch.zeros(v.input_capacity(r), dtype=tdt) for r in range(3)]
+    for r in range(3):
+        fixed[r][:values[r].size] = torch.from_numpy(values[r]).to(tdt)
+    outs, got = bound.launch(fixed, torch.tensor(counts))
+    bound.check()
+    for r in range(3):
+        assert tuple(got[r].tolist()) == v.output_counts(r, checked), (r, got[r])
+        n = sum(v.output_counts(r, checked)) * 2
+        assert np.array_equal(outs[r][:n].double().numpy(), want[r]), r
+    bad = list(counts)
+    bad[-1] = 9
+    bound.launch(fixed, torch.tensor(bad))
+    name = v.names[-1]
+    try:
+        bound.check()
+        raise AssertionError("an over-capacity count went unreported")
+    except CountError as exc:
+        assert "count 9 is over the capacity of 4 rows (caught on the GPU" in str(exc), exc
+        assert str(exc).startswith(f"rank {v.collective.sources(name)[0][0]} chunk ") or \
+            v.collective.op.is_reduce, exc
+    bound.check()  # cleared once reported
+    return "ok"
+
+
+def case_process_slots_gpu_path():
+    """purlin.torch's slots on the kernel path: pack, headers, unpack, a recorded split."""
+    import torch
+
+    from purlin.errors import CountError
+    from purlin.spec.varlen import all_to_all_v
+    from purlin.torch.varlen import Slots
+
+    _fake_gpu()
+    v = all_to_all_v(2, capacity=3, row=2)
+    slots = [Slots(v, r, torch.float32, torch.device("cpu")) for r in range(2)]
+    for s in slots:
+        s.kernels = True  # the kernel path, on host tensors
+    ins = [torch.arange(8.0), torch.arange(100.0, 106.0)]
+    counts = [torch.tensor([1, 3, 0, 0]), torch.tensor([0, 0, 2, 1])]
+    for s, x, c in zip(slots, ins, counts):
+        s.pack(x, c)
+    # the all-to-all of the slots: slot j of rank r goes to slot r of rank j
+    slot = slots[0].slot
+    for r in range(2):
+        for j in range(2):
+            slots[j].padded_out[r * slot:(r + 1) * slot] = \
+                slots[r].padded_in[j * slot:(j + 1) * slot]
+    assert slots[0].received() == [1, 2] and slots[1].received() == [3, 1]
+    out0, out1 = torch.zeros(6), torch.zeros(8)
+    got0 = slots[0].unpack(out0, counts[0]).tolist()
+    got1 = slots[1].unpack(out1, counts[1]).tolist()
+    assert got0 == [1, 2] and out0.tolist() == [0.0, 1.0, 100.0, 101.0, 102.0, 103.0], out0
+    assert got1 == [3, 1] and out1.tolist() == [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 104.0, 105.0]
+    slots[0].pack(ins[0], torch.tensor([-2, 1, 0, 0]))
+    try:
+        slots[0].check()
+        raise AssertionError("a negative split went unreported")
+    except CountError as exc:
+        assert "rank 0 chunk (0,0) (its split for rank 0): split -2 is negative (caught on " \
+               "the GPU by the pack kernel; 0 rows were sent)" in str(exc), exc
+    return "ok"
+
+
 def _cases():
     out = {f"ref-{k}-{d}-{s}": (case_reference, (k, d, s))
            for k in KINDS for d in DTYPES for s in STYLES}
@@ -234,6 +367,9 @@ def _cases():
                 out[f"lowered-{k}-{strategy}-{d}"] = (case_reference, (k, d, "mixed", 2,
                                                                        strategy))
     out["bad-counts"] = (case_bad_counts, ())
+    out.update({f"runtime-gpu-path-{k}-{d}": (case_runtime_gpu_path, (k, d))
+                for k in KINDS for d in ("float32", "float16", "int32")})
+    out["process-slots-gpu-path"] = (case_process_slots_gpu_path, ())
     return out
 
 

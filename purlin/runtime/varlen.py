@@ -198,30 +198,35 @@ class VarLenBound:
 
     def check(self) -> None:
         """Raise the first bad count a pack kernel recorded (CountError: rank, chunk, count,
-        capacity), then any timeout of the collective (synchronizes). The records are cleared
-        once reported."""
+        capacity; the other ranks that recorded one named too), then any timeout of the
+        collective (synchronizes). Every record is cleared once reported."""
         if not self.gpu:
             return
         from purlin.kernels import isa
 
         self.bound.synchronize()
+        failed = []
         for r, err in enumerate(self._errors):
             rec = err.cpu().numpy().copy()
-            if rec[isa.E_CODE] == isa.ERR_NONE:
-                continue
-            err.zero_()
+            if rec[isa.E_CODE] != isa.ERR_NONE:
+                failed.append((r, rec))
+                err.zero_()
+        if failed:
+            r, rec = failed[0]
             name = self.varlen.names[int(rec[isa.E_FLAG])]
             where = f"rank {r} chunk {_fmt(name)} (input position {int(rec[isa.E_STEP])})"
+            also = (f"; ranks {[k for k, _ in failed[1:]]} recorded one too"
+                    if len(failed) > 1 else "")
             if rec[isa.E_CODE] == isa.ERR_COUNT:
                 seen, cap = int(rec[isa.E_SEEN]), int(rec[isa.E_EXPECTED])
                 why = "is negative" if seen < 0 else f"is over the capacity of {cap} rows"
                 raise CountError(f"{where}: count {seen} {why} (caught on the GPU by the pack "
-                                 f"kernel; {max(min(seen, cap), 0)} rows were sent); bind with "
-                                 "a larger capacity, or send fewer rows")
+                                 f"kernel; {max(min(seen, cap), 0)} rows were sent{also}); "
+                                 "bind with a larger capacity, or send fewer rows")
             raise CountError(f"{where}: the counts up to this chunk need "
                              f"{int(rec[isa.E_SEEN])} rows but the packed input holds "
                              f"{int(rec[isa.E_EXPECTED])} (caught on the GPU by the pack "
-                             "kernel; the rows past the input were not sent)")
+                             f"kernel; the rows past the input were not sent{also})")
         self.bound.check()
 
     def __repr__(self) -> str:

@@ -31,6 +31,7 @@ class Slots:
         from purlin.runtime.varlen import kernel_view, slot_meta
 
         self.varlen, self.rank, self.device = varlen, rank, device
+        self.kernels = torch.device(device).type == "cuda"  # else numpy on host views
         name = str(dtype).removeprefix("torch.")
         self.sizing = varlen.sized(name)
         self.head, self.slot = varlen.slot(name)
@@ -50,7 +51,7 @@ class Slots:
         """``flat``: this rank's packed rows; ``counts``: every chunk's rows (this rank's own
         read), int64 on the device."""
         v, r = self.varlen, self.rank
-        if self.device.type == "cpu":
+        if not self.kernels:
             sent = self._clamp_host(counts.tolist(), flat.numel() // v.row)
             v.pack(r, _np(flat)[:sum(v.input_counts(r, sent)) * v.row], sent,
                    self.sizing.dtype.name, out=_np(self.padded_in))
@@ -112,7 +113,7 @@ class Slots:
         """Unpack into ``flat_out`` (room for every row that can arrive); returns the rows per
         sender (int64, on the device)."""
         v, r = self.varlen, self.rank
-        if self.device.type == "cpu":
+        if not self.kernels:
             packed, got = v.unpack(r, _np(self.padded_out), self.sizing.dtype.name)
             _np(flat_out)[:packed.size] = packed
             self.out_counts.copy_(torch.tensor(got, dtype=torch.int64))
@@ -143,7 +144,7 @@ class Slots:
         j = int(rec[isa.E_STEP])
         name = self.varlen.names[int(rec[isa.E_FLAG])]
         where = f"rank {self.rank} chunk {_fmt(name)} (its split for rank {j})"
-        by = "on the GPU by the pack kernel" if self.device.type == "cuda" else "by the pack"
+        by = "on the GPU by the pack kernel" if self.kernels else "by the pack"
         if rec[isa.E_CODE] == isa.ERR_COUNT:
             seen, cap = int(rec[isa.E_SEEN]), int(rec[isa.E_EXPECTED])
             why = "is negative" if seen < 0 else f"is over the capacity of {cap} rows"
