@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("all-gather-v", "reduce-scatter-v", "all-to-all-v")
-GPU_DTYPES = ("bfloat16", "float16", "float32", "int32")
+GPU_DTYPES = ("bfloat16", "float16", "float32", "int32", "float8_e4m3fn")
 
 
 @pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1",
@@ -67,9 +67,16 @@ def test_virtual_ranks_match_reference(kind, strategy, dtype, style):
     torch = _torch()
     from purlin import Cluster
 
+    from purlin.errors import CapabilityError
+
     rng = np.random.default_rng(abs(hash((kind, strategy, dtype, style))) % 2**32)
     v, counts, values = _case(kind, dtype, style, rng)
-    bound = Cluster.virtual(v.nranks).bind(v, strategy, dtype=dtype)
+    try:
+        bound = Cluster.virtual(v.nranks).bind(v, strategy, dtype=dtype)
+    except CapabilityError as exc:  # FP8 sums only where one step reduces every element
+        assert dtype.startswith("float8") and v.collective.op.is_reduce, exc
+        assert "one rounding" in str(exc), exc
+        return
     dev = torch.device("cuda", 0)
     ins = [torch.from_numpy(x).to(dev, getattr(torch, dtype)) for x in values]
     outs = bound(ins, counts)

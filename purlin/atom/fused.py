@@ -63,6 +63,7 @@ __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reducti
            "row_grid", "row_sums_bytes", "threads_grid"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
+FUSED_COPY_DTYPES = (5, 6)  # FP8 (isa E4M3, E5M2): moved as bytes, never reduced here
 
 
 class _Refused(Exception):
@@ -255,7 +256,10 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
             ops.append(Notify("notify", int(a[FLAG]), int(a[VALUE])))
             continue
         dt = int(a[DTYPE])
-        if dt not in FUSED_DTYPES:
+        if dt in FUSED_COPY_DTYPES and op == REDUCE:
+            raise _Refused(f"rank {r} row {k}: the fused kernel copies FP8 but does not "
+                           "reduce it (the interpreter does: protocol 'simple' or 'll')")
+        if dt not in FUSED_DTYPES + FUSED_COPY_DTYPES:
             raise _Refused(f"rank {r}: the fused kernel does not move dtype code {dt}")
         nbytes = int(a[COUNT]) * ITEMSIZE[dt]
         srcs_a = [int(x) for x in low.srcs[a[SRC]: a[SRC] + max(1, a[NSRC])]]

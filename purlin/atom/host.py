@@ -31,6 +31,8 @@ from purlin.errors import PurlinTimeoutError
 from purlin.kernels import isa
 
 _NP = {isa.F32: np.float32, isa.F64: np.float64, isa.I32: np.int32, isa.F16: np.float16}
+_FP8 = {isa.E4M3: "float8_e4m3fn", isa.E5M2: "float8_e5m2"}  # held as their bits
+_NP.update({code: np.uint8 for code in _FP8})
 
 
 def _bytes(addr: int, nbytes: int) -> np.ndarray:
@@ -57,6 +59,10 @@ def _load(addr: int, count: int, code: int) -> np.ndarray:
     raw = _bytes(addr, count * isa.ITEMSIZE[code])
     if code == isa.BF16:
         return bf16_floats(raw.view(np.uint16))
+    if code in _FP8:
+        from purlin.spec.dtypes import fp8_decode
+
+        return fp8_decode(raw, _FP8[code])  # float32, exact
     return raw.view(_NP[code]).astype(np.int64 if code == isa.I32 else np.float64)
 
 
@@ -64,6 +70,10 @@ def _store(addr: int, values: np.ndarray, code: int) -> None:
     raw = _bytes(addr, len(values) * isa.ITEMSIZE[code])
     if code == isa.BF16:
         raw.view(np.uint16)[:] = bf16_bits(values)
+    elif code in _FP8:  # one rounding from the float32 sum, as purlin.kernels.fp8 does
+        from purlin.spec.dtypes import fp8_encode
+
+        fp8_encode(np.asarray(values, np.float32), _FP8[code], out=raw)
     elif code == isa.I32:
         raw.view(np.int32)[:] = (np.asarray(values, np.int64) & 0xFFFFFFFF).astype(
             np.uint32).view(np.int32)
@@ -128,7 +138,7 @@ def _reduce(values, redop: int, divisor: int, code: int) -> np.ndarray:
     """The reduction of the loaded ``values`` as the kernels compute it: sources one after
     another in row (pool) order, bfloat16, float16 and float32 accumulated in float32, rounded
     once on the store; avg divides the sum, int32 truncating toward zero."""
-    acc_type = np.float32 if code in (isa.BF16, isa.F16, isa.F32) else values[0].dtype
+    acc_type = np.float32 if code in (isa.BF16, isa.F16, isa.F32, *_FP8) else values[0].dtype
     out = np.array(values[0], dtype=acc_type)
     combine = np.maximum if redop == isa.MAX else np.minimum if redop == isa.MIN else np.add
     for v in values[1:]:
