@@ -80,6 +80,14 @@ DESC_WIDTH = 12
 E_CODE, E_RANK, E_STEP, E_FLAG, E_EXPECTED, E_SEEN, E_LANE, E_BLOCK, E_PEER = range(9)
 ERR_WIDTH = 9
 ERR_NONE, ERR_TIMEOUT, ERR_ABORTED = 0, 1, 2
+# written by the variable-length pack kernel (kernels/varlen.py): E_STEP holds the chunk's
+# input position, E_FLAG its index in the counts, E_SEEN the count, E_EXPECTED the capacity
+# (ERR_COUNT) or the packed input's elements (ERR_PACKED)
+ERR_COUNT, ERR_PACKED = 3, 4
+# the variable-length kernels' table, int64[positions, VL_META_WIDTH] per rank: the chunk's
+# index in the counts, its slot's first unit, its header's int64 word
+VL_INDEX, VL_SLOT, VL_HEADER = 0, 1, 2
+VL_META_WIDTH = 3
 
 # trace record (int64 each): row index, block within the lane, start ns, end ns
 TRACE_WIDTH = 4

@@ -47,5 +47,12 @@ class CallMismatchError(ExecutionError):
     the message names each rank and what it called."""
 
 
+class CountError(ExecutionError, ValueError):
+    """A variable-length chunk's count that its capacity cannot hold (negative, over capacity,
+    more than the packed input holds, or a counts list of the wrong length); the message names
+    the rank and the chunk. Caught on the host for host counts, by the pack kernel for device
+    counts."""
+
+
 class PurlinTimeoutError(ExecutionError, TimeoutError):
     """A wait on a flag ran past its time limit; the message names rank, step, flag and values."""

@@ -10,7 +10,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = ("sweep", "allreduce", "ce", "process_mode", "tp_decoder", "inlayer", "timelines",
-           "plan_verify")
+           "plan_verify", "moe", "all_to_all_v")
 PROBES = ("ce_hang_probe.py", "gpu_floor.py", "gpu_kernels_check.py", "viz_5000_bars.py",
           "gpu_call.sh", "gpu_tune.py", "gpu_wheels.sh")
 

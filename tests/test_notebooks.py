@@ -37,9 +37,9 @@ def text_of(nb) -> str:
     return "\n".join(parts)
 
 
-def test_the_five_stories_are_there():
+def test_the_six_stories_are_there():
     assert list(PATHS) == ["01-tour", "02-custom-collective", "03-timelines", "04-benchmark",
-                           "05-your-own-strategy"]
+                           "05-your-own-strategy", "06-variable-length-and-fp8"]
 
 
 @pytest.mark.parametrize("name", list(PATHS))
@@ -186,3 +186,23 @@ def _values(y):
 
         return np.frombuffer(base64.b64decode(y["bdata"]), dtype=y["dtype"]).tolist()
     return list(y)
+
+
+@pytest.mark.slow
+def test_notebook_06_variable_length_and_fp8(tmp_path):
+    nb = execute(PATHS["06-variable-length-and-fp8"], cwd=tmp_path, cpu_only=True,
+                 timeout=CELL_TIMEOUT)
+    assert not [o for o in outputs(nb) if o.get("output_type") == "error"]
+    text = text_of(nb)
+    assert "running on Cluster.cpu(4 ranks)" in text
+    assert text.count("equal to the reference") == 4 and "WRONG" not in text
+    assert "count 9 is over the capacity of 8 rows" in text
+    assert "count -1 is negative" in text and "takes 16 counts" in text
+    assert text.count("-> same") == 4
+    assert "FP8 all-to-all-v: bit-exact" in text
+    figures = [o["data"][PLOTLY] for o in outputs(nb, PLOTLY)]
+    assert len(figures) == 1
+    names = {t["name"] for t in figures[0]["data"]}
+    assert names == {f"{k}, {d}, cpu" for k in ("all_to_all_v", "all_to_all (capacity)")
+                     for d in ("float32", "float8_e4m3fn")}
+    assert "not GPU numbers" in figures[0]["layout"]["title"]["text"]

@@ -2,5 +2,6 @@
 
 from purlin.runtime.api import RunResult, run
 from purlin.runtime.cluster import Cluster
+from purlin.runtime.varlen import VarLenBound, bind_varlen
 
-__all__ = ["Cluster", "RunResult", "run"]
+__all__ = ["Cluster", "RunResult", "VarLenBound", "bind_varlen", "run"]

@@ -107,7 +107,22 @@ class Cluster:
         then picks among the strategies that qualify), on every datapath and protocol: each
         of them sums a step's sources in the order listed, in a fixed accumulation type, and
         rounds once (ARCHITECTURE.md, "Deterministic mode").
+        A :class:`purlin.spec.varlen.VarLen` binds at its capacity and is called with counts
+        (``purlin.runtime.varlen``).
         """
+        from purlin.spec.varlen import VarLen
+
+        if isinstance(collective, VarLen):  # planned at capacity; counts come per call
+            from purlin.runtime.varlen import bind_varlen
+
+            if any(x is not None for x in (count, nbytes, chunk_sizes, sizing)):
+                raise SpecError(f"{collective.name} is sized by its capacity "
+                                f"({collective.capacity} rows of {collective.row}); bind it "
+                                "without count, nbytes, chunk_sizes or sizing")
+
+            return bind_varlen(self, collective, strategy, dtype=dtype, chunks=chunks,
+                               lanes=lanes, lanes_by=lanes_by, timeout=timeout,
+                               datapath=datapath, deterministic=deterministic, **options)
         timeout = check_timeout(timeout)
         if collective.nranks != self.nranks:
             raise PlanError(f"{collective.name} is declared for {collective.nranks} ranks but "

@@ -13,8 +13,10 @@ from purlin.spec.layout import Layout
 from purlin.spec.ops import Op, copy, reduce
 from purlin.spec.reference import reference
 from purlin.spec.sizing import Sizing, size
+from purlin.spec.varlen import VarLen, all_gather_v, all_to_all_v, reduce_scatter_v
 
 __all__ = [
     "Collective", "DType", "DTYPES", "Layout", "Op", "STANDARD", "Sizing", "collectives",
-    "copy", "dtype", "reduce", "reference", "size", "standard",
+    "copy", "dtype", "reduce", "reference", "size", "standard", "VarLen", "all_gather_v",
+    "all_to_all_v", "reduce_scatter_v",
 ]

@@ -14,7 +14,8 @@ from purlin.torch.comm import CommOptions, Communicator
 from purlin.torch.common import Work, gather_into, scatter_into
 
 __all__ = ["CommOptions", "Communicator", "Work", "all_gather", "all_gather_into_tensor",
-           "all_gather_single", "all_reduce", "all_to_all_single", "broadcast", "default", "init",
+           "all_gather_single", "all_reduce", "all_to_all_single", "all_to_all_v", "broadcast",
+           "default", "init",
            "reduce", "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor"]
 
 SUM = dist.ReduceOp.SUM
@@ -103,6 +104,25 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                                       group, async_op)
     return comm.all_to_all_single(output, input, output_split_sizes, input_split_sizes, None,
                                   async_op)
+
+
+def all_to_all_v(output, input, input_splits, capacity=None, group=None, check=True):
+    """The all-to-all with the splits in a tensor on the device (never read by the host):
+    :meth:`Communicator.all_to_all_v`; returns the rows received from each rank. Without a
+    communicator for ``group``, torch.distributed runs it (the splits then go through the
+    host)."""
+    comm = _for("all_to_all_v", group)
+    if comm is not None:
+        return comm.all_to_all_v(output, input, input_splits, capacity, None, check)
+    import torch
+
+    send = input_splits.reshape(-1).to(torch.int64)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    rows = int(recv.sum())
+    dist.all_to_all_single(output[:rows], input[:int(send.sum())], recv.tolist(),
+                           send.tolist(), group=group)
+    return recv
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):

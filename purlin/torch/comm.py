@@ -8,6 +8,7 @@ back to ``torch.distributed``: ARCHITECTURE.md, "Runtime" (process mode).
 from __future__ import annotations
 
 import importlib
+import math
 import socket
 import sys
 import warnings
@@ -17,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from purlin.atom.sm import LL_MAX_BYTES  # LL transfers up to this size; larger: flags
-from purlin.errors import CallMismatchError, CapabilityError, ExecutionError, OpDtypeError, \
-    PurlinError, PurlinTimeoutError, SpecError
+from purlin.errors import CallMismatchError, CapabilityError, CountError, ExecutionError, \
+    OpDtypeError, PurlinError, PurlinTimeoutError, SpecError
 from purlin.runtime.fingerprint import Call
 from purlin.runtime.shm import layout
 from purlin.snac.planner import plan, split
@@ -126,6 +127,7 @@ class Communicator:
         self.closed = False
         self._warned: set = set()
         self._cache: dict = {}
+        self._slots: dict = {}              # the variable-length all-to-all's, per capacity
         self._colls: dict = {}
         self._agreed: set = set()           # fallback calls every rank agreed on once
         self.calls = 0                      # calls made, for their fingerprints
@@ -324,8 +326,11 @@ class Communicator:
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes=None, input_split_sizes=None, group=None,
                           async_op: bool = False):
-        """Part j of rank r's ``input`` lands in part r of rank j's ``output`` (even splits;
-        given split sizes go to ``torch.distributed``)."""
+        """Part j of rank r's ``input`` lands in part r of rank j's ``output``; parts are rows
+        (dim 0), even or given per rank by the split sizes (lists of ints, as torch takes
+        them). Split sizes run on Purlin as the padded all-to-all of :meth:`all_to_all_v`
+        at a capacity the ranks agree on (an all-reduce of their largest split, rounded up
+        to a power of two so that prepared sizes are reused)."""
         fn = "all_to_all_single"
         self._start(fn, group)
         n = self.nranks
@@ -333,15 +338,16 @@ class Communicator:
         with torch.no_grad():  # with split sizes the ranks' sizes differ: -1 for any
             call = self._next(fn, input, -1 if uneven else input.numel())
             why = self._refuse(fn, [output, input])
-            if why is None and (output_split_sizes is not None or input_split_sizes is not None):
+            if why is None and uneven:
                 # even splits on this rank say nothing of the others': only None is the same
-                # promise everywhere, so every rank takes the same road
-                why = "split sizes given (Purlin runs the even all-to-all: pass None)"
-            if why is None and (input.numel() != output.numel() or input.numel() % n):
+                # promise everywhere, so every rank takes the same road, the padded one
+                why = self._all_to_all_splits(output, input, output_split_sizes,
+                                              input_split_sizes, call)
+            elif why is None and (input.numel() != output.numel() or input.numel() % n):
                 why = "input and output are not the same size, divisible by the world size"
-            if why is None and self.hierarchy is not None:
+            elif why is None and self.hierarchy is not None:
                 why = "the group spans nodes (all-to-all runs on the group's backend)"
-            if why is None and input.numel():
+            elif why is None and input.numel():
                 why = self._call(("all-to-all", input.numel() // n, input.dtype, "copy", 0),
                                  input, output, call=call)
             elif why is None:
@@ -351,6 +357,147 @@ class Communicator:
                     o, i, output_split_sizes, input_split_sizes, group=self.group), output,
                     input, written=(0,), call=call)
         return self._done(async_op, [output])
+
+    def all_to_all_v(self, output: torch.Tensor, input: torch.Tensor,
+                     input_splits: torch.Tensor, capacity: int | None = None, group=None,
+                     check: bool = True) -> torch.Tensor:
+        """The all-to-all with split sizes in a tensor on the device (an MoE router's
+        per-expert token counts), never read by the host: rank r sends ``input_splits[j]``
+        rows (dim 0) of ``input``, in order, to rank j; ``output`` receives, packed in rank
+        order, what every rank sent here. Returns the rows received from each rank (int64,
+        on the device). ``capacity``: the most rows one rank sends another, the same on
+        every rank (default ``input.size(0)``); ``output`` must have room for ``nranks x
+        capacity`` rows. No host synchronization on GPUs, so a call can be captured into a
+        CUDA graph (after one eager call of its size). A split below 0, over capacity or
+        past the input is caught on the device (no row leaves its slot) and raised as a
+        CountError naming the rank and its split after the call (``check=False``, or
+        inside a capture: at the next :meth:`check_counts`).
+
+            got = comm.all_to_all_v(recv, tokens, counts_per_rank, capacity=256)
+        """
+        fn = "all_to_all_v"
+        self._start(fn, group)
+        n = self.nranks
+        with torch.no_grad():
+            row = self._row_elements(fn, output, input)
+            cap = input.size(0) if capacity is None else capacity
+            if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
+                raise SpecError(f"rank {self.rank}: {fn}: capacity must be a whole number of "
+                                f"rows >= 1, got {capacity!r}")
+            if output.size(0) < n * cap or not output.is_contiguous():
+                raise SpecError(f"rank {self.rank}: {fn}: output must be contiguous with room "
+                                f"for {n} x {cap} rows (capacity rows from every rank), got "
+                                f"{tuple(output.shape)}")
+            if not (isinstance(input_splits, torch.Tensor) and input_splits.numel() == n
+                    and not input_splits.is_floating_point()
+                    and input_splits.device == input.device):
+                raise CountError(f"rank {self.rank}: {fn} takes input_splits as an integer "
+                                 f"tensor of {n} rows (one per rank) on {input.device}, got "
+                                 f"{input_splits!r}")
+            counts = torch.zeros(n * n, dtype=torch.int64, device=input.device)
+            counts[self.rank * n:(self.rank + 1) * n] = input_splits.reshape(-1)
+            call = self._next(fn, input, cap * row)
+            got = self._all_to_all_padded(output.reshape(-1), input.contiguous().reshape(-1),
+                                          counts, cap, row, call)
+            if isinstance(got, str):
+                raise CapabilityError(f"rank {self.rank}: {fn} cannot run on Purlin here: {got}")
+            slots, out_counts = got
+            if check and not _capturing():
+                slots.check()
+            return out_counts.clone()
+
+    def check_counts(self) -> None:
+        """Raise the first bad split a device-side check of :meth:`all_to_all_v` recorded
+        (CountError; synchronizes), for calls made with ``check=False`` or captured;
+        :meth:`check` does it too."""
+        for slots in self._slots.values():
+            slots.check()
+
+    def _row_elements(self, fn, output, input) -> int:
+        """Elements per row (dim 0) of ``input``, which ``output``'s rows must match."""
+        if input.dim() == 0 or output.dim() == 0:
+            raise SpecError(f"rank {self.rank}: {fn} splits dim 0; got a 0-d tensor")
+        row = math.prod(input.shape[1:])
+        out_row = math.prod(output.shape[1:])
+        if row != out_row or input.dtype != output.dtype or row == 0:
+            raise SpecError(f"rank {self.rank}: {fn}: input rows of {tuple(input.shape[1:])} "
+                            f"{input.dtype} and output rows of {tuple(output.shape[1:])} "
+                            f"{output.dtype} must match")
+        return row
+
+    def _all_to_all_splits(self, output, input, output_split_sizes, input_split_sizes,
+                           call) -> str | None:
+        """The all-to-all with host split sizes, on Purlin; a string says why it cannot."""
+        fn, n = "all_to_all_single", self.nranks
+        if self.hierarchy is not None:
+            return "the group spans nodes (all-to-all runs on the group's backend)"
+        row = self._row_elements(fn, output, input)
+        splits = []
+        for what, given, t in (("input", input_split_sizes, input),
+                               ("output", output_split_sizes, output)):
+            if given is None:
+                if t.size(0) % n:
+                    raise SpecError(f"rank {self.rank}: {fn}: {what} of {t.size(0)} rows does "
+                                    f"not split evenly over {n} ranks; give {what}_split_sizes")
+                given = [t.size(0) // n] * n
+            given = list(given)
+            if len(given) != n or any(isinstance(c, bool) or not isinstance(c, int) or c < 0
+                                      for c in given):
+                raise CountError(f"rank {self.rank}: {fn}: {what}_split_sizes must be {n} "
+                                 f"whole numbers >= 0 (one per rank), got {given!r}")
+            if sum(given) != t.size(0):
+                raise CountError(f"rank {self.rank}: {fn}: {what}_split_sizes {given} sum to "
+                                 f"{sum(given)} rows but the {what} has {t.size(0)}")
+            splits.append(given)
+        if self.path is not None and _dtype_name(input) not in self.path.dtypes:
+            return f"dtype {_dtype_name(input)}"
+        if _capturing():  # agreeing on a capacity and checking the splits read the host
+            return ("split sizes inside a CUDA graph capture (all_to_all_v takes them in a "
+                    "tensor and captures)")
+        self._announce(call)
+        largest = torch.tensor([max(max(splits[0]), max(splits[1]), 1)], dtype=torch.int32,
+                               device=self.device)
+        if self.nranks > 1:
+            self.all_reduce(largest, op=dist.ReduceOp.MAX)
+        cap = 1 << (int(largest.item()) - 1).bit_length()
+        counts = torch.zeros(n * n, dtype=torch.int64)
+        counts[self.rank * n:(self.rank + 1) * n] = torch.tensor(splits[0])
+        flat_out = output.reshape(-1) if output.is_contiguous() else \
+            torch.empty(output.numel(), dtype=output.dtype, device=output.device)
+        got = self._all_to_all_padded(flat_out, input.contiguous().reshape(-1),
+                                      counts.to(input.device), cap, row, None,
+                                      expect=splits[1])
+        if isinstance(got, str):
+            return got
+        if flat_out.data_ptr() != output.data_ptr():
+            output.copy_(flat_out.view(output.shape))
+        return None
+
+    def _all_to_all_padded(self, flat_out, flat_in, counts, cap: int, row: int, call,
+                           expect=None):
+        """Pack, run the all-to-all of ``cap``-row slots, unpack (purlin.torch.varlen);
+        ``expect``: the rows each rank must have sent (host splits), checked before anything
+        is unpacked. (slots, rows received per rank), or a string saying why it cannot."""
+        from purlin.spec.varlen import VarLen
+        from purlin.torch.varlen import Slots
+
+        self._announce(call)
+        key = (cap, row, flat_in.dtype, flat_in.device)
+        slots = self._slots.get(key)
+        if slots is None:
+            v = VarLen(self._collective("all-to-all", "copy", 0), cap, row)
+            slots = self._slots[key] = Slots(v, self.rank, flat_in.dtype, flat_in.device)
+        slots.pack(flat_in, counts)
+        if self.path is None and self.hierarchy is None:  # one rank: its slots are its output
+            slots.padded_out.copy_(slots.padded_in)
+        else:
+            why = self._run_sized(slots.varlen.collective, slots.sizing, slots.padded_in,
+                                  slots.padded_out)
+            if why:
+                return why
+        if expect is not None:
+            slots.expect(expect)
+        return slots, slots.unpack(flat_out, counts)
 
     def broadcast(self, tensor: torch.Tensor, src: int | None = None, group=None,
                   async_op: bool = False, group_src: int | None = None):
@@ -511,6 +658,7 @@ class Communicator:
                 self.broken, self._broken_as = errors[0] + more, PurlinTimeoutError
         if self.broken:
             raise self._broken_as(self.broken)
+        self.check_counts()
 
     def close(self) -> None:
         """Release the staging area (the communicator cannot be used afterwards)."""
