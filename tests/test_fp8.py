@@ -158,6 +158,20 @@ def test_torch_casts_as_documented():
                       "float8_e4m3fn").tolist() == [1.0, 1.25]
 
 
+def test_e4m3fn_saturates_whatever_rule_torchs_cast_has():
+    """Under an older torch's CPU cast (overflow to NaN, before pytorch/pytorch#178817) the
+    codec and the cpu datapath still saturate to +-448, as the GPU kernels do."""
+    from fp8_older_torch import older_torch_casts
+
+    x = np.array([447, 448, 464, 465, 480, 1e6, np.inf, -500, -np.inf, np.nan], np.float32)
+    with older_torch_casts():
+        bits = fp8_encode(x, "float8_e4m3fn")
+        summed = one_reduce("float8_e4m3fn", "sum", [192.0, 192.0, 192.0])
+    assert bits[:9].tolist() == [0x7E] * 7 + [0xFE] * 2, bits
+    assert bits[9] & 0x7F == 0x7F  # NaN stays NaN
+    assert summed == (0x7E, 448.0)
+
+
 @pytest.mark.parametrize("fp8", FP8)
 def test_overflow_nan_and_inf_follow_torch(fp8):
     top = 448.0 if fp8 == "float8_e4m3fn" else 57344.0

@@ -8,6 +8,7 @@ imported, so the cases run in one child process and each pytest test checks one 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -221,6 +222,124 @@ def fused_kernel_moves_fp8_rows_ending_on_any_byte():
                 got = bufs.outputs[0]
                 assert np.array_equal(got[:count], want.astype(np.uint8)), (coll.name, tail)
                 assert (got[count:] == GUARD).all(), (coll.name, tail, got[count:])
+
+
+def _kernel_rows_on_host_threads(threads: int):
+    """``purlin.atom.host``'s table threads with the kernels' data rows: COPY, REDUCE, LL_PUT
+    and LL_GET run ``purlin.kernels.atoms``, block ``b`` of ``B`` as ``threads`` lane threads
+    ``b * threads + t`` of ``B * threads`` one after another (a schedule the executor's
+    barrier after every row allows); NOTIFY and WAIT stay the host's. Returns the function to
+    put back."""
+    from purlin.atom import host
+    from purlin.kernels import atoms, isa
+
+    plain = host._run_lane
+    abort = np.zeros(1, np.int64)
+
+    def run_lane(rows, pool, epoch, mem, rank, block=0, blocks=1, delay=0.0):
+        lane_threads = blocks * threads
+        for row in rows:
+            op, code = int(row[isa.OP]), int(row[isa.DTYPE])
+            dst, count = int(row[isa.DST]), int(row[isa.COUNT])
+            nbytes = count * isa.ITEMSIZE.get(code, 1)
+            src = int(pool[row[isa.SRC]])
+            srcs = np.ascontiguousarray(pool[row[isa.SRC]: row[isa.SRC] + row[isa.NSRC]],
+                                        np.int64)
+            if op not in (isa.REDUCE, isa.COPY, isa.LL_PUT, isa.LL_GET):
+                plain([row], pool, epoch, mem, rank, block, blocks, delay)
+                continue
+            for tid in range(block * threads, (block + 1) * threads):
+                if op == isa.REDUCE:
+                    atoms.reduce_row(dst, srcs.ctypes.data, int(row[isa.NSRC]), count, code,
+                                     int(row[isa.REDOP]), int(row[isa.DIVISOR]), tid,
+                                     lane_threads)
+                elif op == isa.COPY:
+                    atoms.copy_bytes(dst, src, nbytes, tid, lane_threads)
+                elif op == isa.LL_PUT:
+                    atoms.ll_put(dst, src, nbytes, atoms.ll_tag(epoch), tid, lane_threads)
+                else:
+                    err, seen = atoms.ll_get(dst, src, nbytes, atoms.ll_tag(epoch), tid,
+                                             lane_threads, 20_000_000_000, abort.ctypes.data)
+                    assert err == 0, (rank, int(row[isa.STEP]), err, seen)
+
+    host._run_lane = run_lane
+    return plain
+
+
+@case
+def saturating_fp8_sums_on_the_deterministic_strategies_and_protocols():
+    """4 ranks summing e4m3fn values up to 192 (float32 sums up to 768: many saturate to
+    +-448), odd counts (parts end on odd bytes, a scalar tail), every deterministic strategy,
+    simple and LL tables (a fused bind of an FP8 sum runs these), chunks and lanes by piece
+    or stage, one and two blocks a lane: the kernels' rows give the rank-order float32 sum
+    encoded once and the cpu datapath's bits, under this torch's casts and under an older
+    torch's whose overflow gave NaN (the host codec saturates itself)."""
+    from fp8_older_torch import older_torch_casts
+
+    from purlin.atom import host
+    from purlin.atom.cpu import reduce_into
+    from purlin.kernels import isa
+    from purlin.snac import DETERMINISTIC_STRATEGIES, plan
+    from purlin.spec import collectives
+    from purlin.spec.dtypes import fp8_decode, fp8_encode
+
+    n, name = 4, "float8_e4m3fn"
+    rng = np.random.default_rng(11)
+    plain = _kernel_rows_on_host_threads(threads=16)  # 16+: a row's sub-16-byte tail in block 0
+    ll_rows = 0
+    try:
+        for count in (n * 3 * 2 * 64 + 5, 4 * 16 + 3):
+            common = rng.choice([-1.0, 1.0], count)  # most ranks agree in sign: big sums
+            values = [10.0 ** np.where(rng.random(count) < 0.2, rng.uniform(-4, 1, count),
+                                       rng.uniform(1.9, 2.5, count))
+                      * np.where(rng.random(count) < 0.85, common, -common) for _ in range(n)]
+            bits = [fp8_encode(np.clip(v, -200, 200), name) for v in values]
+            floats = [fp8_decode(b, name) for b in bits]
+            acc = floats[0].copy()
+            for x in floats[1:]:
+                acc = (acc + x).astype(np.float32)
+            assert (np.abs(acc) > 448).sum() > count // 20, "too few saturating sums"
+            for casts in ("this torch", "older torch"):
+                with older_torch_casts() if casts == "older torch" else _nothing():
+                    want = fp8_encode(acc, name)
+                    cpu = np.zeros(count, np.uint8)
+                    reduce_into(cpu, bits, "sum", n, name)
+                assert np.array_equal(want, cpu), casts
+                assert fp8_decode(want, name)[np.abs(acc) > 448].tolist() == \
+                    (448.0 * np.sign(acc[np.abs(acc) > 448])).tolist(), casts
+            coll = collectives.all_reduce(n, op="sum")
+            for strategy in DETERMINISTIC_STRATEGIES:
+                for ll in (False, True):
+                    for chunks, lanes, by, blocks in ((1, 1, "piece", 1), (3, 2, "piece", 2),
+                                                      (2, 2, "stage", 1)):
+                        s = plan(coll, strategy, count=count, dtype=name, chunks=chunks,
+                                 lanes=lanes, lanes_by=by, deterministic=True)
+                        bufs = host.HostBuffers(s, ll=ll)
+                        low = bufs.lower(blocks_per_lane=blocks)
+                        ll_rows += sum(int((t[:, isa.OP] == isa.LL_GET).sum())
+                                       for r in low for t in r.tables)
+                        for r in range(n):
+                            bufs.outputs[r][:] = 0
+                        outs = host.run_calls(low, bufs, [[f.astype(np.float64)
+                                                           for f in floats]] * 2,
+                                              blocks_per_lane=blocks, timeout=60.0)
+                        where = (count, strategy, "ll" if ll else "simple", chunks, lanes, by,
+                                 blocks)
+                        for call in range(2):
+                            for r in range(n):
+                                got = fp8_encode(outs[call][r], name)
+                                bad = np.nonzero(got != want)[0]
+                                assert bad.size == 0, (where, call, r, bad[:4].tolist(),
+                                                       got[bad[:4]].tolist(),
+                                                       want[bad[:4]].tolist())
+    finally:
+        host._run_lane = plain
+    assert ll_rows > 0, "no LL rows ran"
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 # ------------------------------------------------------------------------ pytest entry points

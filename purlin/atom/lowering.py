@@ -30,7 +30,7 @@ from purlin.kernels.isa import (AVG, COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ER
                                 OPCODE_NAMES, PEER, PER_CALL, REDOP, REDOP_CODES, REDUCE,
                                 ROW_WIDTH, SRC, STEP, VALUE, WAIT)
 from purlin.snac.ir import Consume, Flag, Notify, Region, Schedule
-from purlin.spec.dtypes import dtype as as_dtype
+from purlin.spec.dtypes import FP8, dtype as as_dtype
 
 # How a schedule becomes tables:
 #
@@ -44,7 +44,8 @@ from purlin.spec.dtypes import dtype as as_dtype
 # * When a lane has several blocks and a step reads what an earlier step of the same lane wrote
 #   (or writes what it read), a lane barrier (NOTIFY + WAIT on a lane-local flag) separates them,
 #   since different blocks may own different parts of the two regions -- unless both steps cover
-#   exactly the same, 16-byte aligned region, where every thread only meets its own words.
+#   exactly the same, 16-byte aligned region, where every thread only meets its own words
+#   (never an FP8 reduce row: its threads take 4-byte words, a copy's 16-byte ones).
 # * With two scratch copies, each rank gets an even and an odd table (scratch addresses shifted);
 #   both share one source pool, the odd table indexing its second half.
 # * Scratch is laid out in slots (:func:`scratch_layout`: the planner's overlapping scratch
@@ -430,7 +431,7 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
     dt = as_dtype(schedule.dtype)
     if dt.name not in DTYPE_CODES:
         raise CapabilityError(f"the sm datapath moves {', '.join(DTYPE_CODES)}, not {dt.name}")
-    item = dt.itemsize
+    item, fp8 = dt.itemsize, dt.name in FP8
     n, nlanes, bpl = schedule.nranks, schedule.lanes, blocks_per_lane
     per_call = schedule.flags()
     copy_bytes = scratch_bytes or {r: schedule.scratch[r] * item for r in range(n)}
@@ -459,7 +460,10 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
     def aligned(step) -> bool:
         """Every address of the step is 16-byte aligned (in both scratch parities), so the
         atoms give each 16-byte word of a region to the same thread whatever the step, and the
-        sub-16-byte tail to block 0."""
+        sub-16-byte tail to block 0. Not an FP8 reduce row: it gives a thread 4-byte words
+        (thread i the bytes a copy's thread i // 4 has), so it never counts as aligned."""
+        if step.op != "copy" and fp8:
+            return False
         return all(address(r, p) % 16 == 0 for r in (*step.srcs, step.dst) for p in parities)
 
     out = []

@@ -46,6 +46,7 @@ class DType:
 
 
 FP8 = ("float8_e4m3fn", "float8_e5m2")
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value, where its overflow saturates
 
 
 DTYPES = {
@@ -121,19 +122,33 @@ def fp8_decode(bits, name: str):
     return torch.from_numpy(raw).view(tdt).to(torch.float32).numpy()
 
 
+def _saturate_e4m3fn(f32):
+    """float32 values beyond +-448 (infinities too) clamped to +-448 before the cast: torch's
+    CPU cast sent them to NaN until pytorch/pytorch#178817, and the codec must not depend on
+    which torch is installed. NaN passes unchanged."""
+    import numpy as np
+
+    if not (np.abs(f32) > E4M3_MAX).any():  # (NaN compares false: it passes)
+        return f32
+    return np.where(np.isnan(f32), f32, np.clip(f32, -E4M3_MAX, E4M3_MAX)).astype(np.float32)
+
+
 def fp8_encode(values, name: str, out=None):
     """``values`` rounded to FP8 ``name`` once, to nearest even, by torch's cast (float32
     inputs are cast directly, others go through float32 first); returns (or writes into
-    ``out``) the uint8 bits. Out of range, torch saturates e4m3fn to +-448 (it has no
-    infinity; an infinity saturates too) and sends e5m2 to +-inf; NaN stays NaN.
+    ``out``) the uint8 bits. Out of range, e4m3fn saturates to +-448 (it has no infinity;
+    an infinity saturates too) and e5m2 goes to +-inf; NaN stays NaN -- what
+    ``purlin.kernels.fp8`` computes on the GPU.
 
-    >>> fp8_encode([1.0, 500.0], "float8_e4m3fn").tolist()
-    [56, 126]
+    >>> fp8_encode([1.0, 500.0, float("-inf")], "float8_e4m3fn").tolist()
+    [56, 126, 254]
     """
     import numpy as np
 
     torch, tdt = _fp8_torch(name)
     f32 = np.ascontiguousarray(values, dtype=np.float32)
+    if name == "float8_e4m3fn":
+        f32 = _saturate_e4m3fn(f32)
     bits = torch.from_numpy(f32).to(tdt).view(torch.uint8).numpy()
     if out is None:
         return bits
