@@ -9,7 +9,8 @@
 #            $OUT/session.log (a device call brings back only a few files)
 # --dry-run  print each stage's commands instead of running them
 #
-# One GPU (virtual ranks): one-gpu = env imports cli1 notebooks1 custom vtests
+# One GPU (virtual ranks): one-gpu = env imports cli1 notebooks1 custom fusedtrace fp8det varlen
+#                          vtests
 #   env         nvidia-smi -L, the versions of python, torch, numba, numpy, the GPUs torch sees
 #   imports     purlin.kernels imported three ways (PYTHONPATH=. from the checkout, installed
 #               with pip --target, editable in a venv), each printing where purlin.kernels.isa is
@@ -28,8 +29,9 @@
 #                                                      bench/process_mode.py, tp_decoder, inlayer
 #   timeline tracecli notebooks                        timelines, `purlin trace`, notebooks
 # Either (one GPU is enough):
-#   fusedtrace   the fused kernel traced: GPU tests, traced vs untraced latency, timelines
-#   fp8det       FP8 and deterministic mode: GPU tests, bench/fp8_deterministic.py
+#   fusedtrace   bench/timelines.py --fused: the fused kernel traced vs untraced, its timelines
+#   fp8det       bench/fp8_deterministic.py: FP8 vs bf16 all-gathers, deterministic all-reduces
+#   varlen       bench/moe.py (the MoE layer) and bench/all_to_all_v.py (skewed device counts)
 #   peers                                              bench/peers.py: every peer beside Purlin
 #                                                      in one run, ~9 minutes (FlashInfer from
 #                                                      .whl: bash bench/wheels.sh --peers)
@@ -49,7 +51,7 @@ done
 expanded=()
 for s in "${stages[@]}"; do
     case $s in
-        one-gpu) expanded+=(env imports cli1 notebooks1 custom vtests) ;;
+        one-gpu) expanded+=(env imports cli1 notebooks1 custom fusedtrace fp8det varlen vtests) ;;
         two-gpu) expanded+=(env tests allreduce) ;;
         *) expanded+=("$s") ;;
     esac
@@ -240,15 +242,17 @@ for stage in "${stages[@]}"; do
                 --sections norm --out "$OUT/process_mode_norm.json"
             ;;
         timeline) TAIL=25 step timeline 200 python3 bench/timelines.py --out "$OUT/timelines" ;;
-        fusedtrace)  # the fused kernel traced: its GPU tests, then traced vs untraced latency
-            pytest_gpu gpu_fused_trace_tests 200 120 tests/test_fused_trace.py
+        fusedtrace)  # the fused kernel traced against untraced, and its timelines
             TAIL=25 step fused_timelines 200 python3 bench/timelines.py --fused \
                 --out "$OUT/timelines"
             ;;
-        fp8det)  # FP8 and deterministic mode: their GPU tests, then bench/fp8_deterministic.py
-            pytest_gpu gpu_fp8_deterministic_tests 300 300 tests/test_fp8_deterministic_gpu.py
+        fp8det)  # FP8 against bfloat16 all-gathers, deterministic against default all-reduces
             TAIL=40 step fp8_deterministic 240 python3 bench/fp8_deterministic.py --ranks 4,8 \
                 --out "$OUT/fp8_deterministic.json"
+            ;;
+        varlen)  # the MoE layer, then all_to_all_v with skewed device counts
+            TAIL=8 step moe 150 python3 bench/moe.py --datapath sm --out "$OUT"
+            TAIL=40 step all_to_all_v 240 python3 bench/all_to_all_v.py --ranks 4,8 --out "$OUT"
             ;;
         tracecli)
             step tracecli 120 python3 -m purlin trace all-reduce -n 2 -b 1MiB --dtype bfloat16 \

@@ -48,11 +48,13 @@ def test_gpu_session_dry_run_bounds_every_one_gpu_stage(tmp_path):
                          capture_output=True, text=True, cwd=BENCH.parent, timeout=60,
                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}).stdout
     stages = [ln.split()[1] for ln in out.splitlines() if ln.startswith("=== ")]
-    assert stages == ["env", "imports", "cli1", "notebooks1", "custom", "vtests"]
+    assert stages == ["env", "imports", "cli1", "notebooks1", "custom", "fusedtrace", "fp8det",
+                      "varlen", "vtests"]
     commands = [ln.strip() for ln in out.splitlines() if ln.startswith("  timeout ")]
     assert any("purlin bench all-reduce -n 4 -b 8KiB:1MiB" in c for c in commands)
     assert any("purlin trace all-reduce -n 4" in c and "--measure" in c for c in commands)
-    assert any("tests/test_gpu_sm.py" in c and " -x " in c for c in commands)
+    assert any(c.endswith("-m gpu tests > $OUT/gpu_tests_virtual.log") for c in commands)
+    assert any("bench/all_to_all_v.py" in c for c in commands)
     assert all(str(tmp_path) in c or "pytest" in c or "purlin run" in c for c in commands)
 
 
