@@ -412,8 +412,62 @@ def _second_pass(meta, head, norm, prm, parts, peaks, status, block, blocks, tag
 
 '''
 
+_RMS: dict = {}
+
+
+def rms_norm_functions(hidden: int, eps: float) -> tuple:
+    """(stat, finish, fn) of the built-in add + RMSNorm over rows of ``hidden`` (the residual
+    add is the form's): the same float32 operations, in the same order, as
+    ``fused._normalize``."""
+    key = (int(hidden), float(np.float32(eps)))
+    if key not in _RMS:
+        h, e = np.float32(hidden), np.float32(eps)
+
+        @cuda.jit(device=True)
+        def square(v, w):
+            return v * v
+
+        @cuda.jit(device=True)
+        def inverse_rms(total, peak):
+            return np.float32(1) / np.float32(math.sqrt(total / h + e)), peak
+
+        @cuda.jit(device=True)
+        def scale(v, p, q, w):
+            return v * p * w
+
+        _RMS[key] = (square, inverse_rms, scale)
+    return _RMS[key]
+
+
 _KERNELS = '@_kernel\ndef epilogue_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,\n                     counters):\n    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False)\n\n\n@_kernel\ndef epilogue_oneshot_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns,\n                         stride_words, counters):\n    griddep_launch_dependents()\n    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True)\n'
-_SIM_KERNELS = '@_kernel\ndef epilogue_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,\n                     counters):\n    with _simulated_helpers(cuda):\n        _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,\n             False)\n\n\n@_kernel\ndef epilogue_oneshot_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns,\n                         stride_words, counters):\n    with _simulated_helpers(cuda):\n        griddep_launch_dependents()\n        _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,\n             True)\n'
+_SIM_RMS: dict = {}
+
+
+def rms_norm_functions(hidden: int, eps: float) -> tuple:
+    """(stat, finish, fn) of the built-in add + RMSNorm over rows of ``hidden`` (the residual
+    add is the form's): the same float32 operations, in the same order, as
+    ``fused._normalize``."""
+    key = (int(hidden), float(np.float32(eps)))
+    if key not in _RMS:
+        h, e = np.float32(hidden), np.float32(eps)
+
+        @cuda.jit(device=True)
+        def square(v, w):
+            return v * v
+
+        @cuda.jit(device=True)
+        def inverse_rms(total, peak):
+            return np.float32(1) / np.float32(math.sqrt(total / h + e)), peak
+
+        @cuda.jit(device=True)
+        def scale(v, p, q, w):
+            return v * p * w
+
+        _RMS[key] = (square, inverse_rms, scale)
+    return _RMS[key]
+
+
+_KERNELS = '@_kernel\ndef epilogue_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,\n                     counters):\n    with _simulated_helpers(cuda):\n        _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,\n             False)\n\n\n@_kernel\ndef epilogue_oneshot_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns,\n                         stride_words, counters):\n    with _simulated_helpers(cuda):\n        griddep_launch_dependents()\n        _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,\n             True)\n'
 
 
 _BUILT: dict = {}  # form key -> (kernel, PDL kernel, signature, name, form)
