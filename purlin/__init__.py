@@ -39,6 +39,7 @@ from purlin.spec import (Collective, Layout, Op, collectives, copy, dtype, reduc
                          standard)
 
 from purlin.runtime import Cluster, run
+from purlin.atom.epilogue import Epilogue
 from purlin.runtime import auto as _auto
 from purlin.snac import Schedule, plan, verify
 from purlin.trace import predict_latency as _predict_latency
@@ -54,4 +55,5 @@ __all__ = [
     "CapabilityError", "Collective", "ExecutionError", "Layout", "Op", "PlanError",
     "PurlinError", "PurlinTimeoutError", "SpecError", "VerificationError", "collectives", "copy",
     "dtype", "reduce", "reference", "standard", "Cluster", "Schedule", "plan", "run", "verify",
+    "Epilogue",
 ]

@@ -45,11 +45,13 @@ class Epilogue:
     bias or a weight). ``out``: where ``y`` goes (default: the all-reduce's tensor; a
     ``torch.float8_e4m3fn`` tensor of its element count: quantised on the way, 448 and beyond
     saturated to 448). ``row_out``: a float32 tensor of one element per row that takes each
-    row's ``q`` (a per-token scale).
+    row's ``q`` (a per-token scale). ``hidden``: the row length, where the tensor is flat.
     """
 
     def __init__(self, fn, extras=(), *, residual=None, stat=None, finish=None, out=None,
-                 row_out=None, name: str | None = None):
+                 row_out=None, hidden: int | None = None, name: str | None = None):
+        self.hidden = hidden
+        self.builtin = None  # (weight, eps) of rms_norm: the built-in kernel runs it too
         self.fn, self.extras, self.residual = fn, tuple(extras), residual
         self.stat, self.finish, self.out, self.row_out = stat, finish, out, row_out
         self.name = name or getattr(getattr(fn, "py_func", fn), "__name__", "epilogue")
@@ -71,7 +73,7 @@ class Epilogue:
         function, the signature expected and the dtype."""
         import torch
 
-        hidden = int(hidden or (tensor.shape[-1] if tensor.dim() else 1))
+        hidden = int(hidden or self.hidden or (tensor.shape[-1] if tensor.dim() else 1))
         count = tensor.numel()
         if hidden < 1 or count % hidden:
             raise SpecError(f"epilogue {self.name!r}: rows of {hidden} elements do not divide "
@@ -171,6 +173,32 @@ class Epilogue:
         return tensor
 
 
+def per_rank(epilogue, schedule) -> list:
+    """``epilogue`` (one per rank, or one for every rank) as a list, checked against
+    ``schedule``: an all-reduce."""
+    from purlin.errors import CapabilityError
+
+    n = schedule.nranks
+    if schedule.collective.name != "all-reduce":
+        raise CapabilityError(f"a user epilogue follows an all-reduce, not "
+                              f"{schedule.collective.name}")
+    epis = list(epilogue) if isinstance(epilogue, (list, tuple)) else [epilogue] * n
+    if len(epis) != n or not all(isinstance(e, Epilogue) for e in epis):
+        raise SpecError(f"epilogue: one purlin.Epilogue per rank ({n}), or one for all; got "
+                        f"{epilogue!r}")
+    return epis
+
+
+def run_on_outputs(epilogues, outputs) -> None:
+    """Each rank's epilogue on its output (torch tensors, or numpy arrays of float32 /
+    float16), by the host reference."""
+    import torch
+
+    for e, o in zip(epilogues, outputs):
+        t = o if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o))
+        e.reference(t.reshape(-1))
+
+
 def rms_norm(residual, weight, eps: float = 1e-6) -> Epilogue:
     """The built-in add + RMSNorm as a user epilogue: ``residual += x``, then ``x =
     rms_norm(residual) * weight`` (what ``Communicator.all_reduce_add_rms_norm`` does).
@@ -183,8 +211,10 @@ def rms_norm(residual, weight, eps: float = 1e-6) -> Epilogue:
     from purlin.kernels.epilogue import rms_norm_functions
 
     stat, finish, fn = rms_norm_functions(weight.numel(), float(eps))
-    return Epilogue(fn, extras=(weight,), residual=residual, stat=stat, finish=finish,
-                    name="add_rms_norm")
+    e = Epilogue(fn, extras=(weight,), residual=residual, stat=stat, finish=finish,
+                 hidden=weight.numel(), name="add_rms_norm")
+    e.builtin = (weight, float(eps))
+    return e
 
 
 _JITTED: dict = {}
