@@ -439,8 +439,6 @@ def rms_norm_functions(hidden: int, eps: float) -> tuple:
     return _RMS[key]
 
 
-_KERNELS = '@_kernel\ndef epilogue_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,\n                     counters):\n    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False)\n\n\n@_kernel\ndef epilogue_oneshot_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns,\n                         stride_words, counters):\n    griddep_launch_dependents()\n    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True)\n'
-_SIM_RMS: dict = {}
 
 
 def rms_norm_functions(hidden: int, eps: float) -> tuple:
@@ -467,7 +465,37 @@ def rms_norm_functions(hidden: int, eps: float) -> tuple:
     return _RMS[key]
 
 
-_KERNELS = '@_kernel\ndef epilogue_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,\n                     counters):\n    with _simulated_helpers(cuda):\n        _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,\n             False)\n\n\n@_kernel\ndef epilogue_oneshot_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns,\n                         stride_words, counters):\n    with _simulated_helpers(cuda):\n        griddep_launch_dependents()\n        _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,\n             True)\n'
+# the kernels; in the simulator each also hands the simulated ``cuda`` to the helpers' modules
+_KERNELS = '''
+@_kernel
+def epilogue_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                     counters):
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False)
+
+
+@_kernel
+def epilogue_oneshot_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns,
+                         stride_words, counters):
+    griddep_launch_dependents()
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True)
+'''
+_SIM_KERNELS = '''
+@_kernel
+def epilogue_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                     counters):
+    with _simulated_helpers(cuda):
+        _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
+             False)
+
+
+@_kernel
+def epilogue_oneshot_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns,
+                         stride_words, counters):
+    with _simulated_helpers(cuda):
+        griddep_launch_dependents()
+        _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
+             True)
+'''
 
 
 _BUILT: dict = {}  # form key -> (kernel, PDL kernel, signature, name, form)
