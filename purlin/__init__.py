@@ -38,8 +38,7 @@ from purlin.errors import (CapabilityError, ExecutionError, PlanError, PurlinErr
 from purlin.spec import (Collective, Layout, Op, collectives, copy, dtype, reduce, reference,
                          standard)
 
-from purlin.runtime import Cluster, run
-from purlin.atom.epilogue import Epilogue
+from purlin.runtime import Cluster, Epilogue, run
 from purlin.runtime import auto as _auto
 from purlin.snac import Schedule, plan, verify
 from purlin.trace import predict_latency as _predict_latency

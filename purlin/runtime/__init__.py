@@ -1,6 +1,7 @@
 """Runtime: clusters, binding and running schedules (ARCHITECTURE.md, "Runtime")."""
 
+from purlin.atom.epilogue import Epilogue
 from purlin.runtime.api import RunResult, run
 from purlin.runtime.cluster import Cluster
 
-__all__ = ["Cluster", "RunResult", "run"]
+__all__ = ["Cluster", "Epilogue", "RunResult", "run"]
