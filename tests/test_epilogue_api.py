@@ -274,6 +274,95 @@ def test_the_builtin_through_the_generic_kernel_compiles_to_less_code_than_the_h
         assert "sqrt" in text
 
 
+# ------------------------------------------------------------------ GPU: virtual ranks
+
+
+def _virtual(hidden, rows, epilogue_for, kernel="generic", seed=5):
+    """A 2-rank fused-ll all-reduce on one GPU ending with ``epilogue_for(rank, gen)``; one
+    call. Returns (inputs, the reduced sum, outputs, epilogues)."""
+    c = Cluster.virtual(2)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    xs = [torch.randn(rows * hidden, generator=gen, device="cuda").bfloat16() for _ in range(2)]
+    epis = [epilogue_for(r, gen) for r in range(2)]
+    b = c.bind(collectives.all_reduce(2), "direct-push", count=rows * hidden, dtype="bfloat16",
+               protocol="fused-ll", epilogue=epis, epilogue_kernel=kernel)
+    plain = c.bind(collectives.all_reduce(2), "direct-push", count=rows * hidden,
+                   dtype="bfloat16", protocol="fused-ll")
+    total = plain(xs)[0].clone()
+    out = [o.clone() for o in b(xs)]
+    return xs, total, out, epis
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,rows", [(4096, 1), (4096, 8), (8192, 64)])
+def test_gpu_user_epilogues_match_the_collective_and_separate_torch_ops(hidden, rows):
+    def gelu_for(r, gen):
+        return Epilogue(bias_gelu, extras=(torch.randn(hidden, generator=gen, device="cuda")
+                                           .bfloat16(),), hidden=hidden)
+
+    _, total, out, epis = _virtual(hidden, rows, gelu_for)
+    want = torch_gelu(total.reshape(rows, hidden), epis[0].extras[0]).reshape(-1)
+    for o in out:
+        assert torch.allclose(o.float(), want, rtol=1e-2, atol=1e-2)
+
+    def swiglu_for(r, gen):
+        return Epilogue(swiglu, extras=(
+            torch.randn(hidden, generator=gen, device="cuda").bfloat16(),
+            torch.randn(rows * hidden, generator=gen, device="cuda").bfloat16()), hidden=hidden)
+
+    _, total, out, epis = _virtual(hidden, rows, swiglu_for)
+    for o, e in zip(out, epis):
+        want = torch_swiglu(total.reshape(rows, hidden), e.extras[0],
+                            e.extras[1].reshape(rows, hidden)).reshape(-1)
+        assert torch.allclose(o.float(), want, rtol=1e-2, atol=1e-2)
+
+    starts = {}
+
+    def fp8_for(r, gen):
+        residual = torch.randn(rows * hidden, generator=gen, device="cuda").bfloat16()
+        starts[r] = residual.clone()
+        weight = (torch.rand(hidden, generator=gen, device="cuda") + 0.5).bfloat16()
+        return fp8_epilogue(residual, weight, torch.empty(rows * hidden, device="cuda",
+                                                          dtype=torch.float8_e4m3fn),
+                            torch.empty(rows, device="cuda"))
+
+    _, total, out, epis = _virtual(hidden, rows, fp8_for)
+    for r, e in enumerate(epis):
+        check_fp8(e.out, e.row_out, e.residual, total, starts[r], e.extras[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hidden,rows", [(4096, 1), (4096, 16), (8192, 1), (8192, 64)])
+def test_gpu_builtin_rms_norm_through_the_generic_kernel_is_bitwise_the_hand_kernel(hidden,
+                                                                                     rows):
+    runs = {}
+    for kernel in ("generic", "builtin"):
+        starts = {}
+
+        def norm_for(r, gen):
+            starts[r] = torch.randn(rows * hidden, generator=gen, device="cuda").bfloat16()
+            weight = torch.rand(hidden, generator=gen, device="cuda").bfloat16()
+            return rms_norm(starts[r].clone(), weight, EPS)
+
+        runs[kernel] = _virtual(hidden, rows, norm_for, kernel=kernel) + (starts,)
+    (_, total, out, epis, starts), (_, _, base, base_epis, _) = runs["generic"], runs["builtin"]
+    for r in range(2):
+        assert torch.equal(out[r], base[r]) and torch.equal(epis[r].residual,
+                                                            base_epis[r].residual)
+        want_r, want = torch_norm(total, starts[r], epis[r].extras[0])
+        assert torch.equal(epis[r].residual, want_r)
+        assert torch.allclose(out[r].float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_an_epilogue_off_the_one_shot_kernel_is_refused():
+    from purlin.errors import CapabilityError
+
+    with pytest.raises(CapabilityError, match="protocol='fused-ll'"):
+        Cluster.virtual(2).bind(collectives.all_reduce(2), count=4096, dtype="bfloat16",
+                                protocol="fused", epilogue=Epilogue(lambda v: v, hidden=4096))
+
+
 # ------------------------------------------------------------------------ the simulator
 
 
