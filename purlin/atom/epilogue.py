@@ -105,6 +105,17 @@ class Epilogue:
             raise SpecError(f"epilogue {self.name!r}: row_out must hold one float32 per row "
                             f"({count // hidden}); got {self.row_out.numel()} "
                             f"{self.row_out.dtype}")
+        for what, t in (("the residual", self.residual), ("out", self.out),
+                        ("row_out", self.row_out), *((f"extra {k}", x)
+                                                     for k, x in enumerate(self.extras))):
+            if t is None:
+                continue
+            if not t.is_contiguous():
+                raise SpecError(f"epilogue {self.name!r}: {what} is strided; pass "
+                                f"a contiguous tensor (.contiguous())")
+            if tensor.device.type != "meta" and t.device != tensor.device:
+                raise SpecError(f"epilogue {self.name!r}: {what} is on {t.device}, the "
+                                f"all-reduce's output on {tensor.device}")
         names = [f"e{k}" for k in range(len(self.extras))]
         stats = 1
         if self.stat is not None:
@@ -186,6 +197,12 @@ def per_rank(epilogue, schedule) -> list:
     if len(epis) != n or not all(isinstance(e, Epilogue) for e in epis):
         raise SpecError(f"epilogue: one purlin.Epilogue per rank ({n}), or one for all; got "
                         f"{epilogue!r}")
+    import torch
+
+    for r, e in enumerate(epis):  # at bind time, on a stand-in for the rank's output
+        dtype = getattr(torch, schedule.dtype, None)
+        if dtype is not None:
+            e.check(torch.empty(schedule.sizing.output_count(r), dtype=dtype, device="meta"))
     return epis
 
 
