@@ -280,9 +280,16 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     prm = _word(meta, head, norm + NORM_PARAMS)
     src = _word(meta, head, F_HEAD + PUT_SRC)
     g = block * nthreads + tid
+    # read together, as oneshot_norm does: this thread's input item, the residual's and the
+    # extras' items of the block's first chunk, and the call counter
+    residual = _word(meta, head, prm + NORM_RESIDUAL)
     x0, x1 = np.int64(0), np.int64(0)
+    r0w0, r0w1 = np.int64(0), np.int64(0)
     if block < chunks:
         x0, x1 = load_u32(src + g * LL_ITEM), load_u32(src + g * LL_ITEM + 4)
+        if RESIDUAL:
+            r0w0, r0w1 = load_u32(residual + g * LL_ITEM), load_u32(residual + g * LL_ITEM + 4)
+    e0 = _extras(meta, head, prm, block if block < chunks else 0, per_row)  # (a valid item)
     epoch = load_i64(counter)
     tag = ll_tag(epoch)
     odd = epoch & 1
@@ -301,7 +308,6 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     target = _word(meta, head, norm + 1 + odd)
     sums = _word(meta, head, prm + NORM_SUMS)
     owned = _owned(chunks, per_row, blocks_per_rank)
-    residual = _word(meta, head, prm + NORM_RESIDUAL)
     v0 = (np.float32(0), np.float32(0), np.float32(0), np.float32(0))  # first chunk's values
     c = block
     k = 0
@@ -320,12 +326,17 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             store_u32(target + i * LL_ITEM + 4, w1)
         if RESIDUAL:  # residual += sum, rounded to the element type, and kept
             at = residual + i * LL_ITEM
-            r = _floats(load_u32(at), load_u32(at + 4), DT)
+            if c == block:
+                r = _floats(r0w0, r0w1, DT)
+            else:
+                r = _floats(load_u32(at), load_u32(at + 4), DT)
             n0, n1 = _words((v[0] + r[0], v[1] + r[1], v[2] + r[2], v[3] + r[3]), DT)
             store_u32(at, n0)
             store_u32(at + 4, n1)
             v = _floats(n0, n1, DT)
-        e = _extras(meta, head, prm, c, per_row)
+        e = e0
+        if c != block:
+            e = _extras(meta, head, prm, c, per_row)
         if ROW:
             s, m = _stat4(v, e)
             total = _sum_block(s, tid, nthreads)
@@ -348,7 +359,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     cuda.syncthreads()
     if ROW and status[0] == 0:
         _second_pass(meta, head, norm, prm, parts, peaks, status, block, blocks_per_rank, tag,
-                     timeout_ns, abort, owned, target, v0)
+                     timeout_ns, abort, owned, target, v0, e0)
     cuda.syncthreads()
     if tid == 0:
         store_i64(counter, epoch + 1)
@@ -356,9 +367,10 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
 
 @device
 def _second_pass(meta, head, norm, prm, parts, peaks, status, block, blocks, tag, timeout_ns,
-                 abort, owned, target, v0):
+                 abort, owned, target, v0, e0):
     """Each of the block's chunks: its row's totals (slots in order, or ``parts``), then the
-    user's ``finish`` and ``fn`` (``fused._normalize``'s order of reads)."""
+    user's ``finish`` and ``fn`` (``fused._normalize``'s order of reads; ``v0`` / ``e0``: the
+    block's first chunk's values and extras, kept from pass 1)."""
     tid = cuda.threadIdx.x
     nthreads = cuda.blockDim.x
     chunks = _word(meta, head, norm + NORM_CHUNKS)
@@ -390,15 +402,16 @@ def _second_pass(meta, head, norm, prm, parts, peaks, status, block, blocks, tag
             s += parts[at]
             m = max(m, peaks[at])
         p, q = _finish(s, m)
-        v = v0
+        v, e = v0, e0
         if c != block:
+            e = _extras(meta, head, prm, c, per_row)
             i = c * nthreads + tid
             if RESIDUAL:
                 at = residual + i * LL_ITEM
             else:
                 at = target + i * LL_ITEM
             v = _floats(load_u32(at), load_u32(at + 4), DT)
-        y = _apply4(v, p, q, _extras(meta, head, prm, c, per_row))
+        y = _apply4(v, p, q, e)
         if ROW_OUT and tid == 0 and c == first:
             row_out = _word(meta, head, prm + SOURCE_WIDTH + EXTRA_ROW_OUT)
             store_u32(row_out + (np.int64(np.uint32(c) // np.uint32(per_row))

@@ -274,6 +274,30 @@ def test_the_builtin_through_the_generic_kernel_compiles_to_less_code_than_the_h
         assert "sqrt" in text
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["bias_gelu", "swiglu", "fp8", "plain"])
+def test_each_form_compiles_for_sm90_without_spills(name, dtype):
+    """Every form's kernel types and compiles (the simulator runs Python, not Numba's typing):
+    per element with none, one or two extras, per row with a pair of statistics, FP8 out and
+    a row output."""
+    pytest.importorskip("numba.cuda.cudadrv.nvvm")
+    from purlin.kernels import epilogue as ep, executor
+    from purlin.kernels.compat import compile_ptx
+
+    h = 64
+    x = torch.empty(4 * h, dtype=dtype)
+    col, el = torch.ones(h, dtype=dtype), torch.ones(4 * h, dtype=dtype)
+    e = {"bias_gelu": lambda: Epilogue(bias_gelu, extras=(col,), hidden=h),
+         "swiglu": lambda: Epilogue(swiglu, extras=(col, el), hidden=h),
+         "fp8": lambda: fp8_epilogue(torch.zeros_like(el), col, torch.empty(
+             4 * h, dtype=torch.float8_e4m3fn), torch.empty(4)),
+         "plain": lambda: Epilogue(lambda v: v * 2.0, hidden=h)}[name]()
+    kernel, _, sig = ep.kernels(e.form(x))
+    ptx = compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=executor.MAX_THREADS)
+    assert ".local" not in ptx and "st.volatile.global.v4.u32" in ptx
+    assert ("max.f32" in ptx) == (name == "fp8")  # the row maximum only where asked for
+
+
 # ------------------------------------------------------------------ GPU: virtual ranks
 
 
