@@ -246,6 +246,80 @@ def test_an_epilogue_after_another_collective_is_refused():
                             epilogue=Epilogue(lambda v: v))
 
 
+def _communicator_worker(rank, n, datapath):
+    """Communicator.all_reduce(epilogue=) against the all-reduce and then unfused torch:
+    bias + GELU, SwiGLU with two extras, add + RMSNorm + FP8; the built-in as a user epilogue
+    against all_reduce_add_rms_norm."""
+    import warnings
+
+    device = "cuda" if datapath == "sm" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    from purlin.torch import Communicator
+
+    comm = Communicator(timeout=10.0, datapath=datapath)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    bad = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for rows, hidden in ((1, 4096), (4, 4096), (2, 8192)):
+            gen = torch.Generator(device=device).manual_seed(rows + hidden)
+            parts = [torch.randn(rows, hidden, generator=gen, device=device).to(dt)
+                     for _ in range(n)]
+            total = sum(p.float() for p in parts).to(dt)  # (two ranks: one rounding)
+            bias = torch.randn(hidden, generator=gen, device=device).to(dt)
+            up = torch.randn(rows, hidden, generator=gen, device=device).to(dt)
+            t = parts[rank].clone()
+            comm.all_reduce(t, epilogue=Epilogue(bias_gelu, extras=(bias,)))
+            if not torch.allclose(t.float(), torch_gelu(total, bias), rtol=2e-2, atol=2e-2):
+                bad.append(f"bias_gelu {rows}x{hidden}")
+            t = parts[rank].clone()
+            comm.all_reduce(t, epilogue=Epilogue(swiglu, extras=(bias, up)))
+            if not torch.allclose(t.float(), torch_swiglu(total, bias, up), rtol=2e-2,
+                                  atol=2e-2):
+                bad.append(f"swiglu {rows}x{hidden}")
+            residual = torch.randn(rows, hidden, generator=gen, device=device).to(dt)
+            weight = (torch.rand(hidden, generator=gen, device=device) + 0.5).to(dt)
+            r, t = residual.clone(), parts[rank].clone()
+            q = torch.empty(rows * hidden, device=device, dtype=torch.float8_e4m3fn)
+            scales = torch.empty(rows, device=device)
+            comm.all_reduce(t, epilogue=fp8_epilogue(r, weight, q, scales))
+            try:
+                check_fp8(q, scales, r.reshape(-1), total.reshape(-1), residual.reshape(-1),
+                          weight)
+            except AssertionError as exc:
+                bad.append(f"fp8 {rows}x{hidden}: {exc}")
+            r1, t1 = residual.clone(), parts[rank].clone()
+            comm.all_reduce(t1, epilogue=rms_norm(r1, weight, EPS))
+            r2, t2 = residual.clone(), parts[rank].clone()
+            comm.all_reduce_add_rms_norm(t2, r2, weight, EPS)
+            if datapath == "sm" and not (torch.equal(t1, t2) and torch.equal(r1, r2)):
+                bad.append(f"rms_norm {rows}x{hidden}: not the built-in's bits")
+            if not (torch.allclose(t1.float(), t2.float(), rtol=1e-2, atol=1e-2)
+                    and torch.equal(r1, r2)):
+                bad.append(f"rms_norm {rows}x{hidden}: not the built-in's result")
+    return bad
+
+
+def test_communicator_all_reduce_with_an_epilogue_on_the_cpu_datapath():
+    from purlin.torch.testing import raise_for, run_processes
+
+    for bad in raise_for(run_processes(_communicator_worker, 2, "cpu", timeout=240)):
+        assert bad == []
+
+
+@pytest.mark.gpu
+def test_gpu_communicator_all_reduce_with_an_epilogue_on_the_fused_kernel():
+    """Process mode on two GPUs (nccl): the epilogues on the one-shot kernel."""
+    from purlin.torch.testing import raise_for, run_processes
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("process mode needs 2 GPUs")
+    for bad in raise_for(run_processes(_communicator_worker, 2, "sm", backend="nccl",
+                                       timeout=300)):
+        assert bad == []
+
+
 # ----------------------------------------------------------------------------- the PTX
 
 
@@ -401,7 +475,7 @@ def _sim_run(make, dtype="bfloat16", count=96, hidden=32, blocks=1, threads=4, c
     ``fused.oneshot_norm`` on the same program). Returns (total, outputs per call, epilogue)."""
     import test_kernels_sim as sim
 
-    from purlin.atom.fused import Epilogue as Record, oneshot_problem, program, row_sums_bytes
+    from purlin.atom.fused import oneshot_problem, program, row_sums_bytes
     from purlin.kernels import epilogue as ep, fused, isa
 
     s, xs, outs, ll, lowered, keep = sim._fused_setup(collectives.all_reduce(2), dtype, count)
@@ -414,11 +488,7 @@ def _sim_run(make, dtype="bfloat16", count=96, hidden=32, blocks=1, threads=4, c
     sums = np.zeros(row_sums_bytes(outs[0].nbytes, 8, threads) // 8, np.int64)
     err = np.zeros(isa.ERR_WIDTH, dtype=np.int64)
     abort = np.zeros(1, dtype=np.uint64)
-    ptr = (lambda t: 0 if t is None else t.data_ptr())
-    weight, eps = e.builtin or (None, 0.0)
-    record = Record(outs[0].ctypes.data, ptr(e.residual), ptr(weight), sums.ctypes.data,
-                    e.check(tensor)["hidden"], eps,
-                    (ptr(e.out), ptr(e.row_out), *(x.data_ptr() for x in e.extras)))
+    record = e.record(outs[0].ctypes.data, sums.ctypes.data, e.check(tensor)["hidden"])
     words = program(lowered[0], err.ctypes.data, abort.ctypes.data, lambda a: a, 8,
                     epilogue=record, threads=threads).words.copy()
     assert oneshot_problem(words) is None, oneshot_problem(words)

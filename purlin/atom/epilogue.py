@@ -44,7 +44,7 @@ class Epilogue:
     element) or of ``hidden`` elements (the tensor's last dimension: read by column, as a
     bias or a weight). ``out``: where ``y`` goes (default: the all-reduce's tensor; a
     ``torch.float8_e4m3fn`` tensor of its element count: quantised on the way, 448 and beyond
-    saturated to 448). ``row_out``: a float32 tensor of one element per row that takes each
+    saturated to 448; the tensor then holds nothing defined). ``row_out``: a float32 tensor of one element per row that takes each
     row's ``q`` (a per-token scale). ``hidden``: the row length, where the tensor is flat.
     """
 
@@ -59,6 +59,29 @@ class Epilogue:
             raise SpecError(f"epilogue {self.name!r}: finish needs stat (the per-row form)")
         if row_out is not None and stat is None:
             raise SpecError(f"epilogue {self.name!r}: row_out needs stat (the per-row form)")
+
+    def tensors(self) -> list:
+        """Every tensor the kernel reads or writes besides the all-reduce's."""
+        return [t for t in (self.residual, self.out, self.row_out, *self.extras)
+                if t is not None]
+
+    def key(self) -> tuple:
+        """What a program ending with this epilogue depends on: its functions and its
+        tensors' addresses (two epilogues with the same key share a program)."""
+        ptr = (lambda t: 0 if t is None else t.data_ptr())
+        return ("epilogue", id(self.fn), id(self.stat), id(self.finish), self.hidden,
+                ptr(self.residual), ptr(self.out), ptr(self.row_out),
+                *(t.data_ptr() for t in self.extras), *(t.numel() for t in self.extras))
+
+    def record(self, target: int, sums: int, hidden: int):
+        """The program's :class:`purlin.atom.fused.Epilogue` for this epilogue over
+        ``target`` (the all-reduce's output address) with row sums at ``sums``."""
+        from purlin.atom.fused import Epilogue as Record
+
+        ptr = (lambda t: 0 if t is None else t.data_ptr())
+        weight, eps = self.builtin or (None, 0.0)
+        return Record(target, ptr(self.residual), ptr(weight), sums, hidden, float(eps),
+                      (ptr(self.out), ptr(self.row_out), *(t.data_ptr() for t in self.extras)))
 
     def __repr__(self) -> str:
         form = "row" if self.stat is not None else "element"

@@ -17,8 +17,7 @@ EPILOGUE_KERNELS = ("generic", "builtin")
 def launch_epilogue(bound, groups, blocks, wish, threads, epilogue, kernel="generic") -> None:
     """Fill ``bound.launches`` (an ``SmBound`` of a fused-ll all-reduce) with one launch per
     device of the programs ending with ``epilogue`` (one per rank, or one for every rank)."""
-    from purlin.atom.fused import (Epilogue as Record, fused_unit, oneshot_problem, program,
-                                   row_sums_bytes)
+    from purlin.atom.fused import fused_unit, oneshot_problem, program, row_sums_bytes
     from purlin.atom.sm import fused_launch
     from purlin.kernels.epilogue import kernel_name
     from purlin.kernels.launch import Launcher
@@ -66,10 +65,7 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue, kernel="gene
         sums = torch.zeros(row_sums_bytes(out.numel() * out.element_size(), 8, bound.threads)
                            // 8, dtype=torch.int64, device=out.device)
         bound.epilogue_sums.append(sums)
-        weight, eps = e.builtin or (None, 0.0)
-        ptr = (lambda t: 0 if t is None else t.data_ptr())
-        record = Record(out.data_ptr(), ptr(e.residual), ptr(weight), sums.data_ptr(), hidden,
-                        eps, (ptr(e.out), ptr(e.row_out), *(x.data_ptr() for x in e.extras)))
+        record = e.record(out.data_ptr(), sums.data_ptr(), hidden)
         try:
             prog = program(low, error=bound.control[r].data_ptr() + 2 * 8,
                            abort=bound.abort.data_ptr(), flag_slot=flag_slot, unit=8,

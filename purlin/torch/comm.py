@@ -146,8 +146,17 @@ class Communicator:
 
     # -- the torch.distributed functions, with its signatures -------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
-                   async_op: bool = False):
-        """Reduce ``tensor`` over the ranks, in place (``dist.all_reduce``)."""
+                   async_op: bool = False, *, epilogue=None):
+        """Reduce ``tensor`` over the ranks, in place (``dist.all_reduce``). ``epilogue``: a
+        :class:`purlin.Epilogue` run on the sum before it is written (see
+        :meth:`all_reduce_epilogue`)."""
+        if epilogue is not None:
+            if op != dist.ReduceOp.SUM:
+                raise SpecError(f"rank {self.rank}: an epilogue follows a sum, not "
+                                f"{op_label(op)}")
+            self._start("all_reduce", group, op)
+            self.all_reduce_epilogue(tensor, epilogue)
+            return self._done(async_op, [tensor])
         fn = "all_reduce"
         name = self._start(fn, group, op)
         with torch.no_grad():  # in place on a leaf that requires grad, as torch does
@@ -211,6 +220,39 @@ class Communicator:
             self._warn_once(fn, why, f"runs as all_reduce and then PyTorch: {why}")
             self.all_reduce(tensor)
             add_rms_norm(tensor, residual, weight, eps)
+        return tensor
+
+    def all_reduce_epilogue(self, tensor: torch.Tensor, epilogue) -> torch.Tensor:
+        """``tensor`` = the sum over ranks, then user ``epilogue`` (a :class:`purlin.Epilogue`,
+        checked here: a bad device function or dtype is a SpecError naming it) on it, rows of
+        ``epilogue.hidden`` or of the tensor's last dimension. On the fused kernel (sm
+        datapath, an LL size) it is one launch: the one-shot kernel built for the epilogue,
+        on the all-reduce :meth:`all_reduce_add_rms_norm` prepares for those rows.
+        Elsewhere: :meth:`all_reduce`, then the epilogue's host reference, with a one-time
+        warning saying why. Returns ``tensor``."""
+        import copy
+
+        fn = "all_reduce(epilogue=)"
+        hidden = epilogue.check(tensor)["hidden"]
+        epilogue = copy.copy(epilogue)
+        epilogue.hidden = hidden  # the rows the staging area's flat view is cut into
+        why = self._refuse(fn, [tensor], dist.ReduceOp.SUM, "sum")
+        if why is None and tensor.numel():
+            if self.hierarchy is not None:
+                why = "the group spans nodes"
+            elif self.datapath != "sm":
+                why = f"the {self.datapath} datapath has no fused kernel"
+            elif not tensor.is_contiguous():
+                why = "a strided tensor"
+            else:
+                call = self._next("all_reduce_epilogue", tensor, tensor.numel(), "sum", "sum")
+                why = self._call(_norm_key(tensor.numel(), tensor.dtype, hidden), tensor,
+                                 tensor, norm=epilogue, call=call)
+        if why:
+            self._warn_once(fn, why, f"runs as all_reduce and then the epilogue's host "
+                                     f"reference: {why}")
+            self.all_reduce(tensor)
+            epilogue.reference(tensor)
         return tensor
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
