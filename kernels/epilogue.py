@@ -11,6 +11,9 @@ or two float32 elements, summed over the ranks and rounded to the element type):
 3. ``fn(v, *e) -> y`` (per element) or ``fn(v, p, q, *e) -> y`` (per row) into the output
    (``out_fp8``: as float8_e4m3fn bytes), and per row ``q`` into a float32 ``row_out``.
 
+A ``prologue(x, *e) -> x'`` runs first on the rank's input, rewritten in place (rounded to the
+element type) before anything is sent: each thread rewrites the items it then puts and sums.
+
 ``e`` are the extra tensors' elements at the same place (``per_column[k]``: element ``i % hidden``,
 a weight or a bias; else element ``i``), as float32. Every name of the form is a compile-time
 constant of the kernel: :func:`kernels` compiles one per form (cached), and code the form
@@ -55,6 +58,7 @@ class Form(NamedTuple):
     finish: object = None  # device function (total, peak) -> (p, q); None: (total, peak)
     out_fp8: bool = False
     row_out: bool = False
+    prologue: object = None  # device function (x, *e) -> x' on the rank's input, before sending
 
 
 @device
@@ -175,6 +179,12 @@ def _stat4(v, e):
 def _apply4(v, p, q, e):
 {apply}
     return y
+
+
+@device
+def _prologue4(v, e):
+{prologue}
+    return y
 '''
 
 
@@ -204,7 +214,11 @@ def _source(form: Form) -> str:
     pq = ", p, q" if form.stat is not None else ""
     apply = "    y = (" + ", ".join(f"np.float32(FN(v[{j}]{pq}{args(j)}))" if j < width
                                     else "np.float32(0)" for j in range(4)) + ")"
-    return _TEMPLATE.format(load=load, names=names, stat=stat, apply=apply)
+    prologue = "    y = (" + ", ".join(f"np.float32(PRO(v[{j}]{args(j)}))" if j < width
+                                       else "np.float32(0)" for j in range(4)) + ")"
+    if form.prologue is None:
+        prologue = "    y = v"
+    return _TEMPLATE.format(load=load, names=names, stat=stat, apply=apply, prologue=prologue)
 
 
 @contextmanager
@@ -223,7 +237,8 @@ def _build(form: Form):
     """The two kernels (plain, PDL) of ``form``."""
     space = dict(globals(), DT=form.dtype, FN=form.fn, STAT=form.stat, FINISH=form.finish,
                  RESIDUAL=form.residual, ROW=form.stat is not None, STATS=form.stats,
-                 OUT_FP8=form.out_fp8, ROW_OUT=form.row_out)
+                 OUT_FP8=form.out_fp8, ROW_OUT=form.row_out, PRO=form.prologue,
+                 PROLOGUE=form.prologue is not None)
     kernels = _SIM_KERNELS if SIMULATOR else _KERNELS
     exec(compile(_source(form) + _RUN + kernels, f"<epilogue {getattr(form.fn, '__name__', 'fn')}>",
                  "exec"), space)
@@ -290,6 +305,21 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         if RESIDUAL:
             r0w0, r0w1 = load_u32(residual + g * LL_ITEM), load_u32(residual + g * LL_ITEM + 4)
     e0 = _extras(meta, head, prm, block if block < chunks else 0, per_row)  # (a valid item)
+    if PROLOGUE:  # the input rewritten in place, each thread its own items, before any put
+        c = block
+        while c < chunks:
+            at = src + (c * nthreads + tid) * LL_ITEM
+            w0, w1 = x0, x1
+            e = e0
+            if c != block:
+                w0, w1 = load_u32(at), load_u32(at + 4)
+                e = _extras(meta, head, prm, c, per_row)
+            n0, n1 = _words(_prologue4(_floats(w0, w1, DT), e), DT)
+            store_u32(at, n0)
+            store_u32(at + 4, n1)
+            if c == block:
+                x0, x1 = n0, n1
+            c += blocks_per_rank
     epoch = load_i64(counter)
     tag = ll_tag(epoch)
     odd = epoch & 1
@@ -517,7 +547,7 @@ _BY_NAME: dict = {}
 
 def _key(form: Form) -> tuple:
     return (id(form.fn), id(form.stat), id(form.finish), form.dtype, form.per_column,
-            form.residual, form.stats, form.out_fp8, form.row_out)
+            form.residual, form.stats, form.out_fp8, form.row_out, id(form.prologue))
 
 
 def kernels(form: Form) -> tuple:

@@ -237,6 +237,21 @@ def test_user_epilogues_on_the_cpu_datapath_match_unfused_torch():
     assert torch.allclose(out[0].float(), want, rtol=2e-3, atol=2e-3)
 
 
+def test_a_prologue_runs_on_each_rank_input_before_the_cpu_all_reduce():
+    hidden = 8
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(2 * hidden, generator=gen) * 4 for _ in range(2)]
+    w = torch.rand(hidden, generator=gen) * 2
+    e = Epilogue(bias_gelu, extras=(w,), prologue=clip_scale, hidden=hidden)
+    out = Cluster.cpu(2).bind(collectives.all_reduce(2), count=2 * hidden, dtype="float32",
+                              epilogue=e)([x.clone() for x in xs])
+    pre = [(x.reshape(-1, hidden) * w).clamp(-4, 4) for x in xs]
+    want = torch_gelu(pre[0] + pre[1], w).reshape(-1)
+    assert torch.allclose(out[0], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SpecError, match=r"prologue must take \(x, e0\); it takes \(x\)"):
+        Epilogue(bias_gelu, extras=(w,), prologue=lambda x: x, hidden=hidden).check(xs[0])
+
+
 def test_an_epilogue_after_another_collective_is_refused():
     from purlin.errors import CapabilityError
 
@@ -349,11 +364,11 @@ def test_the_builtin_through_the_generic_kernel_compiles_to_less_code_than_the_h
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name", ["bias_gelu", "swiglu", "fp8", "plain"])
+@pytest.mark.parametrize("name", ["bias_gelu", "swiglu", "fp8", "plain", "prologue"])
 def test_each_form_compiles_for_sm90_without_spills(name, dtype):
     """Every form's kernel types and compiles (the simulator runs Python, not Numba's typing):
     per element with none, one or two extras, per row with a pair of statistics, FP8 out and
-    a row output."""
+    a row output, a prologue."""
     pytest.importorskip("numba.cuda.cudadrv.nvvm")
     from purlin.kernels import epilogue as ep, executor
     from purlin.kernels.compat import compile_ptx
@@ -365,11 +380,14 @@ def test_each_form_compiles_for_sm90_without_spills(name, dtype):
          "swiglu": lambda: Epilogue(swiglu, extras=(col, el), hidden=h),
          "fp8": lambda: fp8_epilogue(torch.zeros_like(el), col, torch.empty(
              4 * h, dtype=torch.float8_e4m3fn), torch.empty(4)),
-         "plain": lambda: Epilogue(lambda v: v * 2.0, hidden=h)}[name]()
+         "plain": lambda: Epilogue(lambda v: v * 2.0, hidden=h),
+         "prologue": lambda: Epilogue(bias_gelu, extras=(col,), prologue=clip_scale,
+                                      hidden=h)}[name]()
     kernel, _, sig = ep.kernels(e.form(x))
     ptx = compile_ptx(kernel.py_func, sig, cc=(9, 0), launch_bounds=executor.MAX_THREADS)
     assert ".local" not in ptx and "st.volatile.global.v4.u32" in ptx
-    assert ("max.f32" in ptx) == (name == "fp8")  # the row maximum only where asked for
+    # the row maximum only where asked for (and the prologue's clip)
+    assert ("max.f32" in ptx) == (name in ("fp8", "prologue"))
 
 
 # ------------------------------------------------------------------ GPU: virtual ranks
@@ -579,6 +597,66 @@ def sim_builtin_rms_norm_through_the_generic_kernel_is_bitwise_the_hand_kernel()
         want_r, want = torch_norm(total, r0, e.extras[0])
         assert torch.equal(got[0][2], want_r)
         assert torch.allclose(got[0][0].float(), want, rtol=1e-2, atol=1e-2)
+
+
+@cuda.jit(device=True)
+def clip_scale(x, w):  # a prologue: each input scaled by its column's weight, clipped
+    return min(max(x * w, np.float32(-4)), np.float32(4))
+
+
+@case
+def sim_a_prologue_rewrites_the_input_before_it_is_sent():
+    """prologue(x, w) on each rank's input, then the all-reduce, then bias + GELU on the sum
+    (the peer's units carry its input after the same prologue, as its kernel would send)."""
+    import test_kernels_sim as sim
+
+    hidden = 16
+    state = {}
+
+    def make(t, gen):
+        w = (torch.rand(hidden, generator=gen) * 2).to(t.dtype)
+        e = Epilogue(bias_gelu, extras=(w,), prologue=clip_scale, hidden=hidden)
+        state["e"] = e
+        return e
+
+    original = sim._peer_units
+
+    def peer_units(lowered, ll, to, call):  # the peer ran the prologue on its input first
+        for low in lowered:
+            if low.rank != to:
+                for addr in {int(a) for a in low.srcs}:
+                    x = state["inputs"].get(addr)
+                    if x is not None and addr not in state["done"]:
+                        state["e"].reference_prologue(x)
+                        state["done"].add(addr)
+        original(lowered, ll, to, call)
+
+    setup = sim._fused_setup
+
+    def fused_setup(*args, **kw):
+        out = setup(*args, **kw)
+        xs = out[1]
+        state["raw"] = [_bf16_tensor(x).clone() for x in xs]
+        state["inputs"] = {xs[1].ctypes.data: _bf16_tensor(xs[1])}
+        state["xs0"] = xs[0]
+        state["done"] = set()
+        return out
+
+    sim._peer_units, sim._fused_setup = peer_units, fused_setup
+    try:
+        total, got, e = _sim_run(make, hidden=hidden, blocks=3, calls=1)
+    finally:
+        sim._peer_units, sim._fused_setup = original, setup
+    assert state["done"], "the peer's input was not found"
+    w = e.extras[0].float()
+    pre = [(x.float().reshape(-1, hidden) * w).clamp(-4, 4).to(torch.bfloat16)
+           for x in state["raw"]]
+    assert not torch.equal(pre[0].reshape(-1), state["raw"][0])  # the prologue did something
+    mine = _bf16_tensor(state["xs0"]).reshape(pre[0].shape)  # rank 0's input, rewritten
+    assert torch.equal(mine, pre[0]), (mine, pre[0])
+    total = (pre[0].float() + pre[1].float()).to(torch.bfloat16)
+    want = torch_gelu(total, e.extras[0]).reshape(-1)
+    assert torch.allclose(got[0][0].float(), want, rtol=1e-2, atol=1e-2), (got[0][0], want)
 
 
 @case

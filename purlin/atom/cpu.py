@@ -294,6 +294,10 @@ class CpuBound:
                 copy_back.append((host, flat))
             flat_out.append(flat)
         records = [] if trace else None
+        if self.epilogues is not None:  # their prologues, on copies of the inputs
+            from purlin.atom.epilogue import prologues_on_inputs
+
+            flat_in = prologues_on_inputs(self.epilogues, flat_in)
         self.run(flat_in, flat_out, records)
         for host, flat in copy_back:
             np.copyto(host, flat.reshape(host.shape))

@@ -7,6 +7,8 @@ elements at the same place (float32 each). Per row, with ``stat``: ``stat(v, *e)
 returns a float (summed over the row) or a pair (summed, maximised); ``finish(total, peak) ->
 (p, q)`` runs once per row; then ``fn(v, p, q, *e) -> y``. ``residual=`` first does
 ``residual += v`` (rounded to the element type) and hands the new residual on as ``v``.
+``prologue(x, *e) -> x'`` runs before the all-reduce on each rank's input, rewritten in place
+(the staging copy, or the caller's tensor where the kernel reads it directly).
 
 >>> import math
 >>> def gelu(v, bias):
@@ -49,8 +51,9 @@ class Epilogue:
     """
 
     def __init__(self, fn, extras=(), *, residual=None, stat=None, finish=None, out=None,
-                 row_out=None, hidden: int | None = None, name: str | None = None):
-        self.hidden = hidden
+                 row_out=None, hidden: int | None = None, prologue=None,
+                 name: str | None = None):
+        self.hidden, self.prologue = hidden, prologue
         self.builtin = None  # (weight, eps) of rms_norm: the built-in kernel runs it too
         self.fn, self.extras, self.residual = fn, tuple(extras), residual
         self.stat, self.finish, self.out, self.row_out = stat, finish, out, row_out
@@ -69,7 +72,8 @@ class Epilogue:
         """What a program ending with this epilogue depends on: its functions and its
         tensors' addresses (two epilogues with the same key share a program)."""
         ptr = (lambda t: 0 if t is None else t.data_ptr())
-        return ("epilogue", id(self.fn), id(self.stat), id(self.finish), self.hidden,
+        return ("epilogue", id(self.fn), id(self.stat), id(self.finish), id(self.prologue),
+                self.hidden,
                 ptr(self.residual), ptr(self.out), ptr(self.row_out),
                 *(t.data_ptr() for t in self.extras), *(t.numel() for t in self.extras))
 
@@ -148,6 +152,8 @@ class Epilogue:
             _check_function(self.name, "fn", self.fn, ["v", "p", "q", *names], (1,))
         else:
             _check_function(self.name, "fn", self.fn, ["v", *names], (1,))
+        if self.prologue is not None:
+            _check_function(self.name, "prologue", self.prologue, ["x", *names], (1,))
         return {"hidden": hidden, "per_column": tuple(per_column), "stats": stats}
 
     def form(self, tensor, hidden: int | None = None):
@@ -162,9 +168,28 @@ class Epilogue:
                     _device(self.stat) if self.stat is not None else None, info["stats"],
                     _device(self.finish) if self.finish is not None else None,
                     self.out is not None and str(self.out.dtype).endswith(_FP8),
-                    self.row_out is not None)
+                    self.row_out is not None,
+                    _device(self.prologue) if self.prologue is not None else None)
 
     # ---- the same in PyTorch (the cpu datapath, and the reference the tests compare with)
+    def reference_prologue(self, tensor, hidden: int | None = None):
+        """The prologue on a rank's input ``tensor`` on the host, in place (rounded to its
+        dtype), as the kernel does before sending it; returns ``tensor``."""
+        import torch
+
+        if self.prologue is None:
+            return tensor
+        info = self.check(tensor, hidden)
+        hidden = info["hidden"]
+        rows = tensor.numel() // hidden
+        x = tensor.detach().reshape(rows, hidden).float()
+        e = [t.detach().reshape(hidden if col else (rows, hidden)).float().expand(rows, hidden)
+             for t, col in zip(self.extras, info["per_column"])]
+        host = [np.ascontiguousarray(t.cpu().numpy()) for t in (x, *e)]
+        y = torch.from_numpy(np.asarray(_vectorize(self.prologue, 1)(*host), np.float32))
+        tensor.copy_(y.to(tensor.device).to(tensor.dtype).reshape(tensor.shape))
+        return tensor
+
     def reference(self, tensor, hidden: int | None = None):
         """Apply the epilogue to ``tensor`` (the all-reduce's result) on the host, as the
         kernel does: float32 inside, the residual rounded to the element type, one rounding
@@ -237,6 +262,19 @@ def run_on_outputs(epilogues, outputs) -> None:
     for e, o in zip(epilogues, outputs):
         t = o if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o))
         e.reference(t.reshape(-1))
+
+
+def prologues_on_inputs(epilogues, inputs) -> list:
+    """Each rank's input (flat numpy arrays) after its epilogue's prologue, as copies."""
+    import torch
+
+    out = []
+    for e, x in zip(epilogues, inputs):
+        if e.prologue is not None and np.size(x):
+            x = np.array(x, copy=True)
+            e.reference_prologue(torch.from_numpy(x).reshape(-1))
+        out.append(x)
+    return out
 
 
 def rms_norm(residual, weight, eps: float = 1e-6) -> Epilogue:

@@ -251,6 +251,7 @@ class Communicator:
         if why:
             self._warn_once(fn, why, f"runs as all_reduce and then the epilogue's host "
                                      f"reference: {why}")
+            epilogue.reference_prologue(tensor)
             self.all_reduce(tensor)
             epilogue.reference(tensor)
         return tensor
