@@ -143,6 +143,10 @@ class Epilogue:
             if tensor.device.type != "meta" and t.device != tensor.device:
                 raise SpecError(f"epilogue {self.name!r}: {what} is on {t.device}, the "
                                 f"all-reduce's output on {tensor.device}")
+            if t.data_ptr() % 4:  # the kernel reads and writes 4-byte words of it
+                raise SpecError(f"epilogue {self.name!r}: {what} starts at an address that "
+                                f"is not 4-byte aligned ({t.data_ptr():#x}); pass a tensor "
+                                "of its own (.clone())")
         names = [f"e{k}" for k in range(len(self.extras))]
         stats = 1
         if self.stat is not None:
