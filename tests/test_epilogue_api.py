@@ -262,7 +262,7 @@ def test_an_epilogue_after_another_collective_is_refused():
 
 
 def _communicator_worker(rank, n, datapath):
-    """Communicator.all_reduce(epilogue=) against the all-reduce and then unfused torch:
+    """Communicator.all_reduce_epilogue against the all-reduce and then unfused torch:
     bias + GELU, SwiGLU with two extras, add + RMSNorm + FP8; the built-in as a user epilogue
     against all_reduce_add_rms_norm."""
     import warnings
@@ -285,11 +285,11 @@ def _communicator_worker(rank, n, datapath):
             bias = torch.randn(hidden, generator=gen, device=device).to(dt)
             up = torch.randn(rows, hidden, generator=gen, device=device).to(dt)
             t = parts[rank].clone()
-            comm.all_reduce(t, epilogue=Epilogue(bias_gelu, extras=(bias,)))
+            comm.all_reduce_epilogue(t, Epilogue(bias_gelu, extras=(bias,)))
             if not torch.allclose(t.float(), torch_gelu(total, bias), rtol=2e-2, atol=2e-2):
                 bad.append(f"bias_gelu {rows}x{hidden}")
             t = parts[rank].clone()
-            comm.all_reduce(t, epilogue=Epilogue(swiglu, extras=(bias, up)))
+            comm.all_reduce_epilogue(t, Epilogue(swiglu, extras=(bias, up)))
             if not torch.allclose(t.float(), torch_swiglu(total, bias, up), rtol=2e-2,
                                   atol=2e-2):
                 bad.append(f"swiglu {rows}x{hidden}")
@@ -298,14 +298,14 @@ def _communicator_worker(rank, n, datapath):
             r, t = residual.clone(), parts[rank].clone()
             q = torch.empty(rows * hidden, device=device, dtype=torch.float8_e4m3fn)
             scales = torch.empty(rows, device=device)
-            comm.all_reduce(t, epilogue=fp8_epilogue(r, weight, q, scales))
+            comm.all_reduce_epilogue(t, fp8_epilogue(r, weight, q, scales))
             try:
                 check_fp8(q, scales, r.reshape(-1), total.reshape(-1), residual.reshape(-1),
                           weight)
             except AssertionError as exc:
                 bad.append(f"fp8 {rows}x{hidden}: {exc}")
             r1, t1 = residual.clone(), parts[rank].clone()
-            comm.all_reduce(t1, epilogue=rms_norm(r1, weight, EPS))
+            comm.all_reduce_epilogue(t1, rms_norm(r1, weight, EPS))
             r2, t2 = residual.clone(), parts[rank].clone()
             comm.all_reduce_add_rms_norm(t2, r2, weight, EPS)
             if datapath == "sm" and not (torch.equal(t1, t2) and torch.equal(r1, r2)):

@@ -146,17 +146,9 @@ class Communicator:
 
     # -- the torch.distributed functions, with its signatures -------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
-                   async_op: bool = False, *, epilogue=None):
-        """Reduce ``tensor`` over the ranks, in place (``dist.all_reduce``). ``epilogue``: a
-        :class:`purlin.Epilogue` run on the sum before it is written (see
-        :meth:`all_reduce_epilogue`)."""
-        if epilogue is not None:
-            if op != dist.ReduceOp.SUM:
-                raise SpecError(f"rank {self.rank}: an epilogue follows a sum, not "
-                                f"{op_label(op)}")
-            self._start("all_reduce", group, op)
-            self.all_reduce_epilogue(tensor, epilogue)
-            return self._done(async_op, [tensor])
+                   async_op: bool = False):
+        """Reduce ``tensor`` over the ranks, in place (``dist.all_reduce``; with a fused
+        epilogue: :meth:`all_reduce_epilogue`)."""
         fn = "all_reduce"
         name = self._start(fn, group, op)
         with torch.no_grad():  # in place on a leaf that requires grad, as torch does
@@ -232,7 +224,7 @@ class Communicator:
         warning saying why. Returns ``tensor``."""
         import copy
 
-        fn = "all_reduce(epilogue=)"
+        fn = "all_reduce_epilogue"
         hidden = epilogue.check(tensor)["hidden"]
         epilogue = copy.copy(epilogue)
         epilogue.hidden = hidden  # the rows the staging area's flat view is cut into
@@ -245,7 +237,7 @@ class Communicator:
             elif not tensor.is_contiguous():
                 why = "a strided tensor"
             else:
-                call = self._next("all_reduce_epilogue", tensor, tensor.numel(), "sum", "sum")
+                call = self._next(fn, tensor, tensor.numel(), "sum", "sum")
                 why = self._call(_norm_key(tensor.numel(), tensor.dtype, hidden), tensor,
                                  tensor, norm=epilogue, call=call)
         if why:
