@@ -264,15 +264,17 @@ def test_an_epilogue_after_another_collective_is_refused():
 def _communicator_worker(rank, n, datapath):
     """Communicator.all_reduce_epilogue against the all-reduce and then unfused torch:
     bias + GELU, SwiGLU with two extras, add + RMSNorm + FP8; the built-in as a user epilogue
-    against all_reduce_add_rms_norm."""
+    against all_reduce_add_rms_norm, and that under ``epilogue_kernel="generic"``."""
     import warnings
 
     device = "cuda" if datapath == "sm" else "cpu"
     if device == "cuda":
         torch.cuda.set_device(rank)
-    from purlin.torch import Communicator
+    from purlin.torch import CommOptions, Communicator
 
     comm = Communicator(timeout=10.0, datapath=datapath)
+    generic = Communicator(timeout=10.0, datapath=datapath,
+                           options=CommOptions(epilogue_kernel="generic"))
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     bad = []
     with warnings.catch_warnings():
@@ -308,6 +310,10 @@ def _communicator_worker(rank, n, datapath):
             comm.all_reduce_epilogue(t1, rms_norm(r1, weight, EPS))
             r2, t2 = residual.clone(), parts[rank].clone()
             comm.all_reduce_add_rms_norm(t2, r2, weight, EPS)
+            r3, t3 = residual.clone(), parts[rank].clone()
+            generic.all_reduce_add_rms_norm(t3, r3, weight, EPS)  # through all_reduce_epilogue
+            if not (torch.equal(t1, t3) and torch.equal(r1, r3)):
+                bad.append(f"rms_norm {rows}x{hidden}: epilogue_kernel='generic' differs")
             if datapath == "sm" and not (torch.equal(t1, t2) and torch.equal(r1, r2)):
                 bad.append(f"rms_norm {rows}x{hidden}: not the built-in's bits")
             if not (torch.allclose(t1.float(), t2.float(), rtol=1e-2, atol=1e-2)

@@ -69,8 +69,8 @@ class CommOptions:
                 and 0 < grid <= 512 and grid % 32 == 0):
             raise SpecError(f"epilogue_grid must be None, 'rows' or threads per block (a "
                             f"multiple of 32 up to 512), got {grid!r}")
-        if self.epilogue_kernel not in ("auto", "fused"):
-            raise SpecError(f"epilogue_kernel must be 'auto' or 'fused', got "
+        if self.epilogue_kernel not in ("auto", "fused", "generic"):
+            raise SpecError(f"epilogue_kernel must be 'auto', 'fused' or 'generic', got "
                             f"{self.epilogue_kernel!r}")
         if not isinstance(self.staging_bytes, int) or self.staging_bytes <= 0:
             raise SpecError(f"staging_bytes must be a positive int, got {self.staging_bytes!r}")
@@ -196,6 +196,10 @@ class Communicator:
                             f"{weight.dtype}")
         if overlap(tensor, residual):
             raise SpecError(f"rank {self.rank}: {fn}: the tensor and the residual overlap")
+        if self.epilogue_kernel == "generic":  # the same as a user epilogue, on its kernel
+            from purlin.atom.epilogue import rms_norm
+
+            return self.all_reduce_epilogue(tensor, rms_norm(residual, weight, eps))
         why = self._refuse(fn, [tensor, residual, weight], dist.ReduceOp.SUM, "sum")
         if why is None and tensor.numel():
             if self.hierarchy is not None:
@@ -245,7 +249,10 @@ class Communicator:
                                      f"reference: {why}")
             epilogue.reference_prologue(tensor)
             self.all_reduce(tensor)
-            epilogue.reference(tensor)
+            if epilogue.builtin is not None:  # rms_norm: PyTorch's own kernels
+                add_rms_norm(tensor, epilogue.residual, *epilogue.builtin)
+            else:
+                epilogue.reference(tensor)
         return tensor
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
