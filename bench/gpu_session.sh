@@ -13,7 +13,7 @@
 #   env         nvidia-smi -L, the versions of python, torch, numba, numpy, the GPUs torch sees
 #   imports     purlin.kernels imported three ways (PYTHONPATH=. from the checkout, installed
 #               with pip --target, editable in a venv), each printing where purlin.kernels.isa is
-#   vtests      the GPU test files; on one GPU the tests that need one GPU per rank skip (-rs
+#   vtests      every gpu-marked test; on one GPU the tests that need one GPU per rank skip (-rs
 #               lists why) and the virtual-rank ones run
 #   cli1        purlin bench / run / trace --measure on 4 ranks (virtual on one GPU)
 #   notebooks1  notebooks/0*.ipynb executed headless (needs the wheels of bench/wheels.sh);
@@ -27,6 +27,9 @@
 #   process processll processzc processzcll processauto tp tpgrids inlayer
 #                                                      bench/process_mode.py, tp_decoder, inlayer
 #   timeline tracecli notebooks                        timelines, `purlin trace`, notebooks
+# Either (one GPU is enough):
+#   fusedtrace   the fused kernel traced: GPU tests, traced vs untraced latency, timelines
+#   fp8det       FP8 and deterministic mode: GPU tests, bench/fp8_deterministic.py
 #   peers                                              bench/peers.py: every peer beside Purlin
 #                                                      in one run, ~9 minutes (FlashInfer from
 #                                                      .whl: bash bench/wheels.sh --peers)
@@ -189,8 +192,7 @@ for stage in "${stages[@]}"; do
             TAIL=20 step imports 180 bash -c imports
             ;;
         vtests)  # on one GPU the local-cluster tests skip with their reason
-            pytest_gpu gpu_tests_virtual 300 120 -x tests/test_gpu_sm.py tests/test_gpu_ce.py \
-                tests/test_gpu_process.py
+            pytest_gpu gpu_tests_virtual 420 300 --maxfail 10 -m gpu tests
             ;;
         cli1)
             run_gpu="--datapath sm"  # the run command's GPU switch, whichever this tree has
@@ -238,6 +240,16 @@ for stage in "${stages[@]}"; do
                 --sections norm --out "$OUT/process_mode_norm.json"
             ;;
         timeline) TAIL=25 step timeline 200 python3 bench/timelines.py --out "$OUT/timelines" ;;
+        fusedtrace)  # the fused kernel traced: its GPU tests, then traced vs untraced latency
+            pytest_gpu gpu_fused_trace_tests 200 120 tests/test_fused_trace.py
+            TAIL=25 step fused_timelines 200 python3 bench/timelines.py --fused \
+                --out "$OUT/timelines"
+            ;;
+        fp8det)  # FP8 and deterministic mode: their GPU tests, then bench/fp8_deterministic.py
+            pytest_gpu gpu_fp8_deterministic_tests 300 300 tests/test_fp8_deterministic_gpu.py
+            TAIL=40 step fp8_deterministic 240 python3 bench/fp8_deterministic.py --ranks 4,8 \
+                --out "$OUT/fp8_deterministic.json"
+            ;;
         tracecli)
             step tracecli 120 python3 -m purlin trace all-reduce -n 2 -b 1MiB --dtype bfloat16 \
                 --measure --out "$OUT/trace-cli-allreduce-1MiB.html" \

@@ -1,6 +1,8 @@
-"""Measured vs predicted SNAC timelines on 2 GPUs (the figures of docs/timelines/).
+"""Measured vs predicted SNAC timelines on 2 GPUs (the figures of docs/timelines/), and the
+fused kernel's measured timelines and tracing overhead on one GPU.
 
     python3 bench/timelines.py [--out outputs/timelines]
+    python3 bench/timelines.py --fused [--out outputs/timelines]
 
 1. measures the offset between the GPUs' clocks with a flag ping-pong (and its uncertainty);
 2. times a few all-reduce schedules under CUDA graphs and calibrates the cost model on them;
@@ -9,6 +11,12 @@
 
 Writes DIR/timeline.json, the calibrated profile DIR/profile-h200-calibrated.json, the figures
 and the traces.
+
+``--fused`` (one GPU, 4 virtual ranks): an all-reduce and a custom layout (every rank gathers
+the pieces in reverse rank order) at 8 KiB, 64 KiB and 1 MiB bf16 on the fused kernel (the
+one the benchmarks time), timed under CUDA graphs untraced and traced; prints the table,
+writes DIR/fused-timelines.json and each traced call's measured timeline
+(DIR/fused-<layout>-<size>.html, Perfetto traces beside them).
 """
 
 from __future__ import annotations
@@ -29,7 +37,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="outputs/timelines", help="folder (default "
                     "outputs/timelines)")
+    ap.add_argument("--fused", action="store_true",
+                    help="the fused kernel's timelines and tracing overhead on one GPU")
     args = ap.parse_args()
+    if args.fused:
+        return fused_timelines(args.out)
     why = missing_gpus(2, "bench/timelines.py")
     if why:
         print(why, file=sys.stderr)
@@ -148,6 +160,83 @@ def main() -> int:
         "tracing_overhead": overhead,
         "events_8KiB": [e.__dict__ if hasattr(e, "__dict__") else str(e) for e in t8.events]},
         indent=1, default=str))
+    return 0
+
+
+FUSED_SIZES = (8 * KiB, 64 * KiB, 1 * MiB)
+
+
+def fused_layouts(n: int = 4):
+    """(file stem, collective): an all-reduce and a rank-reversed all-gather."""
+    from purlin.spec import Collective, collectives
+
+    rev = Collective([[r] for r in range(n)], [list(range(n - 1, -1, -1))] * n, "copy",
+                     name="reversed all-gather")
+    return [("allreduce", collectives.all_reduce(n)), ("reversed-allgather", rev)]
+
+
+def fused_timelines(out_dir, ops: int = 50, repeats: int = 15) -> int:
+    """The ``--fused`` mode (the module's notes): returns the exit status."""
+    from purlin.bench.clusters import gpu_count
+
+    if gpu_count() < 1:
+        print("bench/timelines.py --fused needs a GPU; none is visible", file=sys.stderr)
+        return 2
+    out = folder(out_dir)
+    gpu_env()
+
+    import numpy as np
+    import torch
+
+    from purlin.atom.fused_trace import fused_protocol
+    from purlin.bench.providers import time_graph
+    from purlin.runtime import Cluster
+    from purlin.snac import plan
+    from purlin.trace import from_sm, to_perfetto
+    from purlin.viz import timeline_figure, to_html
+
+    cluster = Cluster.virtual(4)
+    rows = []
+    for stem, coll in fused_layouts(cluster.nranks):
+        for nbytes in FUSED_SIZES:
+            protocol = fused_protocol(plan(coll, "direct-push", nbytes=nbytes,
+                                           dtype="bfloat16"))
+            row = {"layout": coll.name, "nbytes": nbytes, "protocol": protocol}
+            for label, trace_rows in (("off", 0), ("on", 64)):
+                bound = cluster.bind(coll, "direct-push", nbytes=nbytes, dtype="bfloat16",
+                                     protocol=protocol, trace_rows=trace_rows)
+                times = time_graph(torch, bound, ops, repeats)
+                row[f"trace_{label}_us"] = float(np.median(times))
+                row[f"trace_{label}_p20_p80"] = [float(np.percentile(times, 20)),
+                                                 float(np.percentile(times, 80))]
+                row["kernel"], row["blocks_per_rank"] = bound.kernel, bound.blocks_per_lane
+                if trace_rows:  # the records of the last replayed call
+                    measured = from_sm(bound)
+                    size = f"{nbytes // MiB}MiB" if nbytes >= MiB else f"{nbytes // KiB}KiB"
+                    title = (f"{coll.name} {size} bf16, 4 virtual ranks on one GPU: "
+                             f"{bound.kernel}, measured")
+                    html = to_html(timeline_figure(measured, title=title),
+                                   out / f"fused-{stem}-{size}.html")
+                    to_perfetto(measured, out / f"fused-{stem}-{size}.json")
+                    row.update(html=html.name, events=len(measured.events),
+                               measured_us=measured.duration_ns / 1e3,
+                               consistency_problems=[str(p) for p in measured.check()][:5])
+                del bound
+            row["overhead_us"] = row["trace_on_us"] - row["trace_off_us"]
+            row["overhead"] = row["trace_on_us"] / row["trace_off_us"] - 1
+            rows.append(row)
+    print(f"{'layout':>20} {'bytes':>8} {'kernel':>16} {'off us':>8} {'on us':>8} "
+          f"{'overhead':>9} {'events':>6} {'traced us':>9}")
+    for r in rows:
+        print(f"{r['layout']:>20} {r['nbytes']:>8} {r['kernel']:>16} {r['trace_off_us']:8.2f} "
+              f"{r['trace_on_us']:8.2f} {r['overhead_us']:+6.2f} us {r['events']:>6} "
+              f"{r['measured_us']:9.2f}")
+    print(f"(median of {repeats} CUDA-graph replays of {ops} calls each; 'traced us': the last "
+          "traced call's first start to last end)")
+    (out / "fused-timelines.json").write_text(json.dumps(
+        {"cluster": "4 virtual ranks on GPU 0", "dtype": "bfloat16", "ops_per_graph": ops,
+         "repeats": repeats, "rows": rows}, indent=1))
+    print(f"wrote {(out / 'fused-timelines.json').resolve()} and {len(rows)} timelines")
     return 0
 
 

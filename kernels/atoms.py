@@ -13,7 +13,9 @@ share the work (a lane's blocks times their threads). Thread ``tid`` handles uni
   (avg divides the exact sum, truncating toward zero); float32 and float64 stay in their type.
   Vectors are used where every address has the same offset modulo 16 (after a scalar head);
   otherwise, and for the tail, one element at a time. Addresses must be aligned to the element
-  size.
+  size. FP8 (one byte an element) is reduced four elements to a 32-bit word (one at a time
+  where the addresses' offsets modulo 4 differ, and for heads and tails): decoded to float32,
+  accumulated in the sources' order, rounded once on the store (:mod:`purlin.kernels.fp8`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from purlin.kernels.intrinsics import (bits_to_f32, device, f16x2_to_f32, f32x2_
                                        store_v4_i32, store_v4_u32, store_volatile_v4_u32)
 from purlin.kernels.isa import (AVG, BF16, ERR_ABORTED, ERR_TIMEOUT, F16, F32, F64, I32,
                                 LL_DATA, LL_TAG_MOD, LL_UNIT, MAX, MIN)
+from purlin.kernels.isa import E4M3, E5M2
+from purlin.kernels.fp8 import f32_to_fp8, fp8_to_f32
 
 # ---------------------------------------------------------------------------------------- copy
 
@@ -257,6 +261,11 @@ def _reduce_scalar(dst, pool, nsrc, first, count, dt, op, divisor, tid, nthreads
             for s in range(1, nsrc):
                 n = combine(n, np.int64(load_i32(load_i64(pool + s * 8) + at)), op)
             store_u32(dst + at, avg_int(n, op, divisor))
+        elif dt == E4M3 or dt == E5M2:
+            q = fp8_to_f32(load_u8(load_i64(pool) + at), dt)
+            for s in range(1, nsrc):
+                q = combine(q, fp8_to_f32(load_u8(load_i64(pool + s * 8) + at), dt), op)
+            store_u8(dst + at, f32_to_fp8(avg_float(q, op, np.float32(divisor)), dt))
         else:
             x = _load_as_f32(load_i64(pool) + at, dt)
             for s in range(1, nsrc):
@@ -266,12 +275,65 @@ def _reduce_scalar(dst, pool, nsrc, first, count, dt, op, divisor, tid, nthreads
 
 
 @device
+def _fp8_word(word, dt):
+    """Four FP8 elements of a 32-bit word as float32, lowest byte first."""
+    return (fp8_to_f32(word & 0xFF, dt), fp8_to_f32((word >> 8) & 0xFF, dt),
+            fp8_to_f32((word >> 16) & 0xFF, dt), fp8_to_f32((word >> 24) & 0xFF, dt))
+
+
+@device
+def _reduce_w4_fp8(dst, pool, nsrc, base, nwords, dt, op, divisor, tid, nthreads):
+    """FP8: four elements per 32-bit word, accumulated in float32 in source order, each
+    rounded once into the stored word."""
+    first = load_i64(pool)
+    div = np.float32(divisor)
+    i = tid
+    while i < nwords:
+        at = base + i * 4
+        a0, a1, a2, a3 = _fp8_word(load_u32(first + at), dt)
+        for s in range(1, nsrc):
+            b0, b1, b2, b3 = _fp8_word(load_u32(load_i64(pool + s * 8) + at), dt)
+            a0 = combine(a0, b0, op)
+            a1 = combine(a1, b1, op)
+            a2 = combine(a2, b2, op)
+            a3 = combine(a3, b3, op)
+        store_u32(dst + at, f32_to_fp8(avg_float(a0, op, div), dt)
+                  | (f32_to_fp8(avg_float(a1, op, div), dt) << 8)
+                  | (f32_to_fp8(avg_float(a2, op, div), dt) << 16)
+                  | (f32_to_fp8(avg_float(a3, op, div), dt) << 24))
+        i += nthreads
+
+
+@device
+def _reduce_fp8(dst, pool, nsrc, count, dt, op, divisor, tid, nthreads):
+    """FP8 rows: 32-bit words where every address has the same offset modulo 4 (after a
+    scalar head), else and for the tail one element at a time."""
+    phase = dst & 3
+    aligned = True
+    for s in range(nsrc):
+        if (load_i64(pool + s * 8) & 3) != phase:
+            aligned = False
+    head = count
+    nwords = 0
+    if aligned:
+        head = min(count, (4 - phase) & 3)
+        nwords = (count - head) // 4
+    _reduce_scalar(dst, pool, nsrc, 0, head, dt, op, divisor, tid, nthreads)
+    if nwords > 0:
+        _reduce_w4_fp8(dst, pool, nsrc, head, nwords, dt, op, divisor, tid, nthreads)
+    tail = head + nwords * 4
+    _reduce_scalar(dst, pool, nsrc, tail, count - tail, dt, op, divisor, tid, nthreads)
+
+
+@device
 def itemsize(dt):
     """Bytes per element of a dtype code."""
     if dt == BF16 or dt == F16:
         return 2
     if dt == F64:
         return 8
+    if dt == E4M3 or dt == E5M2:
+        return 1
     return 4
 
 
@@ -294,6 +356,9 @@ def reduce_row(dst, pool, nsrc, count, dt, op, divisor, tid, nthreads):
 
     ``pool`` is the address of ``nsrc`` consecutive int64 source addresses.
     """
+    if dt == E4M3 or dt == E5M2:
+        _reduce_fp8(dst, pool, nsrc, count, dt, op, divisor, tid, nthreads)
+        return
     size = itemsize(dt)
     phase = dst & 15
     aligned = phase % size == 0

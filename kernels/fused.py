@@ -35,6 +35,9 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 PUT_BYTES, PUT_DST, PUT_SRC, SOURCE_ADDR, SOURCE_LL, SOURCE_PEER,
                                 SOURCE_STEP, SOURCE_WIDTH, WAIT_EPOCH_OFFSET, WAIT_FLAG,
                                 WAIT_PEER, WAIT_PER_CALL, WAIT_SLOT, WAIT_STEP, WAIT_VALUE)
+from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
+from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
+from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
 
 SPINS_PER_CHECK = 64
 WARPS = MAX_THREADS // 32
@@ -205,18 +208,22 @@ def _store_half8(dst, acc, dt, redop, div):
 
 @device
 def _store4(dst, w, valid):
-    """The first ``valid`` bytes (4, or 2: a 16-bit element) of word ``w``."""
+    """The first ``valid`` bytes (4, 3, 2 or 1: FP8 rows end on any byte) of word ``w``."""
     if valid >= 4:
         store_u32(dst, w)
-    else:
+    elif valid >= 2:
         store_u16(dst, w & 0xFFFF)
+        if valid == 3:
+            store_u8(dst + 2, (w >> 16) & 0xFF)
+    else:
+        store_u8(dst, w & 0xFF)
 
 
 @device
 def _store16(dst, w, valid):
     """The first ``valid`` bytes of a 16-byte item (four uint32 words): one vector store
-    for a whole item, else a row's scalar tail in 4- and 2-byte stores (every element type
-    is a multiple of 2 bytes), never past the row."""
+    for a whole item, else a row's scalar tail in 4-, 2- and 1-byte stores, never past the
+    row."""
     if valid >= 16:
         store_v4_u32(dst, w)
         return
@@ -684,8 +691,18 @@ def _begin(desc_ptr, slot, blocks_per_rank, stride_words, counters, meta, status
 
 
 @device
+def _rotated(g, rotation, stride):
+    """The first item of a MOVE that thread ``g`` of ``stride`` takes when item i is thread
+    (i + ``rotation``) mod ``stride``'s (``isa.MOVE_ROTATE``; 0: item g)."""
+    first = g - rotation  # (rotations are small: a few strides at most, no division)
+    while first < 0:
+        first += stride
+    return first
+
+
+@device
 def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl,
-         norm):
+         norm, trace=0, trace_rows=0):
     # (no 64-bit division on the way to the first store: one rank per launch is the
     # common case, and units are powers of two)
     slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
@@ -729,9 +746,12 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     redop = meta[F_REDOP]
     divisor = meta[F_DIVISOR]
     abort = meta[F_ABORT]
+    t_op = np.int64(0)  # (``trace``: the fused_trace kernels; the others compile it out)
     for k in range(meta[F_NOPS]):
         at = F_HEAD + k * OP_WIDTH
         kind = _word(meta, head, at + OP_KIND)
+        if trace != 0 and tid == 0:
+            t_op = globaltimer()
         if kind == F_OP_WAIT:
             if tid == 0:
                 if _wait(meta, head, at, epoch, block, timeout_ns, abort) != 0:
@@ -782,16 +802,17 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             for k2 in range(nsrc):
                 if _word(meta, head, first + k2 * SOURCE_WIDTH + SOURCE_LL) != 0:
                     plain = False
-            i = g
+            gm = _rotated(g, _word(meta, head, at + MOVE_ROTATE), stride)
+            i = gm
             if plain and nsrc == 1:
                 copy_v16(_word(meta, head, at + MOVE_DST + odd),
-                         _word(meta, head, first + SOURCE_ADDR + odd), whole, g, stride)
+                         _word(meta, head, first + SOURCE_ADDR + odd), whole, gm, stride)
                 i = items
-                if whole < items and (whole - g) % stride == 0:
+                if whole < items and (whole - gm) % stride == 0:
                     i = whole  # the tail's thread
             elif plain and (dt == BF16 or dt == F16):
                 i = _reduce_pairs_half(meta, head, first, nsrc,
-                                       _word(meta, head, at + MOVE_DST + odd), whole, g, stride,
+                                       _word(meta, head, at + MOVE_DST + odd), whole, gm, stride,
                                        odd, dt, redop, divisor)
             while i < items:
                 valid = min(unit_bytes, nbytes - (i << shift))
@@ -810,11 +831,27 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                     status[0] = 1
                     break
                 i += stride
+        if trace != 0 and tid == 0:
+            _trace_op(trace, trace_rows, slot, blocks_per_rank, block, k, t_op)
         if status[0] != 0:  # read by every thread after a barrier, or by the thread that set it
             break
     cuda.syncthreads()
     if tid == 0:
         store_i64(counter, epoch + 1)
+
+
+@device
+def _trace_op(trace, trace_rows, slot, blocks_per_rank, block, k, start):
+    """Thread 0 of a block: op ``k``'s record (op index, block, start, end in
+    ``%globaltimer`` ns) into the launch's trace, ``trace_rows`` records per block of each
+    rank slot (ops past them are not recorded)."""
+    end = globaltimer()
+    if k < trace_rows:
+        rec = trace + ((slot * blocks_per_rank + block) * trace_rows + k) * (TRACE_WIDTH * 8)
+        store_i64(rec, k)
+        store_i64(rec + 8, block)
+        store_i64(rec + 16, start)
+        store_i64(rec + 24, end)
 
 
 SIGNATURE = "void(int64, int64, int64, int64, int64, int64)"
@@ -854,6 +891,47 @@ def fused_norm_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stri
     griddep_launch_dependents()
     _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
          True)
+
+
+# ---- the traced kernels: the same ops, thread 0 of each block stamping each one
+TRACE_SIGNATURE = "void(int64, int64, int64, int64, int64, int64, int64, int64)"
+
+
+@_kernel
+def fused_trace(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
+                trace, trace_rows):
+    """``fused`` that records every op of every block (:func:`_trace_op`): ``trace`` is the
+    address of ``nranks_in_launch * blocks_per_rank * trace_rows`` records of
+    ``isa.TRACE_WIDTH`` int64 (slot-major, then block, then op). A separate kernel, so the
+    untraced ones carry none of its code."""
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
+         False, trace, trace_rows)
+
+
+@_kernel
+def fused_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                    counters, trace, trace_rows):
+    """``fused_trace`` for programmatic dependent launch."""
+    griddep_launch_dependents()
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
+         False, trace, trace_rows)
+
+
+@_kernel
+def fused_norm_trace(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                     counters, trace, trace_rows):
+    """``fused_norm`` that records every op (a NORM too) as ``fused_trace`` does."""
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
+         True, trace, trace_rows)
+
+
+@_kernel
+def fused_norm_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                         counters, trace, trace_rows):
+    """``fused_norm_trace`` for programmatic dependent launch."""
+    griddep_launch_dependents()
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
+         True, trace, trace_rows)
 
 
 # ---- the one-shot epilogue kernel

@@ -32,6 +32,11 @@ LL_TAG_MOD = 0xFFFFFFFF      # tags run 1 .. 2**32 - 1 (0 is what fresh memory h
 BF16, F16, F32, I32, F64 = 0, 1, 2, 3, 4
 DTYPE_CODES = {"bfloat16": BF16, "float16": F16, "float32": F32, "int32": I32, "float64": F64}
 ITEMSIZE = {BF16: 2, F16: 2, F32: 4, I32: 4, F64: 8}
+# FP8 (one byte an element): copies move the bytes; reductions decode to float32, accumulate
+# in the row's source order and round once on the store (purlin.kernels.fp8)
+E4M3, E5M2 = 5, 6
+DTYPE_CODES.update({"float8_e4m3fn": E4M3, "float8_e5m2": E5M2})
+ITEMSIZE.update({E4M3: 1, E5M2: 1})
 
 # reduce op codes (column REDOP); AVG sums then divides by DIVISOR
 SUM, MAX, MIN, AVG = 0, 1, 2, 3
@@ -104,6 +109,9 @@ NOTIFY_SLOT, NOTIFY_VALUE = 1, 2
 PUT_SRC, PUT_DST, PUT_BYTES, PUT_PEER, PUT_STEP = 1, 2, 4, 5, 6
 # MOVE:   kind, destination on even calls, on odd calls, bytes, sources, first source word
 MOVE_DST, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES = 1, 3, 4, 5
+# (and, word 6, a rotation: item i is thread (i + rotation) mod the rank's threads', so the
+#  small rows of one segment run on different threads at once; 0 for most programs)
+MOVE_ROTATE = 6
 # NORM:   kind, target on even calls, on odd calls, bytes, 1, first parameter word, chunks,
 #         chunks per row -- the epilogue (residual add and RMSNorm) over a MOVE's
 #         destination, in chunks of threads x unit bytes; its parameters take one source

@@ -31,7 +31,10 @@ from purlin.kernels.intrinsics import SIMULATOR
 # ``kernel="fused-norm"`` is the same kernel compiled with the NORM op (programs that end with
 # an epilogue; the plain one leaves that code and its registers out), and
 # ``kernel="fused-norm-oneshot"`` ``fused.oneshot_norm`` (the programs of one such shape,
-# ``purlin.atom.fused.oneshot_problem``).
+# ``purlin.atom.fused.oneshot_problem``). ``kernel="fused-trace"`` (``"fused-norm-trace"``) is
+# ``"fused"`` (``"fused-norm"``) with thread 0 of every block stamping each op into the
+# ``trace`` buffer given at construction, ``trace_rows`` records per block
+# (``purlin.kernels.fused.fused_trace``); the untraced kernels carry none of that code.
 #
 # Under ``NUMBA_ENABLE_CUDASIM=1`` the same object launches through the simulator (the stream is
 # ignored there).
@@ -39,7 +42,11 @@ from purlin.kernels.intrinsics import SIMULATOR
 KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
            "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE),
            "fused-norm": (fused.fused_norm, fused.fused_norm_pdl, fused.SIGNATURE),
-           "fused-norm-oneshot": (fused.oneshot_norm, fused.oneshot_norm_pdl, fused.SIGNATURE)}
+           "fused-norm-oneshot": (fused.oneshot_norm, fused.oneshot_norm_pdl, fused.SIGNATURE),
+           "fused-trace": (fused.fused_trace, fused.fused_trace_pdl, fused.TRACE_SIGNATURE),
+           "fused-norm-trace": (fused.fused_norm_trace, fused.fused_norm_trace_pdl,
+                                fused.TRACE_SIGNATURE)}
+TRACED = ("fused-trace", "fused-norm-trace")  # + the trace buffer's address and rows per block
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 
@@ -67,7 +74,8 @@ class Launcher:
 
     def __init__(self, device: int = 0, nranks_in_launch: int = 1, nlanes: int = 1,
                  blocks_per_lane: int = 1, threads: int = 256, head_words: int = 0,
-                 pdl: bool = False, kernel: str = "executor", stride_words: int = 0):
+                 pdl: bool = False, kernel: str = "executor", stride_words: int = 0,
+                 trace: int = 0, trace_rows: int = 0):
         for name, value in (("nranks_in_launch", nranks_in_launch), ("nlanes", nlanes),
                             ("blocks_per_lane", blocks_per_lane), ("threads", threads)):
             if int(value) < 1:
@@ -79,6 +87,10 @@ class Launcher:
             raise SpecError(f"Launcher kernel must be one of {', '.join(KERNELS)}, got "
                             f"{kernel!r}")
         self.kernel = kernel
+        self.trace = (int(trace), int(trace_rows)) if kernel in TRACED else ()
+        if kernel in TRACED and not (trace and trace_rows > 0):
+            raise SpecError(f"Launcher kernel {kernel!r} needs its trace buffer: trace=<address> "
+                            f"and trace_rows>=1, got trace={trace}, trace_rows={trace_rows}")
         # fused, fused-norm(-oneshot), a user epilogue's (kernels.epilogue): + call counters
         self.fused = kernel.startswith(("fused", "epilogue-"))
         self.device = int(device)
@@ -130,9 +142,10 @@ class Launcher:
         self.registers = cufunc.attrs.regs
         self._driver = driver
         self._function = driver.CUfunction(int(cufunc.handle))
-        nargs = 6 if self.fused else 5  # the fused kernels: + call counters
+        nargs = (6 if self.fused else 5) + len(self.trace)  # fused: + call counters (+ trace)
         self._values = (ctypes.c_int64 * nargs)(0, self.nranks_in_launch, self.blocks_per_lane,
-                                                0, self.head_words)
+                                                0, self.head_words, *((0, *self.trace)
+                                                                      if self.fused else ()))
         base = ctypes.addressof(self._values)
         self._params = (ctypes.c_void_p * nargs)(*(base + 8 * i for i in range(nargs)))
         self._params_addr = ctypes.addressof(self._params)
@@ -186,4 +199,5 @@ class Launcher:
         kernel = _kernels(self.kernel)[self.pdl]
         args = (int(desc_ptr), self.nranks_in_launch, self.blocks_per_lane, int(timeout_ns),
                 self.head_words)
-        kernel[self.grid, self.threads](*args, *((int(counters),) if self.fused else ()))
+        kernel[self.grid, self.threads](*args, *((int(counters),) if self.fused else ()),
+                                        *self.trace)

@@ -452,11 +452,15 @@ def run_command(args: argparse.Namespace) -> int:
          arg("--profile", default="H200", help="hardware profile of the prediction"),
          arg("--measure", action="store_true",
              help="also run it (GPUs where present, else the cpu datapath) and draw the "
-                  "measured timeline under the predicted one"))
+                  "measured timeline under the predicted one"),
+         arg("--protocol", default="auto", choices=("auto", "simple", "ll", "fused", "fused-ll"),
+             help="on GPUs, the sm protocol measured: auto (default) traces the fused kernel "
+                  "where it runs the plan (fused-ll up to 256 KiB), else the interpreter"))
 def trace_command(args: argparse.Namespace) -> int:
     """Draw the predicted (and optionally measured) SNAC timeline of a collective."""
     import numpy as np
 
+    from purlin.atom.fused_trace import fused_protocol
     from purlin.bench.clusters import choose, describe
     from purlin.snac import verify
     from purlin.trace import from_cpu, from_sm, predict, to_perfetto
@@ -472,7 +476,8 @@ def trace_command(args: argparse.Namespace) -> int:
     shown, fig = predicted, None
     if args.measure:
         cluster = choose(schedule.nranks)
-        options = {} if cluster.kind == "cpu" else {"trace_rows": 256}
+        options = {} if cluster.kind == "cpu" else \
+            {"trace_rows": 256, "protocol": fused_protocol(schedule, args.protocol)}
         bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
                              chunks=schedule.chunks, lanes=schedule.lanes,
                              lanes_by=schedule.lanes_by, **options)
@@ -492,6 +497,8 @@ def trace_command(args: argparse.Namespace) -> int:
             clocks = measure_clocks(clock_pair, sorted(set(cluster.devices)))
             shown = from_sm(bound, clocks)
         where = describe(cluster)
+        if getattr(bound, "kernel", None):  # which kernel the timeline is of
+            where += f", {bound.kernel}"
         fig = compare_figure(predicted, shown, title=f"{schedule.title()}<br><sup>predicted: "
                              f"profile {profile.name}; measured: {where}</sup>")
         print(f"measured on the {where}: {shown.duration_ns / 1e3:.2f} µs")

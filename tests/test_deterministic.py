@@ -18,6 +18,7 @@ from purlin.runtime import Cluster
 from purlin.snac import DETERMINISTIC_STRATEGIES, check_deterministic, plan
 from purlin.spec import collectives
 from purlin.spec.collectives import REDUCING, standard
+from purlin.spec.dtypes import FP8, fp8_decode, fp8_encode
 
 SHAPES = [(1, 1, "piece"), (3, 2, "piece"), (4, 3, "stage")]  # (chunks, lanes, lanes_by)
 NRANKS = 4
@@ -171,6 +172,24 @@ def test_bitwise_across_100_calls_strategies_and_shapes(dtype, shuffled_arrivals
             assert np.array_equal(o.view(np.uint8), want[0].view(np.uint8)), c
 
 
+@pytest.mark.parametrize("fp8", FP8)
+def test_fp8_bitwise_across_100_shuffled_calls_strategies_and_shapes(fp8, shuffled_arrivals):
+    """FP8 sums: the float32 rank-order sum of the decoded inputs, rounded once, on every
+    call whatever the configuration and arrival order."""
+    coll = collectives.all_reduce(NRANKS)
+    configs = [(st, *shape) for st in DETERMINISTIC_STRATEGIES for shape in SHAPES]
+    cluster = Cluster.cpu(NRANKS)
+    bound = {c: cluster.bind(coll, c[0], count=COUNT, dtype=fp8, chunks=c[1], lanes=c[2],
+                             lanes_by=c[3], deterministic=True) for c in configs}
+    order = random.Random(3)
+    for k, values in enumerate(_order_sensitive(COUNT, 100, seed=6, dtype=np.float32)):
+        xs = [fp8_encode(v / 100, fp8) for v in values]  # e5m2: sums round in float32 too
+        want = fp8_encode(_rank_order_sum([fp8_decode(x, fp8) for x in xs], None), fp8)
+        config = configs[order.randrange(len(configs))]
+        for r, o in enumerate(bound[config](xs)):
+            assert np.array_equal(o, want), f"call {k} rank {r} with {config}"
+
+
 def test_reduce_scatter_and_avg_bitwise_across_strategies(shuffled_arrivals):
     cluster = Cluster.cpu(NRANKS)
     xs = _order_sensitive(COUNT, 1, seed=3, dtype=np.float32)[0]
@@ -209,21 +228,29 @@ def test_auto_picks_only_qualifying_strategies(monkeypatch):
     assert all(np.array_equal(o.view(np.uint8), want.view(np.uint8)) for o in b(xs))
 
 
-def test_gpu_clusters_refuse_deterministic_for_now():
+def test_gpu_clusters_take_deterministic():
+    """GPU clusters bind deterministic=True (every protocol sums a step's sources in the
+    order listed, one rounding): here the bind gets past the plan and stops at the missing
+    GPU; a hop-by-hop strategy is refused by the plan, as on the cpu datapath."""
     for kind in ("local", "virtual"):
-        with pytest.raises(CapabilityError, match="not yet checked on GPUs"):
-            Cluster(kind, 2, (0, 1) if kind == "local" else (0, 0)).bind(
-                collectives.all_reduce(2), count=8, deterministic=True)
+        cluster = Cluster(kind, 3, (0, 1, 2) if kind == "local" else (0, 0, 0))
+        with pytest.raises(CapabilityError) as caught:
+            cluster.bind(collectives.all_reduce(3), count=12, deterministic=True)
+        assert "deterministic" not in str(caught.value) and "GPU" in str(caught.value)
+        with pytest.raises(PlanError, match="deterministic=True"):
+            cluster.bind(collectives.all_reduce(3), "ring", count=12, deterministic=True)
 
 
 # -- the lowered tables on the host interpreter (what the GPU kernels run) ---------------------
 def _host_round(dtype_name):
     if dtype_name == "bfloat16":
         return lambda x: bf16_floats(bf16_bits(x))
+    if dtype_name in FP8:
+        return lambda x: fp8_decode(fp8_encode(x, dtype_name), dtype_name)  # saturating
     return lambda x: np.asarray(x, dtype=dtype_name).astype(np.float32)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn"])
 def test_lowered_tables_bitwise_across_strategies_blocks_and_slow_blocks(dtype):
     coll = collectives.all_reduce(NRANKS)
     calls = _order_sensitive(COUNT, 3, seed=5, dtype=np.float64)
@@ -232,6 +259,9 @@ def test_lowered_tables_bitwise_across_strategies_blocks_and_slow_blocks(dtype):
     want = []
     for xs in calls:
         w = _rank_order_sum(xs, None, rounded)
+        if dtype in FP8:
+            want.append(fp8_decode(fp8_encode(w, dtype), dtype))
+            continue
         want.append(bf16_floats(bf16_bits(w)) if dtype == "bfloat16"
                     else w.astype(store).astype(np.float32))
     for st in DETERMINISTIC_STRATEGIES:

@@ -1,4 +1,5 @@
-"""FP8 (float8_e4m3fn, float8_e5m2) on the cpu datapath against purlin.spec.reference.
+"""FP8 (float8_e4m3fn, float8_e5m2) on the cpu datapath, the sm datapath's tables (host
+threads) and process mode, against purlin.spec.reference.
 
 Copies must move the bytes (every bit pattern, NaN payloads included). A reduction decodes to
 float32, accumulates there in the step's source order and rounds once, on the write, so its
@@ -226,13 +227,142 @@ def test_import_purlin_stays_torch_free():
 
 @pytest.mark.parametrize("datapath", ["sm", "ce"])
 @pytest.mark.parametrize("fp8", FP8)
-def test_gpu_datapaths_refuse_fp8_at_bind(datapath, fp8):
-    """The refusal comes before anything touches a GPU, so it is checked here without one."""
+def test_gpu_datapaths_refuse_fp8_sums_built_hop_by_hop(datapath, fp8):
+    """The GPU kernels keep FP8 in FP8 buffers, so a sum must be one step to round once: a
+    3-rank ring is refused at bind, naming the step, before anything touches a GPU; a
+    direct-push all-reduce and a ring all-gather get past that check (here they stop at the
+    missing GPU)."""
     module = atom.load(datapath)
-    schedule = plan(standard("all-reduce", 2), "ring", count=8, dtype=fp8,
-                    capabilities=atom.capabilities(datapath))
     bound = module.SmBound if datapath == "sm" else module.CeBound
-    with pytest.raises(CapabilityError, match=f"the {datapath} datapath moves .*, not {fp8}; "
-                                              r"FP8 runs on the cpu datapath today"):
-        bound(None, schedule, timeout=1.0, blocks_per_lane=1, threads=128,
-              **({"trace_rows": 0} if datapath == "sm" else {}))
+    extra = {"trace_rows": 0} if datapath == "sm" else {}
+
+    def bind_here(name, strategy):
+        schedule = plan(standard(name, 3), strategy, count=12, dtype=fp8,
+                        capabilities=atom.capabilities(datapath))
+        return bound(None, schedule, timeout=1.0, blocks_per_lane=1, threads=128, **extra)
+
+    with pytest.raises(CapabilityError, match=f"the {datapath} datapath reduces FP8 in one "
+                                              r"rounding only, .* builds its sums hop by hop: "
+                                              r"rank \d+ step \d+"):
+        bind_here("all-reduce", "ring")
+    for name, strategy in (("all-reduce", "direct-push"), ("all-gather", "ring")):
+        with pytest.raises(CapabilityError) as caught:
+            bind_here(name, strategy)
+        assert "FP8" not in str(caught.value) and "GPU" in str(caught.value), caught.value
+
+
+# -- the GPU kernels' tables on the host interpreter ---------------------------------------------
+def gpu_cases():
+    for name in STANDARD:
+        reduces = name in REDUCING
+        for strategy in ("direct-push", "direct-pull", "two-phase", "ring"):
+            if strategy == "two-phase" and not reduces or strategy == "ring" and reduces:
+                continue  # (a 3-rank ring sum is refused on the GPUs: it rounds every hop)
+            for fp8 in FP8:
+                yield pytest.param(name, strategy, fp8, id=f"{name}-{strategy}-{fp8}")
+
+
+@pytest.mark.parametrize("name, strategy, fp8", list(gpu_cases()))
+def test_gpu_tables_give_the_cpu_datapaths_bits(name, strategy, fp8):
+    """The tables the sm datapath runs (lowered for 1 and 3 blocks per lane, LL and flags),
+    on host threads with a slow block: copies move the bytes, sums (and avg, max, min) give
+    the cpu datapath's bits -- one rounding of the float32 sum in source order -- within
+    ulp/2 of the float64 reference."""
+    from purlin.atom.host import HostBuffers, run_calls
+
+    n, reduces = 3, name in REDUCING
+    rng = np.random.default_rng(len(name) + len(strategy))
+    for op in (("sum", "avg", "max", "min") if reduces else ("sum",)):
+        coll = standard(name, n, root=n - 1, op=op)
+        sizes = {x: CHUNK + 4 for x in coll.input.names()}
+        schedule = plan(coll, strategy, dtype=fp8, chunk_sizes=sizes,
+                        capabilities=atom.capabilities("sm"))
+        atom.load("sm").check_fp8_reduction(schedule)
+        sizing = schedule.sizing
+        inputs = [finite_fp8(rng, sizing.input_count(r), fp8, 32.0) if reduces else
+                  rng.integers(0, 256, sizing.input_count(r), dtype=np.uint8) for r in range(n)]
+        cpu = Cluster.cpu(n).bind(coll, strategy, dtype=fp8, chunk_sizes=sizes)(inputs)
+        for ll, blocks in ((False, 1), (True, 3)):
+            bufs = HostBuffers(schedule, ll=ll)
+            values = [fp8_decode(x, fp8).astype(np.float64) for x in inputs]
+            outs = _host_bits(bufs, blocks, inputs) if not reduces else run_calls(
+                bufs.lower(blocks_per_lane=blocks), bufs, [values], blocks_per_lane=blocks,
+                slow_block_delay=0.001 if blocks > 1 else 0.0)[0]
+            want = reference(sizing, inputs, dtype=fp8)
+            for r in range(n):
+                where = f"{schedule.title()} {op} ll={ll} blocks={blocks} rank {r}"
+                got = outs[r] if not reduces else fp8_encode(outs[r].astype(np.float32), fp8)
+                np.testing.assert_array_equal(got, cpu[r], err_msg=where)
+                if reduces:
+                    value = fp8_decode(got, fp8).astype(np.float64)
+                    assert np.all(np.abs(value - want[r]) <= ulp(want[r], fp8) / 2), where
+
+
+def _host_bits(bufs, blocks, inputs):
+    """One call of a copy collective's tables on host threads with the inputs' bytes written
+    as they are (the interpreter's own loads would decode them); the outputs' bytes."""
+    from purlin.atom import host
+
+    low = bufs.lower(blocks_per_lane=blocks)
+    real_store, real_load = host._store, host._load
+
+    def store(addr, values, code):  # the inputs: their bytes
+        host._bytes(addr, len(values))[:] = np.asarray(values).astype(np.uint8)
+
+    def load(addr, count, code):
+        return host._bytes(addr, count).copy()
+
+    host._store, host._load = store, load
+    try:
+        outs = host.run_calls(low, bufs, [[x.astype(np.float64) for x in inputs]],
+                              blocks_per_lane=blocks, slow_block_delay=0.001)
+    finally:
+        host._store, host._load = real_store, real_load
+    return [o.astype(np.uint8) for o in outs[0]]
+
+
+# -- process mode (shared memory, a thread per rank here) ------------------------------------------
+@pytest.mark.parametrize("fp8", FP8)
+def test_process_mode_moves_fp8_and_sums_it_in_one_rounding(fp8):
+    """ShmRun, the code every process of process mode runs: an all-gather moves every byte, a
+    direct-push and a two-phase sum give the cpu datapath's bits; a 3-rank ring sum (its
+    scratch holds FP8, so it would round every hop) is refused naming the step."""
+    import threading
+
+    from purlin.runtime.shm import HEADER, ShmArena, ShmRun, layout
+
+    def run_all(schedule, inputs):
+        lay = layout(schedule)
+        arena = ShmArena.create(schedule.nranks, HEADER + lay.size)
+        try:
+            runs = [ShmRun(schedule, r, arena, lay, timeout=10.0)
+                    for r in range(schedule.nranks)]
+            for run, x in zip(runs, inputs):
+                run.input[:] = x
+            threads = [threading.Thread(target=run) for run in runs]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            return [run.output.copy() for run in runs]
+        finally:
+            arena.close()
+
+    n, rng = 3, np.random.default_rng(9)
+    sizes = lambda coll: {x: CHUNK for x in coll.input.names()}  # noqa: E731
+    coll = standard("all-gather", n)
+    s = plan(coll, "direct-push", dtype=fp8, chunk_sizes=sizes(coll))
+    xs = [rng.integers(0, 256, s.sizing.input_count(r), dtype=np.uint8) for r in range(n)]
+    outs = run_all(s, xs)
+    assert all(np.array_equal(o, np.concatenate(xs)) for o in outs)
+    coll = standard("all-reduce", n)
+    for strategy in ("direct-push", "two-phase"):
+        s = plan(coll, strategy, dtype=fp8, chunk_sizes=sizes(coll))
+        xs = [finite_fp8(rng, s.sizing.input_count(r), fp8, 32.0) for r in range(n)]
+        want = Cluster.cpu(n).bind(coll, strategy, dtype=fp8, chunk_sizes=sizes(coll))(xs)
+        for got, w in zip(run_all(s, xs), want):
+            np.testing.assert_array_equal(got, w, err_msg=strategy)
+    ring = plan(coll, "ring", dtype=fp8, chunk_sizes=sizes(coll))
+    with pytest.raises(CapabilityError, match=r"process-mode datapath reduces FP8 in one "
+                                              r"rounding only.*rank \d+ step \d+"):
+        ShmRun(ring, 0, None, None)

@@ -887,6 +887,108 @@ def fused_scalar_tails_store_the_rows_bytes_only():
         assert (bufs.outputs[0][count:] == GUARD).all(), (coll.name, bufs.outputs[0][count:])
 
 
+
+@case
+def fused_rotated_rows_of_a_gqa_all_gather():
+    """An all-gather of q, k, v per rank delivered interleaved (rows of unequal size, merged
+    flags and rotated rows, purlin.atom.fused_rows; or LL, a transfer per piece): with every
+    rank's call 0 run by the host interpreter (its pushes and flags landed), each rank's
+    program run again by the kernel gives the reference -- 16- and 8-byte items, a scalar
+    tail, 2 and 3 blocks."""
+    from purlin.atom.fused import fused_unit
+    from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
+    from purlin.kernels import fused, isa
+    from purlin.snac import plan
+    from purlin.spec import Collective, reference
+
+    for n, dtype, each, tail, protocol, (blocks, threads) in (
+            (3, "bfloat16", 16, 0, "fused", (2, 3)),
+            (3, "float32", 4, 1, "fused-ll", (3, 2)),
+            (4, "bfloat16", 8, 3, "fused", (2, 4))):
+        coll = Collective([[(r, t) for t in "qkv"] for r in range(n)],
+                          [[(r, t) for t in "qkv" for r in range(n)]] * n, "copy")
+        sizes = {(r, t): each * (4 if t == "q" else 1) for r in range(n) for t in "qkv"}
+        sizes[(n - 1, "v")] += tail
+        s = plan(coll, "direct-push", chunk_sizes=sizes, dtype=dtype)
+        bufs = HostBuffers(s, ll=protocol == "fused-ll")
+        low = bufs.lower()
+        unit, problem = fused_unit(low, protocol)
+        assert problem is None, problem
+        programs = [w.copy() for w in fused_programs(low, bufs, unit)]
+        rotated = [int(w[isa.F_HEAD + k * isa.OP_WIDTH + isa.MOVE_ROTATE]) for w in programs
+                   for k in range(int(w[isa.F_NOPS]))
+                   if w[isa.F_HEAD + k * isa.OP_WIDTH + isa.OP_KIND] == isa.F_OP_MOVE]
+        assert any(rotated) or protocol == "fused-ll", rotated  # (LL: a transfer per piece)
+        rng = np.random.default_rng(n + tail)
+        xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
+               for r in range(n)]]
+        run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads)
+        want = reference(s.sizing, xs[0])
+        for r in range(n):
+            bufs.outputs[r][:] = 0
+            counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
+            w = programs[r]
+            fused.fused[blocks, threads](w.ctypes.data, 1, blocks, 10_000_000, w.size,
+                                         counters.ctypes.data)
+            assert bufs.fused_error[isa.E_CODE] == 0, (n, dtype, r, bufs.fused_error)
+            got = bufs.outputs[r][:len(want[r])].astype(np.float64)
+            if dtype == "bfloat16":
+                got = bf16_floats(bufs.outputs[r][:len(want[r])])
+            assert np.array_equal(got, want[r]), (n, dtype, r, got, want[r])
+
+
+@case
+def fused_random_layouts_of_unequal_rows():
+    """Seeded random layouts of unequal pieces (copies and reductions, scalar tails, 2..6
+    ranks, four dtypes, direct-push and direct-pull, both protocols): every rank's fused
+    program, run again by the kernel after the host interpreter ran call 0, gives the
+    reference."""
+    from test_fused_rows import random_layout
+
+    from purlin.atom.fused import fused_unit
+    from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
+    from purlin.kernels import fused, isa
+    from purlin.snac import plan
+    from purlin.spec import reference
+
+    rng = np.random.default_rng(11)
+    ran = 0
+    for _ in range(10):
+        n = int(rng.integers(2, 7))
+        dtype = str(rng.choice(["bfloat16", "float16", "float32", "int32"]))
+        coll, sizes = random_layout(rng, n, dtype)
+        strategy = str(rng.choice(["direct-push", "direct-pull"]))
+        protocol = str(rng.choice(["fused", "fused-ll"]))
+        s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+        bufs = HostBuffers(s, ll=protocol == "fused-ll")
+        low = bufs.lower()
+        unit, problem = fused_unit(low, protocol)
+        if problem is not None:
+            continue
+        programs = [w.copy() for w in fused_programs(low, bufs, unit)]
+        xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
+               for r in range(n)]]
+        for x in xs[0]:
+            x[x == 0] = 3
+        run_fused_calls(programs, bufs, xs, blocks=2, threads=3)
+        want = reference(s.sizing, xs[0])
+        for r in range(n):
+            if not len(want[r]):
+                continue
+            bufs.outputs[r][:] = 0
+            counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
+            w = programs[r]
+            fused.fused[2, 3](w.ctypes.data, 1, 2, 10_000_000, w.size, counters.ctypes.data)
+            assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, r, bufs.fused_error)
+            got = bufs.outputs[r][:len(want[r])]
+            got = bf16_floats(got) if dtype == "bfloat16" else \
+                (got.view(np.float16) if dtype == "float16" else got).astype(np.float64)
+            tol = 0.02 if dtype in ("bfloat16", "float16") else 0
+            assert (np.abs(got - want[r]) <= tol * (1 + np.abs(want[r]))).all(), \
+                (coll.name, strategy, protocol, dtype, r, got, want[r])
+        ran += 1
+    assert ran >= 5, ran
+
 # ------------------------------------------------------------------------ pytest entry points
 
 

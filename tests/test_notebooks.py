@@ -99,6 +99,11 @@ def test_timelines_notebook_exports_perfetto_and_html(tmp_path):
     page = (out / "allreduce-ring-compare.html").read_text()
     assert "plotly" in page and "measured (cpu)" in page
     assert "this machine (cpu datapath)" in text_of(nb)
+    # the fused kernel's section: both layouts traced (here on the cpu datapath), and where
+    # its tracing overhead is measured
+    assert "reversed all-gather" in text_of(nb) and "cpu datapath, " in text_of(nb)
+    assert "bench/timelines.py --fused" in text_of(nb)
+    assert len(outputs(nb, PLOTLY)) >= 4
 
 
 @pytest.mark.slow

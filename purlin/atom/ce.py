@@ -34,7 +34,8 @@ from purlin.snac.planner import Capabilities
 
 CAPABILITIES = Capabilities(name="ce", can_reduce=False, reduce_engine="sm")
 RUNS_ON = ("local", "virtual", "cpu")  # a cpu cluster runs its mixed plans on the cpu path
-TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float64")
+TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float64", "float8_e4m3fn",
+                "float8_e5m2")  # FP8: copies as bytes, its sums on sm in one rounding
 DEFAULT_THREADS = 512
 # where copy engines beat the sm datapath on 2 x H200 (with side copies): all-gather and
 # all-to-all from 128 MiB (235 µs against 256-258), broadcast even at 128 MiB and ahead from
@@ -212,6 +213,9 @@ class CeBound:
 
         self.closed = False
         check_dtype(schedule.dtype, "ce", TORCH_DTYPES)
+        from purlin.atom.sm import check_fp8_reduction
+
+        check_fp8_reduction(schedule, "ce")
         torch = _torch()
         self.cluster, self.schedule, self.timeout, self.torch = cluster, schedule, timeout, torch
         self.broken: str | None = None

@@ -60,9 +60,10 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
 __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Source",
            "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",
            "fused_problems", "fused_unit", "grid", "oneshot_problem", "program", "rank_ops",
-           "row_grid", "row_sums_bytes", "threads_grid"]
+           "row_grid", "row_sums_bytes", "round_blocks", "threads_grid"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
+FUSED_COPY_DTYPES = (5, 6)  # FP8 (isa E4M3, E5M2): moved as bytes, never reduced here
 
 
 class _Refused(Exception):
@@ -258,7 +259,10 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
             ops.append(Notify("notify", int(a[FLAG]), int(a[VALUE])))
             continue
         dt = int(a[DTYPE])
-        if dt not in FUSED_DTYPES:
+        if dt in FUSED_COPY_DTYPES and op == REDUCE:
+            raise _Refused(f"rank {r} row {k}: the fused kernel copies FP8 but does not "
+                           "reduce it (the interpreter does: protocol 'simple' or 'll')")
+        if dt not in FUSED_DTYPES + FUSED_COPY_DTYPES:
             raise _Refused(f"rank {r}: the fused kernel does not move dtype code {dt}")
         nbytes = int(a[COUNT]) * ITEMSIZE[dt]
         srcs_a = [int(x) for x in low.srcs[a[SRC]: a[SRC] + max(1, a[NSRC])]]
@@ -405,7 +409,8 @@ def fuse_problem(lowered: list[LoweredRank], unit: int = 16) -> str | None:
 
 
 def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
-            epilogue: Epilogue | None = None, threads: int = 0) -> FusedProgram:
+            epilogue: Epilogue | None = None, threads: int = 0, ops: list | None = None,
+            rotation: dict | None = None) -> FusedProgram:
     """The fused program of rank ``low`` (check the whole cluster with :func:`fuse_problem`
     first): ``error`` is the address of the rank's error record (``isa.ERR_WIDTH`` words),
     ``abort`` that of the cluster's abort word, ``flag_slot(address)`` the address of block
@@ -413,11 +418,13 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
     bytes (16; 8: one LL unit, twice the threads for LL transfers; 4: half an LL unit) of a
     row at a time -- every rank of a cluster the same (:func:`fused_unit` picks it).
     ``epilogue`` (checked by :func:`epilogue_problem` for blocks of ``threads`` threads):
-    a NORM op after the last move."""
+    a NORM op after the last move. ``ops`` and ``rotation``: the rank's ops and the rotation
+    of each move (by op index) as :func:`regrouped` gives them (else :func:`rank_ops`'s, no
+    rotation)."""
     if unit not in (4, 8, 16):
         raise CapabilityError(f"a fused program moves 16, 8 or 4 bytes per thread at a time, "
                               f"not {unit}")
-    ops = rank_ops(low, unit)
+    ops = rank_ops(low, unit) if ops is None else list(ops)
     if epilogue is not None:
         problem = _epilogue_problem(low.rank, ops, epilogue, unit, threads)
         if problem:
@@ -452,7 +459,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
             words[at + SOURCE_WIDTH: at + SOURCE_WIDTH + len(e.extras)] = e.extras
             at += SOURCE_WIDTH * (1 + -(-len(e.extras) // SOURCE_WIDTH))
         else:
-            row = (F_OP_MOVE, op.dst_even, op.dst_odd, op.nbytes, len(op.sources), at)
+            row = (F_OP_MOVE, op.dst_even, op.dst_odd, op.nbytes, len(op.sources), at,
+                   (rotation or {}).get(k, 0))
             for src in op.sources:
                 words[at: at + SOURCE_WIDTH] = src
                 at += SOURCE_WIDTH
@@ -525,6 +533,22 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     most = 32 if nbytes < 4 << 20 else F_MAX_BLOCKS
     blocks = max(1, min(most, -(-items // threads)))
     return max(1, min(blocks, resident_blocks(sms, threads) // ranks_in_launch)), threads
+
+
+def round_blocks(items: int, blocks: int, threads: int, most: int) -> int:
+    """``blocks``, or one more (at most ``most``) where that saves the rank's threads a round
+    over ``items`` -- a size a few elements past a whole one, whose last partial item would
+    otherwise give one thread a round of its own (every thread's loads wait for it).
+
+    >>> round_blocks(8192, 32, 256, 64), round_blocks(8193, 32, 256, 64)
+    (32, 33)
+    >>> round_blocks(8193, 32, 256, 32), round_blocks(3 * 8192, 32, 256, 64)
+    (32, 32)
+    """
+    rounds = -(-items // (blocks * threads))
+    if rounds > 1 and blocks < most and items <= (rounds - 1) * (blocks + 1) * threads:
+        return blocks + 1
+    return blocks
 
 
 def threads_grid(nbytes: int, unit: int, threads: int, sms: int = 132) -> tuple[int, int] | None:

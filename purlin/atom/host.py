@@ -31,6 +31,8 @@ from purlin.errors import PurlinTimeoutError
 from purlin.kernels import isa
 
 _NP = {isa.F32: np.float32, isa.F64: np.float64, isa.I32: np.int32, isa.F16: np.float16}
+_FP8 = {isa.E4M3: "float8_e4m3fn", isa.E5M2: "float8_e5m2"}  # held as their bits
+_NP.update({code: np.uint8 for code in _FP8})
 
 
 def _bytes(addr: int, nbytes: int) -> np.ndarray:
@@ -57,6 +59,10 @@ def _load(addr: int, count: int, code: int) -> np.ndarray:
     raw = _bytes(addr, count * isa.ITEMSIZE[code])
     if code == isa.BF16:
         return bf16_floats(raw.view(np.uint16))
+    if code in _FP8:
+        from purlin.spec.dtypes import fp8_decode
+
+        return fp8_decode(raw, _FP8[code])  # float32, exact
     return raw.view(_NP[code]).astype(np.int64 if code == isa.I32 else np.float64)
 
 
@@ -64,6 +70,10 @@ def _store(addr: int, values: np.ndarray, code: int) -> None:
     raw = _bytes(addr, len(values) * isa.ITEMSIZE[code])
     if code == isa.BF16:
         raw.view(np.uint16)[:] = bf16_bits(values)
+    elif code in _FP8:  # one rounding from the float32 sum, as purlin.kernels.fp8 does
+        from purlin.spec.dtypes import fp8_encode
+
+        fp8_encode(np.asarray(values, np.float32), _FP8[code], out=raw)
     elif code == isa.I32:
         raw.view(np.int32)[:] = (np.asarray(values, np.int64) & 0xFFFFFFFF).astype(
             np.uint32).view(np.int32)
@@ -128,7 +138,7 @@ def _reduce(values, redop: int, divisor: int, code: int) -> np.ndarray:
     """The reduction of the loaded ``values`` as the kernels compute it: sources one after
     another in row (pool) order, bfloat16, float16 and float32 accumulated in float32, rounded
     once on the store; avg divides the sum, int32 truncating toward zero."""
-    acc_type = np.float32 if code in (isa.BF16, isa.F16, isa.F32) else values[0].dtype
+    acc_type = np.float32 if code in (isa.BF16, isa.F16, isa.F32, *_FP8) else values[0].dtype
     out = np.array(values[0], dtype=acc_type)
     combine = np.maximum if redop == isa.MAX else np.minimum if redop == isa.MIN else np.add
     for v in values[1:]:
@@ -344,16 +354,24 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None
                 return buffers.block_flags[r].ctypes.data + index * isa.F_MAX_BLOCKS * 8
         raise ValueError(f"0x{address:x} is no flag of these buffers")
 
+    if not epilogues:  # (the programs the sm datapath runs: purlin.atom.fused_rows)
+        from purlin.atom.fused_rows import cluster_programs
+
+        return [p.words for p in cluster_programs(
+            lowered, lambda r: buffers.fused_error.ctypes.data,
+            buffers.fused_abort.ctypes.data, flag_slot, unit)]
     return [program(low, buffers.fused_error.ctypes.data, buffers.fused_abort.ctypes.data,
                     flag_slot, unit, epilogue=(epilogues or {}).get(low.rank),
                     threads=threads).words for low in lowered]
 
 
-def _items(nbytes: int, unit: int, block: int, blocks: int, threads: int) -> list[int]:
+def _items(nbytes: int, unit: int, block: int, blocks: int, threads: int,
+           rotation: int = 0) -> list[int]:
     """The items (``unit`` bytes each, the last one partial where ``nbytes`` is not whole
-    items: a scalar tail) block ``block`` takes: item i goes to thread ``i % (blocks *
-    threads)`` of the rank's grid, as in the fused kernel."""
-    return [i for i in range(-(-nbytes // unit)) if (i % (blocks * threads)) // threads == block]
+    items: a scalar tail) block ``block`` takes: item i goes to thread ``(i + rotation) %
+    (blocks * threads)`` of the rank's grid, as in the fused kernel."""
+    return [i for i in range(-(-nbytes // unit))
+            if ((i + rotation) % (blocks * threads)) // threads == block]
 
 
 def _tail(data: bytes, valid: int, unit: int) -> bytes:
@@ -400,7 +418,7 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
             sources = [[int(x) for x in head[first + s * isa.SOURCE_WIDTH:]
                         [:isa.SOURCE_WIDTH]] for s in range(nsrc)]
             count = unit // isa.ITEMSIZE[code]
-            for i in _items(nbytes, unit, block, blocks, threads):
+            for i in _items(nbytes, unit, block, blocks, threads, op[isa.MOVE_ROTATE]):
                 valid = min(unit, nbytes - unit * i)  # a scalar tail: the row's bytes only
                 raw = []
                 for is_ll, even, odd_at, _, _ in sources:

@@ -230,14 +230,24 @@ def ll_transfers(schedule: Schedule, layout: dict | None = None) -> LLTransfers:
                 reads.setdefault(rank, []).extend(step.srcs)
                 writers.setdefault(step.dst.rank, []).append(step.dst)
     puts, skip, gets = {}, set(), {}
+    pieces: dict = {}  # a flag notified once per piece: its (stage, notify, get) found so far
     for rank, steps in enumerate(schedule.steps):
         for lane in range(schedule.lanes):
             written: list = []   # (index, step) of the lane's data steps so far
+            since: dict = {}     # flag -> len(written) at its last notify
             for index, step in enumerate(steps):
                 if step.lane != lane:
                     continue
                 if step.moves_data:
                     written.append((index, step))
+                elif isinstance(step, Notify) and per_call.get(step.flag, 0) > 1 and \
+                        schedule.chunks == 1:  # (chunked pipelines keep their flags)
+                    got = pieces.setdefault(step.flag, [])
+                    found = _ll_piece(step, written[since.get(step.flag, 0):], len(got) + 1,
+                                      per_call, waits, reads, writers, schedule, item,
+                                      layout or {})
+                    since[step.flag] = len(written)
+                    got.append(None if found is None else (rank, found[0], index, found[1]))
                 elif isinstance(step, Notify):
                     found = _ll_pair(step, written, per_call, waits, reads, writers, schedule,
                                      item, layout or {})
@@ -246,7 +256,54 @@ def ll_transfers(schedule: Schedule, layout: dict | None = None) -> LLTransfers:
                         puts[(rank, stage_at)] = steps[stage_at].dst
                         skip.add((rank, index))
                         gets[get_key] = (steps[stage_at].dst, rank)
+    for flag, got in pieces.items():  # every piece of the flag as LL, or none: its count
+        if len(got) != per_call[flag] or any(g is None for g in got) or \
+                any((g[0], g[1]) in puts for g in got):
+            continue
+        for rank, stage_at, index, get_key in got:
+            region = schedule.steps[rank][stage_at].dst
+            puts[(rank, stage_at)] = region
+            skip.add((rank, index))
+            gets[get_key] = (region, rank)
     return LLTransfers(puts, frozenset(skip), gets)
+
+
+def _ll_piece(note, since, ordinal, per_call, waits, reads, writers, schedule, item, layout):
+    """:func:`_ll_pair` for the ``ordinal``-th notify of a flag that grows once per piece
+    (a layout sending several pieces to one peer): of what its lane wrote ``since`` the
+    flag's previous notify, exactly one region R lies on the peer p, p reads none of the
+    rest, and the flag's wait for ``ordinal`` is the one step that reads R and reads no
+    other piece of the flag -- so each piece's units carry its own flag, and the earlier
+    pieces' notifies (themselves LL, or the whole flag stays) ordered everything before."""
+    flag = note.flag
+    p = flag.owner
+    to_p = [(i, st) for i, st in since if st.dst.rank == p]
+    if len(to_p) != 1:
+        return None
+    stage_at, stage = to_p[0]
+    region = stage.dst
+    if not (stage.op == "copy" and len(stage.srcs) == 1 and region.buffer == "scratch"
+            and stage.srcs[0].rank != p):
+        return None
+    if any(r.overlaps(st.dst) for i, st in since if i != stage_at for r in reads.get(p, ())):
+        return None
+    mine = [x for x in waits.get(flag, ()) if (x[2].value, x[2].call) == (ordinal, 0)]
+    if len(waits.get(flag, ())) != per_call[flag] or len(mine) != 1:
+        return None
+    rank, index, w = mine[0]
+    srcs = schedule.steps[rank][index].srcs
+    if region not in srcs or any(r != region and r.buffer == "scratch" for r in srcs):
+        return None  # (another piece read on this piece's flag alone would not be there)
+    if sum(1 for r in writers.get(p, ()) if r.overlaps(region)) != 1:
+        return None
+    if any(r.overlaps(region) for q, regs in reads.items() if q != p for r in regs):
+        return None
+    if sum(1 for r in reads.get(p, ()) if r.overlaps(region)) != 1:
+        return None
+    if _byte_at(region, item, layout) % LL_DATA or \
+            _byte_at(stage.srcs[0], item, layout) % LL_DATA:
+        return None
+    return stage_at, (rank, index, flag)
 
 
 def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item, layout):

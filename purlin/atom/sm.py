@@ -19,7 +19,7 @@ from purlin.snac.planner import Capabilities
 
 CAPABILITIES = Capabilities(name="sm", can_reduce=True)
 RUNS_ON = ("local", "virtual")  # cluster kinds (purlin.atom's registry)
-TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32")
+TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float8_e4m3fn", "float8_e5m2")
 DEFAULT_THREADS = 512
 
 
@@ -38,15 +38,31 @@ def _torch():
 def check_dtype(name: str, datapath: str = "sm", moves=TORCH_DTYPES) -> None:
     """Raise CapabilityError unless ``datapath`` moves dtype ``name`` (no GPU needed).
 
-    >>> check_dtype("float8_e5m2")
+    >>> check_dtype("float64")
     Traceback (most recent call last):
     purlin.errors.CapabilityError: the sm datapath moves bfloat16, float16, float32, int32, \
-not float8_e5m2; FP8 runs on the cpu datapath today (Cluster.cpu(n))
+float8_e4m3fn, float8_e5m2, not float64
     """
     if name not in moves:
-        fp8 = "; FP8 runs on the cpu datapath today (Cluster.cpu(n))" \
-            if name.startswith("float8") else ""
-        raise CapabilityError(f"the {datapath} datapath moves {', '.join(moves)}, not {name}{fp8}")
+        raise CapabilityError(f"the {datapath} datapath moves {', '.join(moves)}, not {name}")
+
+
+def check_fp8_reduction(schedule, datapath: str = "sm") -> None:
+    """Raise CapabilityError unless an FP8 reduction of ``schedule`` rounds once: the GPU
+    kernels keep FP8 in FP8 buffers, so every element must be reduced by one step over all
+    its contributions (a sum built hop by hop -- ring, recursive doubling -- would round at
+    every hop). Other dtypes and copy collectives pass."""
+    if not (schedule.dtype.startswith("float8") and schedule.collective.op.is_reduce):
+        return
+    from purlin.snac.determinism import check_one_rounding
+
+    problems = check_one_rounding(schedule)
+    if problems:
+        raise CapabilityError(
+            f"the {datapath} datapath reduces FP8 in one rounding only, and "
+            f"{schedule.title()} builds its sums hop by hop: {problems[0]}; use a strategy "
+            "that sums every element in one step (direct-push, direct-pull, push-pull, "
+            "two-phase, or strategy='auto'), or the cpu datapath, whose scratch holds float32")
 
 
 def device_count() -> int:
@@ -253,7 +269,7 @@ def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=Non
     >>> fused_launch(Gpu(0, 132), 1 << 16, 4), fused_launch(Gpu(0, 132), 1 << 20, 4, wish=132)
     ((32, 512), (33, 512))
     """
-    from purlin.atom.fused import grid
+    from purlin.atom.fused import grid, round_blocks
 
     default_blocks, default_threads = grid(items, ranks, gpu.sms, unit)
     threads = int(threads or default_threads)
@@ -267,7 +283,8 @@ def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=Non
     most = min(isa.F_MAX_BLOCKS, gpu.resident(threads) // ranks)
     if most < 1:
         fit_blocks(gpu, 1, threads, ranks, kind)
-    return max(1, min(int(wish or default_blocks), most)), threads
+    chosen = max(1, min(int(wish or default_blocks), most))
+    return round_blocks(items, chosen, threads, most), threads  # (an odd size's last item)
 
 
 def _overflow(gpu: Gpu, lanes, ranks, bpl, threads, kind, what="blocks_per_lane") -> str:
@@ -301,6 +318,7 @@ class SmBound:
         from purlin.atom.lowering import flag_slots, ll_transfers, lower, scratch_layout
 
         check_dtype(schedule.dtype)
+        check_fp8_reduction(schedule)
         torch = _torch()
         self.cluster, self.schedule, self.timeout = cluster, schedule, timeout
         self.torch = torch
@@ -309,10 +327,9 @@ class SmBound:
         # (judged on the aligned scratch slots allocate_buffers makes room for)
         ll = protocol in ("ll", "fused-ll") and \
             len(ll_transfers(schedule, scratch_layout(schedule))) > 0
-        if fused and (trace_rows or lanes != 1):
-            raise CapabilityError(f"protocol={protocol!r} runs one lane without per-row traces; "
-                                  f"{schedule.title()} has {lanes} lanes"
-                                  + (" and a trace was asked for" if trace_rows else ""))
+        if fused and lanes != 1:
+            raise CapabilityError(f"protocol={protocol!r} runs one lane; {schedule.title()} has "
+                                  f"{lanes} lanes")
         devs = cluster.devices
         self.devices = devs
         groups: dict[int, list[int]] = {}
@@ -344,7 +361,7 @@ class SmBound:
         for r, low in enumerate(lowered):
             dev = torch.device("cuda", devs[r])
             trace = None
-            if trace_rows:
+            if trace_rows and not fused:  # (the fused kernel's: _fused_trace_buffer)
                 trace = torch.zeros(lanes * bpl * trace_rows * isa.TRACE_WIDTH,
                                     dtype=torch.int64, device=dev)
             self.traces.append(trace)
@@ -356,11 +373,16 @@ class SmBound:
         # one per device: (device, launcher, descriptor address, ranks, call counters or 0)
         self.launches = []
         self.threads = threads or DEFAULT_THREADS
+        self.kernel = "interpreter"  # what runs a call (and a traced call)
+        # the fused kernel's block b waits only for block b of its peers (trace.flows reads it)
+        self.block_matched = fused
         if epilogue is not None:
             from purlin.atom.sm_epilogue import launch_epilogue
 
+            self.kernel = f"{protocol} kernel with epilogue"
             launch_epilogue(self, groups, asked, wish, threads, *epilogue)
         elif fused:
+            self.kernel = f"{protocol} kernel"
             self._launch_fused(groups, asked, wish, threads)
         else:
             self._launch_tables(groups, blobs)
@@ -392,7 +414,8 @@ class SmBound:
         stride, with a flag slot per block; the executor's control words keep the error
         record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
         ``wish``: a tuning table's (cut to what fits)."""
-        from purlin.atom.fused import fused_unit, program
+        from purlin.atom.fused import fused_unit
+        from purlin.atom.fused_rows import cluster_programs
         from purlin.kernels.launch import Launcher
 
         torch = self.torch
@@ -410,9 +433,10 @@ class SmBound:
             rank, index = self._flag_of(address)
             return self.block_flags[rank].data_ptr() + index * isa.F_MAX_BLOCKS * 8
 
-        progs = [program(low, error=self.control[r].data_ptr() + 2 * 8,
-                         abort=self.abort.data_ptr(), flag_slot=flag_slot, unit=unit)
-                 for r, low in enumerate(self.lowered)]
+        # (several pieces per peer: one flag each and rows side by side, purlin.atom.fused_rows)
+        progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
+                                 self.abort.data_ptr(), flag_slot, unit,
+                                 regroup=not self.trace_rows)  # (a trace names table rows)
         size = max(p.items for p in progs)
         per_launch = max(len(r) for r in groups.values())
         self.blocks_per_lane, self.threads = fused_launch(
@@ -427,10 +451,40 @@ class SmBound:
             counters = torch.zeros(len(ranks) * isa.F_MAX_BLOCKS, dtype=torch.int64,
                                    device=table.device)
             self._keep += [table, counters]
+            traced = self._fused_trace_buffer(ranks, progs, d)
             launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
                                 blocks_per_lane=self.blocks_per_lane, threads=self.threads,
-                                pdl=self.pdl, kernel="fused", stride_words=stride)
+                                pdl=self.pdl, stride_words=stride, **traced)
             self.launches.append((d, launcher, table.data_ptr(), ranks, counters.data_ptr()))
+
+    def _fused_trace_buffer(self, ranks, progs, device) -> dict:
+        """With ``trace_rows``: the traced fused kernel's Launcher options and its records for
+        the ranks of one launch (every op of every block: ``trace_rows`` only switches it
+        on), kept in ``self._fused_traces``; without, the untraced kernel."""
+        if not self.trace_rows:
+            return {"kernel": "fused"}
+        from purlin.atom.fused_trace import traced_kernel
+
+        ops = max(progs[r].ops for r in ranks)
+        buffer = self.torch.zeros(len(ranks) * self.blocks_per_lane * ops * isa.TRACE_WIDTH,
+                                  dtype=self.torch.int64, device=self.torch.device("cuda", device))
+        self._fused_traces = getattr(self, "_fused_traces", []) + [(ranks, buffer, progs)]
+        return dict(kernel=traced_kernel("fused"), trace=buffer.data_ptr(), trace_rows=ops)
+
+    def _read_fused_trace(self):
+        """The traced fused kernel's records per rank, as the interpreter's (table row, block,
+        start, end): int64[blocks, table rows, 4] (:mod:`purlin.atom.fused_trace`)."""
+        from purlin.atom.fused_trace import as_row_records, op_rows
+
+        out = [None] * self.schedule.nranks
+        for ranks, buffer, progs in self._fused_traces:
+            records = buffer.cpu().numpy().reshape(len(ranks), self.blocks_per_lane, -1,
+                                                   isa.TRACE_WIDTH)
+            for k, r in enumerate(ranks):
+                low = self.lowered[r]
+                out[r] = as_row_records(records[k], op_rows(low, progs[r].ops),
+                                        len(low.tables[0]))
+        return out
 
     # -- running -----------------------------------------------------------------------------
     def launch(self, streams=None) -> None:
@@ -517,8 +571,11 @@ class SmBound:
         return call_with_tensors(self, inputs, out)
 
     def read_trace(self):
-        """Raw trace records per rank: int64[blocks, trace_rows, 4] (row, sub, start, end)."""
+        """Raw trace records per rank: int64[blocks, trace_rows, 4] (row, sub, start, end);
+        of the fused kernel, int64[blocks, table rows, 4] in the same format (sub: the block)."""
         self.synchronize()
+        if getattr(self, "_fused_traces", None):
+            return self._read_fused_trace()
         bpr = self.schedule.lanes * self.blocks_per_lane
         return [None if t is None else t.cpu().numpy().reshape(bpr, self.trace_rows, 4)
                 for t in self.traces]
@@ -617,7 +674,10 @@ def call_with_tensors(bound, inputs=None, out=None):
             if not x.is_contiguous():
                 raise ExecutionError(f"input of rank {r} is not contiguous; pass "
                                      "x.contiguous()")
-            bound.inputs[r][:want].copy_(x.reshape(-1).to(bound.inputs[r].dtype))
+            dst = bound.inputs[r][:want]
+            if x.dtype == torch.uint8 and dst.element_size() == 1:  # FP8 given as its bits
+                dst = dst.view(torch.uint8)
+            dst.copy_(x.reshape(-1).to(dst.dtype))
     bound.launch()
     bound.check()
     outs = [bound.outputs[r][:sizing.output_count(r)] for r in range(schedule.nranks)]

@@ -269,6 +269,10 @@ def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32"
                               is_reduce=collective.op.is_reduce, virtual=bool(virtual))
         if choice is not None:
             return runnable(choice, sizing, strategy) if datapath != "cpu" else choice
+        twin = borrowed(found, sizing, virtual) if datapath != "cpu" and strategy is None \
+            else None
+        if twin is not None:
+            return runnable(twin, sizing)
     if datapath != "cpu" and model is not False:
         return fast_choice(sizing, strategy)
     if strategy is not None:
@@ -304,6 +308,42 @@ def runnable(choice: Choice, sizing, strategy: str | None = None) -> Choice:
 
 
 PDL_MAX_BYTES = 1 << 20  # where the tables found PDL faster: the launch gap is still visible
+BORROW_MIN_BYTES = 1 << 20  # where a custom copy layout takes its twin's measured strategy
+
+
+def twin_name(collective) -> str | None:
+    """The standard collective whose tuning-table entries a custom copy layout borrows:
+    broadcast where at most half the ranks send, else all-gather; None for a reduction.
+
+    >>> from purlin.spec import Collective
+    >>> twin_name(Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy"))
+    'broadcast'
+    """
+    if collective.op.is_reduce:
+        return None
+    n = collective.nranks
+    senders = sum(1 for r in range(n) if len(collective.input[r]))
+    return "broadcast" if 2 * senders <= n else "all-gather"
+
+
+def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
+    """For a copy layout of at least ``BORROW_MIN_BYTES`` that ``table`` has no entry of
+    (a custom one), its twin's (:func:`twin_name`) entry at the same size, or None. The
+    cost model ranks strategies for NVLink links; on one GPU's virtual ranks every byte
+    crosses the same memory, and the tables measured there pick direct-pull for broadcast
+    and all-gather from 1 MiB on (one copy straight into the output, where a push writes
+    the peer's scratch and the peer copies it again) -- which the model does not see."""
+    coll = sizing.collective
+    name = twin_name(coll)
+    if name is None or name == coll.name or sizing.message_bytes < BORROW_MIN_BYTES:
+        return None
+    choice = table.lookup(name, coll.nranks, sizing.message_bytes, dtype=sizing.dtype.name,
+                          is_reduce=False, virtual=bool(virtual))
+    if choice is None:
+        return None
+    return Choice(choice.strategy, choice.chunks, choice.lanes, choice.blocks_per_lane,
+                  f"{choice.source} (its twin {name})", choice.protocol, choice.pdl,
+                  choice.lanes_by)
 
 
 @lru_cache(maxsize=512)

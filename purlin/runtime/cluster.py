@@ -104,17 +104,14 @@ class Cluster:
         ``timeout`` (seconds, > 0) bounds every wait; ``options`` go to the datapath's bind.
         ``deterministic=True``: bitwise the same result for the same inputs whatever the
         strategy, chunks, lanes or arrival order (``plan(..., deterministic=True)``; ``auto``
-        then picks among the strategies that qualify); the cpu datapath only, for now.
+        then picks among the strategies that qualify), on every datapath and protocol: each
+        of them sums a step's sources in the order listed, in a fixed accumulation type, and
+        rounds once (ARCHITECTURE.md, "Deterministic mode").
         """
         timeout = check_timeout(timeout)
         if collective.nranks != self.nranks:
             raise PlanError(f"{collective.name} is declared for {collective.nranks} ranks but "
                             f"the cluster has {self.nranks}")
-        if deterministic and self.kind != "cpu":
-            raise CapabilityError(
-                f"deterministic=True is not yet checked on GPUs ({self!r}): the sm and ce "
-                "datapaths' reductions are not proven to sum in rank order with one rounding "
-                "on every protocol; use Cluster.cpu, or bind without deterministic")
         atom.refuse_stuck(self.devices)
         choice = None
         if strategy == "auto":
@@ -123,7 +120,9 @@ class Cluster:
             size = ({"chunk_sizes": dict(sizing.chunks), "dtype": sizing.dtype.name}
                     if sizing is not None else {"count": count, "nbytes": nbytes,
                                                 "dtype": dtype, "chunk_sizes": chunk_sizes})
-            choice = select(collective, self, **size, deterministic=deterministic)
+            choice = select(collective, self, **size,
+                            deterministic=deterministic or _fp8_sum_on_gpu(self, collective,
+                                                                           sizing, dtype))
             strategy, chunks, lanes = choice.strategy, choice.chunks, choice.lanes
             lanes_by = choice.lanes_by
         datapath = self._datapath(collective, datapath, count=count, nbytes=nbytes,
@@ -152,6 +151,15 @@ class Cluster:
     def __repr__(self) -> str:
         where = f" on GPUs {list(self.devices)}" if self.devices else ""
         return f"Cluster.{self.kind}({self.nranks} ranks{where})"
+
+
+def _fp8_sum_on_gpu(cluster, collective, sizing, dtype) -> bool:
+    """Is this an FP8 reduction on GPUs? Their kernels round FP8 once only where every
+    element is summed in one step, so ``auto`` picks among the deterministic strategies."""
+    from purlin.spec.dtypes import dtype as as_dtype
+
+    dt = sizing.dtype if sizing is not None else as_dtype(dtype)
+    return cluster.kind != "cpu" and collective.op.is_reduce and dt.is_fp8
 
 
 def _auto_options(choice, options: dict, sm: bool) -> dict:

@@ -31,9 +31,10 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from purlin.atom import cpu
-from purlin.errors import CallMismatchError, CapabilityError, ExecutionError, PurlinTimeoutError
+from purlin.errors import CallMismatchError, ExecutionError, PurlinTimeoutError
 from purlin.runtime import fingerprint
 from purlin.snac.ir import Consume, Flag, Notify, Schedule
+from purlin.spec.dtypes import dtype as as_dtype
 
 # How process mode shares memory:
 #
@@ -359,11 +360,14 @@ class ShmRun:
     def __init__(self, schedule: Schedule, rank: int, arena: ShmArena, lay: Layout,
                  base: int = HEADER, timeout: float = 10.0):
         cpu.check_dtype(schedule.dtype)
-        if schedule.dtype in cpu.FP8:
-            raise CapabilityError(f"process mode does not move {schedule.dtype} yet; FP8 runs "
-                                  "on a cpu cluster in one process (Cluster.cpu(n))")
+        # FP8 is held as its bits, scratch too: a sum must be one step to round once
+        self.fp8 = schedule.dtype if schedule.dtype in cpu.FP8 else None
+        if self.fp8:
+            from purlin.atom.sm import check_fp8_reduction
+
+            check_fp8_reduction(schedule, "process-mode")
         self.schedule, self.rank, self.arena, self.timeout = schedule, rank, arena, timeout
-        dt = np.dtype(schedule.dtype)
+        dt = as_dtype(schedule.dtype).numpy()
         sizing = schedule.sizing
         n, lanes = schedule.nranks, schedule.lanes
         self.lanes = lanes
@@ -449,9 +453,9 @@ class ShmRun:
                     dst = self._view(step.dst, shift)
                     srcs = [self._view(r, shift) for r in step.srcs]
                     if step.op == "copy":
-                        cpu.copy_into(dst, srcs[0])
+                        cpu.copy_into(dst, srcs[0], self.fp8)
                     else:
-                        cpu.reduce_into(dst, srcs, step.op, s.divisor(step))
+                        cpu.reduce_into(dst, srcs, step.op, s.divisor(step), self.fp8)
         except (PurlinTimeoutError, CallMismatchError) as exc:
             errors.append((0 if getattr(exc, "own", False) else 1, exc))
         except Exception as exc:  # a bug, not a timeout: stop the peers too

@@ -42,7 +42,20 @@ class _Sum:
         return _Sum(tuple((r, d + by) for r, d in self.parts), self.hops)
 
 
-def check_deterministic(schedule: Schedule) -> list[str]:
+def check_one_rounding(schedule: Schedule) -> list[str]:
+    """The steps of ``schedule`` that reduce a value already reduced (empty: none): where
+    every element is summed in one step, a datapath that accumulates a step's sources in a
+    wider type rounds each result once (FP8 on the GPUs), whatever the sources' order.
+
+    >>> from purlin.spec import collectives
+    >>> from purlin.snac import plan
+    >>> check_one_rounding(plan(collectives.all_reduce(3), "direct-push", count=8))
+    []
+    """
+    return check_deterministic(schedule, rank_order=False)
+
+
+def check_deterministic(schedule: Schedule, rank_order: bool = True) -> list[str]:
     """The problems that keep ``schedule`` from being deterministic (empty: none), each
     naming the rank and step. A copy collective is always deterministic. The schedule is
     run symbolically over one call in an order its flags allow (``verify`` proves the rest:
@@ -79,14 +92,14 @@ def check_deterministic(schedule: Schedule) -> list[str]:
         if st.op == "copy":
             out = reads[0]
         else:
-            out, problem = _reduce(reads)
+            out, problem = _reduce(reads, rank_order)
             if problem:
                 problems.append(f"{an.where(r, i, 0)} {problem}")
         mem.write(st.dst.rank, st.dst.buffer, st.dst.offset, out)
     return problems
 
 
-def _reduce(reads):
+def _reduce(reads, rank_order: bool = True):
     """The reduction of ``reads`` (one interval list per source) and what breaks the
     property there, if anything (the first such interval)."""
     cuts = sorted({x for pieces in reads for a, b, _ in pieces for x in (a, b)})
@@ -104,7 +117,7 @@ def _reduce(reads):
                            f"{', '.join(str(p[0]) for p in partial.parts)} (elements "
                            f"{a}..{b} of its output): the sum is built hop by hop, so its "
                            "rounding depends on the route")
-            elif ranks != sorted(ranks):
+            elif rank_order and ranks != sorted(ranks):
                 problem = (f"reduces ranks {', '.join(map(str, ranks))} in that order (elements "
                            f"{a}..{b} of its output), not in rank order")
         out.append((a, b, _Sum(parts, 1)))

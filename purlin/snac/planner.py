@@ -121,20 +121,37 @@ def _require_deterministic(schedule: Schedule) -> None:
 strategies.on_change(_plan.cache_clear)  # a re-registered name must not keep old plans
 
 
-def split(count: int, parts: int) -> list[tuple[int, int]]:
-    """``count`` elements as ``parts`` near-equal (start, count) pieces, empty ones dropped.
+def split(count: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """``count`` elements as ``parts`` near-equal (start, count) pieces, empty ones dropped;
+    with ``align``, where every piece can have ``align`` elements, every piece but the last
+    a whole number of them (the last takes the rest), so every piece starts where the first
+    does modulo ``align`` -- the same pieces as without it wherever those all start aligned.
 
     >>> split(10, 3)
     [(0, 4), (4, 3), (7, 3)]
+    >>> split(33, 4), split(33, 4, align=8)
+    ([(0, 9), (9, 8), (17, 8), (25, 8)], [(0, 8), (8, 8), (16, 8), (24, 9)])
+    >>> split(10, 3, align=8)
+    [(0, 4), (4, 3), (7, 3)]
     """
-    base, extra = divmod(count, parts)
+    if count // align < parts:  # (fewer pieces than asked would change the plan's shape)
+        align = 1
+    whole, rest = divmod(count, align)
+    base, extra = divmod(whole, parts)
     out, at = [], 0
     for k in range(parts):
-        c = base + (1 if k < extra else 0)
+        c = (base + (1 if k < extra else 0)) * align + (rest if k == parts - 1 else 0)
         if c:
             out.append((at, c))
         at += c
     return out
+
+
+def part_align(sizing) -> int:
+    """Elements in 16 bytes of ``sizing``'s dtype: owner parts and chunks are cut there, so a
+    message a few elements past a whole size starts every part on the 16-byte items the
+    fused kernel moves (and takes the plan measured for the whole size)."""
+    return max(1, 16 // sizing.dtype.itemsize)
 
 
 def build_routes(sizing: Sizing, strategy: str, chunks: int, lanes: int) -> list[Route]:
@@ -142,9 +159,10 @@ def build_routes(sizing: Sizing, strategy: str, chunks: int, lanes: int) -> list
     op = coll.op.reduce_op if coll.op.is_reduce else "copy"
     routes = []
     for seg in segments(sizing):
-        parts = split(seg.count, parts_of(seg, strategy))
+        align = part_align(sizing)
+        parts = split(seg.count, parts_of(seg, strategy), align)
         for part, (pstart, pcount) in enumerate(parts):
-            pieces = split(pcount, chunks)
+            pieces = split(pcount, chunks, align)
             for k, (start, count) in enumerate(pieces):
                 start += pstart
                 nodes = route_nodes(strategy, Piece(coll, seg, start, count, part, k,

@@ -59,6 +59,7 @@ class CommOptions:
     threads: int = 512
     epilogue_grid: str | int | None = None
     epilogue_kernel: str = "auto"
+    deterministic: bool = False  # bitwise-reproducible sums (ARCHITECTURE.md, "SNAC")
 
     def __post_init__(self):
         if self.protocol not in PROTOCOLS:
@@ -74,6 +75,8 @@ class CommOptions:
                             f"{self.epilogue_kernel!r}")
         if not isinstance(self.staging_bytes, int) or self.staging_bytes <= 0:
             raise SpecError(f"staging_bytes must be a positive int, got {self.staging_bytes!r}")
+        if not isinstance(self.deterministic, bool):
+            raise SpecError(f"deterministic must be True or False, got {self.deterministic!r}")
 
 
 class Communicator:
@@ -130,6 +133,12 @@ class Communicator:
         self.path = self.hierarchy = self.staging = None
         self.node_of_rank = self._nodes(ranks_per_node, node_of_rank)
         if len(set(self.node_of_rank)) > 1:
+            if o.deterministic:
+                raise CapabilityError(
+                    f"CommOptions(deterministic=True) runs on one node: ranks "
+                    f"{self.global_ranks} span nodes {sorted(set(self.node_of_rank))}, and "
+                    "the hierarchical path sums node by node (a sum built hop by hop); use "
+                    "a group within one node, or deterministic=False")
             self.hierarchy = Hierarchy(self)
             self.device = self.hierarchy.device
         elif self.nranks > 1:
@@ -743,13 +752,15 @@ class Communicator:
             from purlin.runtime import auto
 
             choice = auto.select(coll, Shape(self.datapath), dtype=sizing.dtype.name,
-                                 chunk_sizes=dict(sizing.chunks))
+                                 chunk_sizes=dict(sizing.chunks),
+                                 deterministic=self.options.deterministic)
         if strategy == "auto":
             strategy = choice.strategy
             chunks, lanes = self.chunks or choice.chunks, self.lanes or choice.lanes
         if strategy == "two-phase" and not coll.op.is_reduce:
             strategy = "direct-push"
-        return plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes), choice
+        return plan(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
+                    deterministic=self.options.deterministic), choice
 
     def _protocol(self, schedule, choice) -> tuple[str, bool]:
         """(protocol, PDL) this schedule runs with on the sm datapath: the communicator's

@@ -41,7 +41,8 @@ class CpuPath:
     """Shared-memory staging for the ranks of ``group`` (all on this host)."""
 
     name = "cpu"
-    dtypes = tuple(d for d in DTYPES if d not in FP8)  # process mode moves no FP8 yet
+    dtypes = tuple(d for d in DTYPES if d not in FP8)  # (ShmRun moves FP8 bits; float8
+    # tensors are not staged into it yet: they fall back to the process group)
 
     def __init__(self, group, rank: int, nranks: int, nbytes: int, timeout: float, **_):
         self.group, self.rank, self.nranks, self.timeout = group, rank, nranks, timeout

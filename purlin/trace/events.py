@@ -163,8 +163,10 @@ class Timeline:
         flag f in this call is released by the Notify of f that makes it reach v (the v-th).
         The released event is the Consume's ``wait`` event (its ``consume`` event if it has no
         wait event). With several blocks per lane, each block's wait is paired with the last
-        block's notify to finish (the one that released it). Waits on earlier calls are left
-        out (this timeline holds one call)."""
+        block's notify to finish (the one that released it) -- or, where each block waits only
+        for the same block of its peers (``meta["block_matched"]``: the fused kernel), with
+        that block's notify. Waits on earlier calls are left out (this timeline holds one
+        call)."""
         if self.schedule is None:
             return []
         by_step: dict[tuple[int, int, str], list[Event]] = {}
@@ -183,6 +185,10 @@ class Timeline:
                         continue
                     notifies = by_step.get((w.flag.src, notifier[(w.flag, w.value)], "notify"))
                     if not notifies:
+                        continue
+                    if self.meta.get("block_matched"):
+                        mine = {e.block: e for e in notifies}
+                        pairs.extend((mine[r.block], r) for r in released if r.block in mine)
                         continue
                     last = max(notifies, key=lambda e: e.end_ns)
                     pairs.extend((last, r) for r in released)

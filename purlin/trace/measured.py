@@ -20,7 +20,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -198,26 +198,34 @@ def measure_clocks(measure_pair: Callable[[int, int], tuple], devices: Sequence[
 
 
 def from_sm(bound, clocks: Clocks | Mapping | None = None, *, barriers: bool = True,
-            label: str = "measured (gpu)") -> Timeline:
+            label: str | None = None) -> Timeline:
     """A Timeline from a GPU-bound collective's last call (bind it with ``trace_rows=N``).
     ``clocks`` gives the offsets of the GPUs' clocks (:func:`align_clocks`); without them,
-    ranks on different GPUs are compared on clocks that may disagree (said in ``meta``)."""
+    ranks on different GPUs are compared on clocks that may disagree (said in ``meta``).
+    The label (by default) and ``meta["kernel"]`` name the kernel that ran: the interpreter
+    or the fused kernel."""
     if not getattr(bound, "trace_rows", 0):
         raise ExecutionError("this collective was bound without tracing: bind it with "
                              "trace_rows=N (rows per block, at least the longest lane's)")
-    return from_sm_records(bound.schedule, bound.lowered, bound.read_trace(),
-                           bound.blocks_per_lane, devices=bound.devices, clocks=clocks,
-                           barriers=barriers, label=label)
+    kernel = getattr(bound, "kernel", None)  # which kernel ran: the interpreter or fused
+    if label is None:
+        label = f"measured (gpu, {kernel})" if kernel else "measured (gpu)"
+    timeline = from_sm_records(bound.schedule, bound.lowered, bound.read_trace(),
+                               bound.blocks_per_lane, devices=bound.devices, clocks=clocks,
+                               barriers=barriers, label=label,
+                               block_matched=getattr(bound, "block_matched", False))
+    return replace(timeline, meta={**timeline.meta, "kernel": kernel}) if kernel else timeline
 
 
 def from_sm_records(schedule: Schedule, lowered, traces, blocks_per_lane: int, *,
                     devices: Sequence[int] | None = None, clocks=None, barriers: bool = True,
-                    label: str = "measured (gpu)") -> Timeline:
+                    label: str = "measured (gpu)", block_matched: bool = False) -> Timeline:
     """A Timeline from raw GPU trace records: ``traces[r]`` is int64[lanes * blocks_per_lane,
     trace_rows, 4] of rank r (None: not traced), ``lowered[r]`` its lowered tables. Rows that
     were never written (start or end <= 0) are skipped. Consecutive rows of one block that
     belong to one step and kind (the WAIT rows of a Consume; a lane barrier's NOTIFY and WAIT)
-    become one event."""
+    become one event. ``block_matched``: each block waited only for the same block of its
+    peers (the fused kernel), so :meth:`Timeline.flows` pairs them block by block."""
     n = schedule.nranks
     devices = list(devices) if devices is not None else list(range(n))
     if clocks is not None and not isinstance(clocks, Clocks):
@@ -266,7 +274,7 @@ def from_sm_records(schedule: Schedule, lowered, traces, blocks_per_lane: int, *
         events.append(step_event(schedule, r, index, kind, float(start - zero),
                                  float(end - zero), "measured-gpu", block=sub, engine="sm"))
     meta = {"source": "measured-gpu", "zero_ns": float(zero), "blocks_per_lane": blocks_per_lane,
-            "devices": devices, "truncated": truncated}
+            "devices": devices, "truncated": truncated, "block_matched": bool(block_matched)}
     used = sorted(set(devices[r] for r, *_ in spans))
     if clocks is not None:
         meta["clocks"] = clocks.to_json()
@@ -283,8 +291,8 @@ def from_sm_records(schedule: Schedule, lowered, traces, blocks_per_lane: int, *
 
 
 def _row_kind(schedule: Schedule, rank: int, row) -> str:
-    """stage | consume (COPY/REDUCE), notify, wait; a NOTIFY or WAIT with no peer, or whose
-    step is not a Notify / Consume, is a lane barrier."""
+    """stage | consume (COPY/REDUCE), notify, wait; stage (LL_PUT), wait (LL_GET); a NOTIFY
+    or WAIT with no peer, or whose step is not a Notify / Consume, is a lane barrier."""
     step = schedule.steps[rank][int(row[isa.STEP])]
     op = int(row[isa.OP])
     if op in (isa.COPY, isa.REDUCE):
@@ -293,4 +301,8 @@ def _row_kind(schedule: Schedule, rank: int, row) -> str:
         return "notify" if isinstance(step, Notify) and row[isa.PEER] >= 0 else "barrier"
     if op == isa.WAIT:
         return "wait" if isinstance(step, Consume) and row[isa.PEER] >= 0 else "barrier"
+    if op == isa.LL_PUT:  # a Stage and its Notify in one: the flag travels inside the data
+        return "stage"
+    if op == isa.LL_GET:  # a Consume's wait: polling the LL units until they land
+        return "wait"
     return "barrier"

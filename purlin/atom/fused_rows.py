@@ -1,0 +1,192 @@
+"""Many small rows on the fused kernel: one flag per peer where a layout sends several pieces.
+
+A layout whose ranks send several pieces to each peer (an all-gather of q, k and v delivered
+interleaved) lowers to a row, a notify and a wait per piece: three times the flag operations
+of its standard twin, each a block barrier, and rows of a few hundred bytes that each keep
+most threads idle. :func:`regroup` merges a rank's notifies of one flag into the last of
+them and its waits of one flag into the first, where only data rows lie between (small
+ones: :data:`MERGE_BYTES`); :func:`rotations` then spreads the rows between two flag
+operations over different threads (``isa.MOVE_ROTATE``), the same rotation wherever two
+rows touch the same bytes, so a block still meets only its own items. ARCHITECTURE.md, "The
+fused kernel".
+
+>>> from purlin.spec import Collective
+>>> from purlin.snac import plan
+>>> from purlin.atom.lowering import lower
+>>> qkv = Collective([[(r, t) for t in "qkv"] for r in range(2)],
+...                  [[(r, t) for t in "qkv" for r in range(2)]] * 2, "copy")
+>>> s = plan(qkv, "direct-push", chunk_sizes={(r, t): 8 for r in range(2) for t in "qkv"})
+>>> at = {(r, b): (1 + 4 * r + i) << 20 for r in range(2)
+...       for i, b in enumerate(("input", "output", "scratch", "ll"))}
+>>> low = lower(s, at, {r: (9 + r) << 20 for r in range(2)})
+>>> before = [op.kind for op in rank_ops(low[0])]
+>>> ops, rot = regrouped(low)
+>>> before.count("notify"), [op.kind for op in ops[0]].count("notify"), sorted(rot[0].values())
+(3, 1, [2, 2, 4, 4, 6, 8])
+"""
+
+from __future__ import annotations
+
+from purlin.atom.fused import _Refused, _accesses, _check_rank, program, rank_ops
+
+__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "regroup", "regrouped",
+           "rotations"]
+
+MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
+# flag per piece lets the peer start on the first piece while the next one moves
+ROTATE_ITEMS = 4096  # rows rotated past this many items would gain nothing (every thread
+# has work) and would cost the kernel a longer loop to find its first item
+
+
+def _blocking(op) -> bool:
+    """Ops a notify must not be moved past (they wait for a peer) or that send (a PUT)."""
+    return op.kind in ("wait", "put", "norm") or \
+        op.kind == "move" and any(s.is_ll for s in op.sources)
+
+
+def regroup(r: int, ops: list[tuple]) -> list[tuple]:
+    """Rank ``r``'s fused ops with its notifies of one flag merged into the last of them and
+    its waits of one flag into the first (the larger value), where only plain data rows of
+    at most :data:`MERGE_BYTES` lie between -- or ``ops`` itself (the same object) where
+    nothing merges or the result breaks a soundness rule.
+
+    A notify moved later only delays the peer, a wait moved earlier only holds this rank
+    longer, and neither passes an op that waits or signals, so no rank waits on what the
+    move put off: a merged program is one the peers' programs (merged or not) run with.
+    """
+    if any(op.kind == "put" for op in ops):  # (its LL rules are checked on the order given)
+        return ops
+    out = _merge_waits(_merge_notifies(ops))
+    if len(out) == len(ops):
+        return ops
+    try:
+        _check_rank(r, out, {})  # the segment rule on the new order
+    except _Refused:
+        return ops
+    return out
+
+
+def _merge_notifies(ops: list[tuple]) -> list[tuple]:
+    out: list = []
+    last: dict = {}  # flag -> (index in out, data bytes in out when it was placed)
+    moved = 0  # plain data bytes since the last blocking op
+    for op in ops:
+        if _blocking(op):
+            last, moved = {}, 0
+        elif op.kind == "move":
+            moved += op.nbytes
+        elif op.kind == "notify":
+            seen = last.get(op.flag)
+            if seen is not None and moved - seen[1] <= MERGE_BYTES:
+                op = op._replace(value=op.value + out[seen[0]].value)
+                out[seen[0]] = None
+            last[op.flag] = (len(out), moved)
+        out.append(op)
+    return [op for op in out if op is not None]
+
+
+def _merge_waits(ops: list[tuple]) -> list[tuple]:
+    out: list = []
+    first: dict = {}  # (flag, per call, epoch offset) -> (index in out, data bytes then)
+    moved = 0
+    for op in ops:
+        if op.kind in ("notify", "put", "norm"):
+            first, moved = {}, 0
+        elif op.kind == "move":
+            moved += op.nbytes
+        elif op.kind == "wait":
+            key = (op.flag, op.per_call, op.epoch_offset)
+            seen = first.get(key)
+            if seen is not None and moved - seen[1] <= MERGE_BYTES:
+                w = out[seen[0]]
+                if op.value > w.value:
+                    out[seen[0]] = w._replace(value=op.value, peer=op.peer, step=op.step)
+                continue
+            first[key] = (len(out), moved)
+        out.append(op)
+    return out
+
+
+def rotations(ops_by_rank: list[list[tuple]], unit: int) -> list[dict]:
+    """For each rank, {op index: rotation} of its moves: the rows between two flag operations
+    of a rank take consecutive threads (a row's item i is thread (i + rotation) mod the
+    rank's threads'), and rows that touch the same bytes -- on any rank, in any segment --
+    share their rotation, so each item stays with one block (its flag slot orders it) and,
+    inside a segment, with one thread. Rows touching a PUT's or LL transfer's bytes, and
+    rows past :data:`ROTATE_ITEMS`, keep 0."""
+    rows = [(r, k) for r, ops in enumerate(ops_by_rank) for k, op in enumerate(ops)
+            if op.kind in ("put", "move")]
+    parent = {row: row for row in rows}
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    touching: dict = {}  # span -> [(row, writes)]
+    segment: dict = {}
+    for r, ops in enumerate(ops_by_rank):
+        seg = 0
+        for k, op in enumerate(ops):
+            if op.kind in ("wait", "notify", "norm"):
+                seg += 1
+                continue
+            if op.kind not in ("put", "move"):
+                continue
+            segment[(r, k)] = (r, seg)
+            w, reads = _accesses(op)
+            touching.setdefault(w, []).append(((r, k), True))
+            for x in reads:
+                touching.setdefault(x, []).append(((r, k), False))
+    for span, who in touching.items():
+        if any(writes for _, writes in who):
+            for row, _ in who[1:]:
+                parent[find(row)] = find(who[0][0])
+    members: dict = {}
+    for row in rows:
+        members.setdefault(find(row), []).append(row)
+    fill: dict = {}
+    out: list = [{} for _ in ops_by_rank]
+    for group in sorted(members.values()):
+        ops = [ops_by_rank[r][k] for r, k in group]
+        items = max(-(-op.nbytes // unit) for op in ops)
+        fixed = any(op.kind == "put" or any(s.is_ll for s in op.sources) for op in ops)
+        segs = {segment[row] for row in group}
+        at = 0 if fixed else max(fill.get(s, 0) for s in segs)
+        if at + items > ROTATE_ITEMS:
+            at = 0
+        for s in segs:
+            fill[s] = max(fill.get(s, 0), at + items)
+        if at:
+            for r, k in group:
+                out[r][k] = at
+    return out
+
+
+def regrouped(lowered, unit: int = 16) -> tuple[list[list[tuple]], list[dict]]:
+    """(each rank's fused ops, each rank's move rotations) of ``lowered`` (checked with
+    :func:`purlin.atom.fused.fuse_problem` first): :func:`regroup` on every rank and, where
+    it merged something on some rank, :func:`rotations` -- else the ops as
+    :func:`purlin.atom.fused.rank_ops` gives them and no rotation (the standard
+    collectives' programs stay as they were)."""
+    plain = [rank_ops(low, unit) for low in lowered]
+    ops = [regroup(low.rank, o) for low, o in zip(lowered, plain)]
+    if all(a is b for a, b in zip(ops, plain)):
+        return plain, [{} for _ in lowered]
+    return ops, rotations(ops, unit)
+
+
+def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
+                     regroup: bool = True) -> list:
+    """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the
+    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address);
+    ``regroup=False``: on :func:`purlin.atom.fused.rank_ops`'s, an op per table row (what a
+    trace of the fused kernel names, ``purlin.atom.fused_trace.op_rows``)."""
+    if regroup:
+        ops, rot = regrouped(lowered, unit)
+    else:
+        ops, rot = [rank_ops(low, unit) for low in lowered], [{} for _ in lowered]
+    return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
+                    rotation=rot[i]) for i, low in enumerate(lowered)]
+

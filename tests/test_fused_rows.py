@@ -1,0 +1,332 @@
+"""Layouts of several pieces per rank on the fused kernel (``purlin.atom.fused_rows``): merged
+flags and rotated rows, checked against ``purlin.reference`` without a GPU on the host
+interpreter of fused programs (a thread per rank and block, the kernel's item rules with
+rotations), over the GQA all-gather (q, k, v of 4:1:1 per rank, delivered interleaved) and
+seeded random layouts x sizes x strategies x dtypes; the same cases on a GPU (virtual ranks)
+with ``-m gpu``. The kernel itself runs these programs on the CUDA simulator in
+``tests/test_kernels_sim.py`` (``fused_rotated_rows_of_a_gqa_all_gather``,
+``fused_random_layouts_of_unequal_rows``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from purlin.atom.fused import fused_unit, rank_ops
+from purlin.atom.fused_rows import regroup, regrouped, rotations
+from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
+from purlin.snac import plan
+from purlin.spec import Collective, reference
+
+ITEM = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
+TOL = {"bfloat16": 2e-2, "float16": 2e-3, "float32": 1e-6, "int32": 0}
+
+
+def gqa(n: int):
+    """The all-gather of q, k, v per rank delivered as q0..q{n-1}, k0.., v0.. (as
+    ``bench/custom_vs_standard.py`` builds it)."""
+    return Collective([[(r, "q"), (r, "k"), (r, "v")] for r in range(n)],
+                      [[(r, t) for t in ("q", "k", "v") for r in range(n)]] * n, "copy",
+                      name="gqa all-gather")
+
+
+def gqa_sizes(n: int, unit: int, extra: int = 0) -> dict:
+    """q four times k and v; ``extra`` elements on the last v (an odd size)."""
+    sizes = {(r, t): unit * (4 if t == "q" else 1) for r in range(n) for t in "qkv"}
+    sizes[(n - 1, "v")] += extra
+    return sizes
+
+
+def random_layout(rng, n: int, dtype: str):
+    """A copy collective of 1..3 pieces per rank of unequal sizes (whole 16-byte items or,
+    for the last piece, any count), each output rank receiving a random selection of the
+    pieces in a random order -- or a reduction of pieces every rank holds, each delivered to
+    one or two ranks."""
+    e = 16 // ITEM[dtype]
+    if rng.random() < 0.7:
+        pieces = [(r, t) for r in range(n) for t in range(int(rng.integers(1, 4)))]
+        outs = []
+        for _ in range(n):
+            pick = [pieces[i] for i in rng.permutation(len(pieces))]
+            outs.append(pick[:int(rng.integers(1, len(pick) + 1))])
+        coll = Collective([[p for p in pieces if p[0] == r] for r in range(n)], outs, "copy",
+                          name="random copy layout")
+    else:
+        op = str(rng.choice(["sum", "max"]))
+        pieces = list(range(int(rng.integers(n, 2 * n + 1))))
+        outs = [[] for _ in range(n)]
+        for p in pieces:
+            for r in rng.choice(n, size=int(rng.integers(1, 3)), replace=False):
+                outs[int(r)].append(p)
+        coll = Collective([pieces] * n, outs, op, name=f"random {op} layout")
+    sizes = {p: e * int(rng.integers(1, 40)) for p in coll.input.names()}
+    if rng.random() < 0.5:
+        sizes[coll.input.names()[-1]] += int(rng.integers(1, e))  # a scalar tail
+    return coll, sizes
+
+
+def _inputs(sizing, rng, calls=2):
+    out = []
+    for _ in range(calls):
+        xs = []
+        for r in range(sizing.collective.nranks):
+            x = rng.integers(-40, 40, sizing.input_count(r)).astype(np.float64)
+            x[x == 0] = 3
+            xs.append(x)
+        out.append(xs)
+    return out
+
+
+def _compare(sizing, outs_per_call, xs, label):
+    dt = sizing.dtype.name
+    for k, call in enumerate(xs):
+        for r, want in enumerate(reference(sizing, call)):
+            got = np.asarray(outs_per_call[k][r], np.float64)[:len(want)]
+            tol = TOL[dt] * max(1.0, float(np.abs(want).max(initial=0)))
+            bad = np.abs(got - want) > tol
+            assert not bad.any(), (f"{label} call {k} rank {r}: {int(bad.sum())} wrong, first "
+                                   f"at {int(np.argmax(bad))}: {got[bad][:4]} vs {want[bad][:4]}")
+
+
+def check_on_host(coll, sizes, dtype, strategy, protocol, blocks=2, threads=3, seed=0):
+    """Run the sm datapath's fused programs on host threads; None where the plan cannot fuse
+    (a refusal naming the rank: those run on the interpreter), else the regrouped ops."""
+    s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+    bufs = HostBuffers(s, ll=protocol == "fused-ll")
+    low = bufs.lower()
+    unit, problem = fused_unit(low, protocol)
+    if problem is not None:  # (refused before and after regrouping: the interpreter's)
+        assert problem.startswith("rank "), problem
+        return None
+    programs = fused_programs(low, bufs, unit)
+    xs = _inputs(s.sizing, np.random.default_rng(seed))
+    outs = run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads)
+    _compare(s.sizing, outs, xs, f"{coll.name} {strategy} {protocol} {dtype}")
+    return regrouped(low, unit)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+def test_gqa_all_gather_is_right_with_one_notify_per_peer(n, protocol):
+    """Simple flags: one notify and one wait per peer, rows side by side; LL: every piece
+    its own LL transfer (no flag left), as the twin all-gather's one piece."""
+    for unit, extra in ((8, 0), (24, 0), (40, 3)):
+        ops, rot = check_on_host(gqa(n), gqa_sizes(n, unit, extra), "bfloat16", "direct-push",
+                                 protocol)
+        if protocol == "fused-ll" and extra == 0:
+            for r in range(n):
+                kinds = [op.kind for op in ops[r]]
+                assert kinds.count("put") == 3 * (n - 1) and "notify" not in kinds and \
+                    "wait" not in kinds, kinds
+            continue
+        if protocol == "fused-ll":
+            continue  # (a tail: the last piece's units still start aligned; either is right)
+        for r in range(n):
+            notifies = [op for op in ops[r] if op.kind == "notify"]
+            assert len(notifies) == n - 1, [op.kind for op in ops[r]]  # one per peer
+            assert {op.value for op in notifies} == {3}
+            waits = [op for op in ops[r] if op.kind == "wait"]
+            assert len(waits) == n - 1 and {w.value for w in waits} == {3}
+        assert any(rot[r] for r in range(n))  # rows side by side
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int32"])
+def test_gqa_all_gather_other_dtypes_and_grids(dtype):
+    e = 16 // ITEM[dtype]
+    for n, blocks, threads in ((3, 1, 4), (4, 3, 2), (5, 2, 8)):
+        check_on_host(gqa(n), gqa_sizes(n, 3 * e, 1), dtype, "direct-push", "fused",
+                      blocks=blocks, threads=threads)
+
+
+def test_standard_collectives_keep_their_programs():
+    """A layout of one piece per peer merges nothing: its ops and rows stay as they were."""
+    from purlin.spec import collectives
+
+    for coll in (collectives.all_gather(4), collectives.all_reduce(3),
+                 collectives.reduce_scatter(4), collectives.all_to_all(3)):
+        for strategy in ("direct-push", "direct-pull"):
+            s = plan(coll, strategy, count=96, dtype="bfloat16")
+            bufs = HostBuffers(s, ll=False)
+            low = bufs.lower()
+            ops, rot = regrouped(low, 16)
+            assert ops == [rank_ops(x, 16) for x in low] and rot == [{}] * len(low)
+
+
+def test_rotations_keep_shared_bytes_on_one_thread():
+    """Rows that touch bytes one of them writes (a sender's row into a peer's scratch and the
+    peer's row out of it) share a rotation; rows that only read the same bytes need not;
+    rows of one segment take disjoint threads."""
+    s = plan(gqa(3), "direct-push", chunk_sizes=gqa_sizes(3, 16), dtype="bfloat16")
+    low = HostBuffers(s, ll=False).lower()
+    ops = [regroup(x.rank, rank_ops(x, 16)) for x in low]
+    rot = rotations(ops, 16)
+    where = {}
+    for r, rank in enumerate(ops):
+        for k, op in enumerate(rank):
+            if op.kind == "move":
+                for span in (op.dst_even, *(src.even for src in op.sources)):
+                    where.setdefault(span, set()).add(rot[r].get(k, 0))
+    written = {op.dst_even for rank in ops for op in rank if op.kind == "move"}
+    assert all(len(v) == 1 for span, v in where.items() if span in written), where
+    assert any(len(v) > 1 for v in where.values())  # (a piece read by several rows: free)
+    for r, rank in enumerate(ops):
+        seg = []
+        for k, op in enumerate(rank + [None]):
+            if op is None or op.kind != "move":
+                ranges = [range(rot[r].get(j, 0), rot[r].get(j, 0) + -(-rank[j].nbytes // 16))
+                          for j in seg]
+                flat = [i for x in ranges for i in x]
+                assert len(flat) == len(set(flat)), (r, ranges)
+                seg = []
+            else:
+                seg.append(k)
+
+
+def test_random_layouts_sizes_strategies_and_dtypes():
+    """The property: any layout of unequal pieces, any size, strategy, dtype and 2..8 ranks
+    runs right on the fused programs (or is refused for a reason the kernel gives)."""
+    rng = np.random.default_rng(2025)
+    ran = merged = 0
+    for case in range(60):
+        n = int(rng.integers(2, 9))
+        dtype = str(rng.choice(list(ITEM)))
+        coll, sizes = random_layout(rng, n, dtype)
+        strategy = str(rng.choice(["direct-push", "direct-pull", "ring"]))
+        protocol = str(rng.choice(["fused", "fused-ll"]))
+        try:
+            got = check_on_host(coll, sizes, dtype, strategy, protocol, seed=case,
+                                blocks=int(rng.integers(1, 4)), threads=int(rng.integers(1, 5)))
+        except Exception as exc:
+            from purlin.errors import PurlinError
+
+            if isinstance(exc, PurlinError) and "cannot plan" in str(exc):
+                continue  # a strategy that does not plan this layout (say ring on a copy)
+            raise
+        ran += got is not None
+        merged += got is not None and any(got[1])
+    assert ran >= 30 and merged >= 10, (ran, merged)
+
+
+# ---------------------------------------------------------------- the same on a GPU
+
+def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2):
+    import torch
+
+    from purlin.atom import sm
+    from purlin.runtime import Cluster
+
+    n = coll.nranks
+    cluster = Cluster.virtual(n)
+    s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+    try:
+        bound = sm.bind(cluster, s, protocol=protocol)
+    except Exception as exc:
+        from purlin.errors import CapabilityError
+
+        if isinstance(exc, CapabilityError) and "cannot run" in str(exc):
+            return False  # (what fused_unit refuses: the interpreter's, checked elsewhere)
+        raise
+    rng = np.random.default_rng(7)
+    tdt = getattr(torch, dtype)
+    xs = _inputs(s.sizing, rng, calls)
+    outs = [[o.double().cpu().numpy() for o in bound([torch.tensor(x).to(tdt) for x in call])]
+            for call in xs]
+    _compare(s.sizing, outs, xs, f"gpu {coll.name} {strategy} {protocol} {dtype}")
+    return True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+@pytest.mark.parametrize("nbytes", [8 << 10, 64 << 10, 1 << 20])
+def test_gpu_gqa_all_gather(n, protocol, nbytes):
+    if protocol == "fused-ll" and nbytes > 256 << 10:
+        pytest.skip("LL runs up to 256 KiB")
+    e = 8  # bfloat16 elements per 16 bytes
+    unit = max(e, nbytes // 2 // n // 6 // e * e)
+    for extra in (0, 1):
+        assert _gpu_check(gqa(n), gqa_sizes(n, unit, extra), "bfloat16", "direct-push",
+                          protocol)
+
+
+@pytest.mark.gpu
+def test_gpu_random_layouts():
+    rng = np.random.default_rng(77)
+    ran = 0
+    for case in range(40):
+        n = int(rng.choice([2, 4, 8]))
+        dtype = str(rng.choice(["bfloat16", "float16", "float32", "int32"]))
+        coll, sizes = random_layout(rng, n, dtype)
+        scale = int(rng.choice([1, 16, 64]))
+        sizes = {k: v * scale for k, v in sizes.items()}
+        strategy = str(rng.choice(["direct-push", "direct-pull"]))
+        ran += _gpu_check(coll, sizes, dtype, strategy, str(rng.choice(["fused", "fused-ll"])))
+    assert ran >= 20, ran
+
+
+# ---------------------------------------------------------------- odd sizes
+
+@pytest.mark.parametrize("strategy", ["two-phase", "ring", "direct-push"])
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_odd_sizes_cut_parts_on_16_byte_items_and_fuse(strategy, n):
+    """An all-reduce one (or a few) elements past a size whose parts are whole 16-byte
+    items: every part starts aligned (the last one takes the tail), so two-phase and ring
+    fuse as the whole size does, chunked too, and give the reference."""
+    from purlin.atom.fused import fused_problems
+    from purlin.spec import collectives
+
+    coll = collectives.all_reduce(n)
+    for dtype, extra in (("bfloat16", 1), ("float32", 3), ("bfloat16", 7)):
+        e = 16 // ITEM[dtype]
+        each = 2 * n * e * 4
+        names = coll.input.names()
+        sizes = {k: each for k in names}
+        sizes[names[-1]] += extra
+        for chunks in (1, 2):
+            s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype, chunks=chunks)
+            whole = plan(coll, strategy, chunk_sizes={k: each for k in names}, dtype=dtype,
+                         chunks=chunks)
+            assert fused_problems(whole)["fused"] is None
+            assert fused_problems(s)["fused"] is None, (dtype, extra, chunks)
+        check_on_host(coll, sizes, dtype, strategy, "fused", blocks=2, threads=4)
+
+
+def test_a_last_partial_round_gets_one_more_block():
+    """One item past what the grid's threads take in a round: one more block (where it
+    fits), not a second round for one thread."""
+    from purlin.atom.sm import Gpu, fused_launch
+
+    gpu = Gpu(0, 132)
+    whole = fused_launch(gpu, 4096, 4, 16)
+    assert fused_launch(gpu, 4096 + 1, 4, 16) == (whole[0] + 1, whole[1])
+    assert fused_launch(gpu, 8192 + 1, 8, 8, wish=16) == (17, 256)
+    assert fused_launch(gpu, 8192, 8, 8, wish=16) == (16, 256)
+
+
+# ---------------------------------------------------------------- auto for custom layouts
+
+def test_custom_copy_layouts_borrow_their_twins_table_entry():
+    import types
+
+    from purlin.runtime.auto import TuningTable, select, twin_name
+    from purlin.spec import collectives
+
+    table = TuningTable("NVIDIA H200", {}, virtual={4: [
+        {"collective": "broadcast", "nbytes": 1 << 20, "strategy": "direct-pull",
+         "chunks": 1, "lanes": 1, "protocol": "fused"},
+        {"collective": "all-gather", "nbytes": 16 << 20, "strategy": "direct-pull",
+         "chunks": 1, "lanes": 1, "protocol": "fused"}]})
+    cluster = types.SimpleNamespace(datapath="sm", kind="virtual", nranks=4, devices=[0] * 4)
+    two_root = Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy")
+    assert twin_name(two_root) == "broadcast" and twin_name(gqa(4)) == "all-gather"
+    assert twin_name(collectives.all_reduce(4)) is None
+    got = select(two_root, cluster, chunk_sizes={"a": 1 << 18, "b": 1 << 18}, dtype="bfloat16",
+                 table=table)
+    assert (got.strategy, got.protocol) == ("direct-pull", "fused") and "twin broadcast" in \
+        got.source, got
+    got = select(gqa(4), cluster, chunk_sizes=gqa_sizes(4, 1 << 18), dtype="bfloat16",
+                 table=table)
+    assert got.strategy == "direct-pull" and "twin all-gather" in got.source, got
+    small = select(two_root, cluster, chunk_sizes={"a": 4096, "b": 4096}, dtype="bfloat16",
+                   table=table)
+    assert "twin" not in small.source, small  # small sizes keep the fast path
