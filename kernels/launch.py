@@ -51,6 +51,16 @@ TRACED = ("fused-trace", "fused-norm-trace")  # + the trace buffer's address and
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 
 
+def _kernels(name: str) -> tuple:
+    """(kernel, PDL kernel, signature) named ``name``: one of ``KERNELS``, or a user
+    epilogue's (``purlin.kernels.epilogue.kernel_name``)."""
+    if name in KERNELS:
+        return KERNELS[name]
+    from purlin.kernels.epilogue import by_name
+
+    return by_name(name)
+
+
 class Launcher:
     """Launches the executor over ``nranks_in_launch`` ranks of ``nlanes`` lanes each.
 
@@ -73,7 +83,7 @@ class Launcher:
         if threads > MAX_THREADS:
             raise SpecError(f"the executor is compiled for at most {MAX_THREADS} threads per "
                             f"block, got threads={threads}")
-        if kernel not in KERNELS:
+        if kernel not in KERNELS and not kernel.startswith("epilogue-"):
             raise SpecError(f"Launcher kernel must be one of {', '.join(KERNELS)}, got "
                             f"{kernel!r}")
         self.kernel = kernel
@@ -81,7 +91,8 @@ class Launcher:
         if kernel in TRACED and not (trace and trace_rows > 0):
             raise SpecError(f"Launcher kernel {kernel!r} needs its trace buffer: trace=<address> "
                             f"and trace_rows>=1, got trace={trace}, trace_rows={trace_rows}")
-        self.fused = kernel.startswith("fused")  # fused, fused-norm(-oneshot): + call counters
+        # fused, fused-norm(-oneshot), a user epilogue's (kernels.epilogue): + call counters
+        self.fused = kernel.startswith(("fused", "epilogue-"))
         self.device = int(device)
         self.nranks_in_launch = int(nranks_in_launch)
         self.blocks_per_lane = int(blocks_per_lane)
@@ -123,7 +134,7 @@ class Launcher:
                 raise ExecutionError(f"pdl=True needs compute capability 9.0 or newer; GPU "
                                      f"{self.device} has "
                                      f"{cuda.get_current_device().compute_capability}")
-            kernel = KERNELS[self.kernel][self.pdl].compile(KERNELS[self.kernel][2])
+            kernel = _kernels(self.kernel)[self.pdl].compile(_kernels(self.kernel)[2])
             kernel.bind()
             # numba-cuda keeps the loaded function on its code library, one per device
             cufunc = kernel._codelibrary.get_cufunc()
@@ -185,7 +196,7 @@ class Launcher:
     # -- simulator path ------------------------------------------------------------------------
 
     def _launch_simulated(self, desc_ptr, stream, timeout_ns, counters) -> None:
-        kernel = KERNELS[self.kernel][self.pdl]
+        kernel = _kernels(self.kernel)[self.pdl]
         args = (int(desc_ptr), self.nranks_in_launch, self.blocks_per_lane, int(timeout_ns),
                 self.head_words)
         kernel[self.grid, self.threads](*args, *((int(counters),) if self.fused else ()),

@@ -38,7 +38,7 @@ from purlin.errors import (CapabilityError, ExecutionError, PlanError, PurlinErr
 from purlin.spec import (Collective, Layout, Op, collectives, copy, dtype, reduce, reference,
                          standard)
 
-from purlin.runtime import Cluster, run
+from purlin.runtime import Cluster, Epilogue, run
 from purlin.runtime import auto as _auto
 from purlin.snac import Schedule, plan, verify
 from purlin.trace import predict_latency as _predict_latency
@@ -54,4 +54,5 @@ __all__ = [
     "CapabilityError", "Collective", "ExecutionError", "Layout", "Op", "PlanError",
     "PurlinError", "PurlinTimeoutError", "SpecError", "VerificationError", "collectives", "copy",
     "dtype", "reduce", "reference", "standard", "Cluster", "Schedule", "plan", "run", "verify",
+    "Epilogue",
 ]

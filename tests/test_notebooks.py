@@ -37,9 +37,10 @@ def text_of(nb) -> str:
     return "\n".join(parts)
 
 
-def test_the_six_stories_are_there():
+def test_the_seven_stories_are_there():
     assert list(PATHS) == ["01-tour", "02-custom-collective", "03-timelines", "04-benchmark",
-                           "05-your-own-strategy", "06-variable-length-and-fp8"]
+                           "05-your-own-strategy", "06-variable-length-and-fp8",
+                           "07-your-own-epilogue"]
 
 
 @pytest.mark.parametrize("name", list(PATHS))
@@ -126,6 +127,26 @@ def test_notebook_05_your_own_strategy(tmp_path):
         for provider in ("recursive-doubling", "direct-push", "two-phase", "ring"):
             assert any(name.startswith(f"{source}: purlin:{provider}") for name in lines), \
                 (source, provider, sorted(lines))
+
+
+@pytest.mark.slow
+def test_notebook_07_your_own_epilogue(tmp_path):
+    nb = execute(PATHS["07-your-own-epilogue"], cwd=tmp_path, cpu_only=True,
+                 timeout=CELL_TIMEOUT)
+    text = text_of(nb)
+    assert not [o for o in outputs(nb) if o.get("output_type") == "error"]
+    assert "running on Cluster.cpu(2 ranks)" in text
+    for r in range(2):  # the FP8 epilogue against unfused torch
+        assert f"rank {r}: residual identical: True" in text
+        assert f"rank {r}: bias + GELU max |fused - unfused torch|" in text
+    assert "at most 0 step apart" in text or "at most 1 step apart" in text
+    assert "fn must take (v, e0) -- the value, then one per extra tensor" in text
+    assert "extra 0 is torch.float32, the tensor torch.float16" in text
+    assert "stat must return one float or a tuple of 2 floats" in text
+    figures = [o["data"][PLOTLY] for o in outputs(nb, PLOTLY)]
+    assert len(figures) == 1 and "NOT GPU numbers" in figures[0]["layout"]["title"]["text"]
+    names = {t["name"] for t in figures[0]["data"]}
+    assert any("add_rms_norm_fp8" in n for n in names) and any("bias_gelu" in n for n in names)
 
 
 def _recorded(folder):

@@ -226,10 +226,18 @@ def _record(trace, rank, lane, index, kind, t0) -> None:
         trace.append((rank, lane, index, kind, t0, time.perf_counter_ns()))
 
 
-def bind(cluster, schedule: Schedule, *, timeout: float = 5.0, **options) -> "CpuBound":
+def bind(cluster, schedule: Schedule, *, timeout: float = 5.0, epilogue=None,
+         **options) -> "CpuBound":
     """Bind ``schedule`` on the cpu datapath. The other datapaths' options (blocks per lane,
-    protocol, ...) mean nothing here and are ignored, so one call binds on any cluster."""
-    return CpuBound(cluster, schedule, timeout)
+    protocol, ...) mean nothing here and are ignored, so one call binds on any cluster.
+    ``epilogue``: user epilogues after an all-reduce (one per rank, or one for all), run on
+    each rank's output by their host reference (``purlin.atom.epilogue``)."""
+    bound = CpuBound(cluster, schedule, timeout)
+    if epilogue is not None:
+        from purlin.atom.epilogue import per_rank
+
+        bound.epilogues = per_rank(epilogue, schedule)
+    return bound
 
 
 class CpuBound:
@@ -240,6 +248,7 @@ class CpuBound:
         self.cluster, self.schedule = cluster, schedule
         self.run = CpuRun(schedule, timeout)
         self.last_trace: list = []
+        self.epilogues = None  # per rank, run on its output after each call
 
     def __call__(self, inputs, out=None, trace: bool = False) -> list:
         """Run once. ``inputs[r]`` is rank r's array or tensor (any shape, flattened); ``out``
@@ -285,6 +294,10 @@ class CpuBound:
                 copy_back.append((host, flat))
             flat_out.append(flat)
         records = [] if trace else None
+        if self.epilogues is not None:  # their prologues, on copies of the inputs
+            from purlin.atom.epilogue import prologues_on_inputs
+
+            flat_in = prologues_on_inputs(self.epilogues, flat_in)
         self.run(flat_in, flat_out, records)
         for host, flat in copy_back:
             np.copyto(host, flat.reshape(host.shape))
@@ -292,9 +305,14 @@ class CpuBound:
             if _is_tensor(o) and not np.shares_memory(_host_view(o), flat_out[r]):
                 o.copy_(_torch_from(flat_out[r], o).reshape(o.shape))
         self.last_trace = records or []
+        result = list(out)
         if given_out is None and tensors is not None:
-            return [_as_tensor_like(o, inputs[r], tensors) for r, o in enumerate(out)]
-        return list(out)
+            result = [_as_tensor_like(o, inputs[r], tensors) for r, o in enumerate(out)]
+        if self.epilogues is not None:
+            from purlin.atom.epilogue import run_on_outputs
+
+            run_on_outputs(self.epilogues, result)
+        return result
 
     def __repr__(self) -> str:
         return f"<bound {self.schedule.title()} on {self.cluster}>"

@@ -176,6 +176,9 @@ class Epilogue:
     sums: int
     hidden: int
     eps: float
+    # a user epilogue's words after the parameter entry (purlin.kernels.epilogue: output,
+    # row output, extra tensors' addresses)
+    extras: tuple = ()
 
 
 def row_sums_bytes(nbytes: int, unit: int, threads: int) -> int:
@@ -432,6 +435,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
     how = next((op.how for op in moves if op.how is not None), Reduction(0, 1))
     sources_at = F_HEAD + OP_WIDTH * len(ops)
     nsources = sum(len(op.sources) for op in moves) + (epilogue is not None)
+    if epilogue is not None:  # its extra words, in whole source entries
+        nsources += -(-len(epilogue.extras) // SOURCE_WIDTH)
     words = np.zeros(sources_at + SOURCE_WIDTH * nsources, dtype=np.int64)
     words[[F_RANK, F_NOPS, F_DTYPE, F_REDOP, F_DIVISOR, F_ERROR, F_ABORT, F_UNIT]] = \
         [low.rank, len(ops), dt, how[0], how[1], error, abort, unit]
@@ -451,7 +456,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
                    e.hidden * ITEMSIZE[moves[-1].dtype] // chunk)
             eps = int(np.float32(e.eps).view(np.int32))
             words[at: at + SOURCE_WIDTH] = (e.residual, e.weight, e.sums, e.hidden, eps)
-            at += SOURCE_WIDTH
+            words[at + SOURCE_WIDTH: at + SOURCE_WIDTH + len(e.extras)] = e.extras
+            at += SOURCE_WIDTH * (1 + -(-len(e.extras) // SOURCE_WIDTH))
         else:
             row = (F_OP_MOVE, op.dst_even, op.dst_odd, op.nbytes, len(op.sources), at,
                    (rotation or {}).get(k, 0))

@@ -126,7 +126,8 @@ FUSED_MAX_BYTES = 16 << 20  # where the fused kernel is tried (tuning candidates
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
          threads: int | None = None, trace_rows: int = 0, protocol: str = "simple",
-         pdl: bool = False, fallback: bool = False, fit: bool = False):
+         pdl: bool = False, fallback: bool = False, fit: bool = False, epilogue=None,
+         epilogue_kernel: str = "generic"):
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), by default with one
@@ -149,11 +150,18 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     of a launch (all ranks of a virtual cluster share one) is resident at once. An explicit
     ``blocks_per_lane`` or ``threads`` that cannot fit is refused with what would; with
     ``fit=True`` (``strategy="auto"``: a tuning table's blocks, measured on another cluster)
-    ``blocks_per_lane`` is only a wish, cut down to what fits."""
+    ``blocks_per_lane`` is only a wish, cut down to what fits.
+
+    ``epilogue`` (an all-reduce on ``"fused-ll"``): a :class:`purlin.atom.epilogue.Epilogue`
+    per rank (or one for all) that the kernel runs on the sums before writing them
+    (:mod:`purlin.atom.sm_epilogue`)."""
     if protocol not in PROTOCOLS:
         raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                               f"{protocol!r}")
     options = dict(timeout=timeout, trace_rows=trace_rows, pdl=pdl, fit=fit)
+    if epilogue is not None:  # the one-shot kernel or nothing: no fallback
+        return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
+                       protocol=protocol, epilogue=(epilogue, epilogue_kernel), **options)
     try:
         return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
                        protocol=protocol, **options)
@@ -306,7 +314,7 @@ class SmBound:
     inputs in place and call :meth:`launch` (no copies), or call the object with tensors."""
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows,
-                 protocol="simple", pdl=False, fit=False):
+                 protocol="simple", pdl=False, fit=False, epilogue=None):
         from purlin.atom.lowering import flag_slots, ll_transfers, lower, scratch_layout
 
         check_dtype(schedule.dtype)
@@ -368,7 +376,12 @@ class SmBound:
         self.kernel = "interpreter"  # what runs a call (and a traced call)
         # the fused kernel's block b waits only for block b of its peers (trace.flows reads it)
         self.block_matched = fused
-        if fused:
+        if epilogue is not None:
+            from purlin.atom.sm_epilogue import launch_epilogue
+
+            self.kernel = f"{protocol} kernel with epilogue"
+            launch_epilogue(self, groups, asked, wish, threads, *epilogue)
+        elif fused:
             self.kernel = f"{protocol} kernel"
             self._launch_fused(groups, asked, wish, threads)
         else:

@@ -71,8 +71,8 @@ class CommOptions:
                 and 0 < grid <= 512 and grid % 32 == 0):
             raise SpecError(f"epilogue_grid must be None, 'rows' or threads per block (a "
                             f"multiple of 32 up to 512), got {grid!r}")
-        if self.epilogue_kernel not in ("auto", "fused"):
-            raise SpecError(f"epilogue_kernel must be 'auto' or 'fused', got "
+        if self.epilogue_kernel not in ("auto", "fused", "generic"):
+            raise SpecError(f"epilogue_kernel must be 'auto', 'fused' or 'generic', got "
                             f"{self.epilogue_kernel!r}")
         if not isinstance(self.staging_bytes, int) or self.staging_bytes <= 0:
             raise SpecError(f"staging_bytes must be a positive int, got {self.staging_bytes!r}")
@@ -158,7 +158,8 @@ class Communicator:
     # -- the torch.distributed functions, with its signatures -------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None,
                    async_op: bool = False):
-        """Reduce ``tensor`` over the ranks, in place (``dist.all_reduce``)."""
+        """Reduce ``tensor`` over the ranks, in place (``dist.all_reduce``; with a fused
+        epilogue: :meth:`all_reduce_epilogue`)."""
         fn = "all_reduce"
         name = self._start(fn, group, op)
         with torch.no_grad():  # in place on a leaf that requires grad, as torch does
@@ -206,6 +207,10 @@ class Communicator:
                             f"{weight.dtype}")
         if overlap(tensor, residual):
             raise SpecError(f"rank {self.rank}: {fn}: the tensor and the residual overlap")
+        if self.epilogue_kernel == "generic":  # the same as a user epilogue, on its kernel
+            from purlin.atom.epilogue import rms_norm
+
+            return self.all_reduce_epilogue(tensor, rms_norm(residual, weight, eps))
         why = self._refuse(fn, [tensor, residual, weight], dist.ReduceOp.SUM, "sum")
         if why is None and tensor.numel():
             if self.hierarchy is not None:
@@ -222,6 +227,43 @@ class Communicator:
             self._warn_once(fn, why, f"runs as all_reduce and then PyTorch: {why}")
             self.all_reduce(tensor)
             add_rms_norm(tensor, residual, weight, eps)
+        return tensor
+
+    def all_reduce_epilogue(self, tensor: torch.Tensor, epilogue) -> torch.Tensor:
+        """``tensor`` = the sum over ranks, then user ``epilogue`` (a :class:`purlin.Epilogue`,
+        checked here: a bad device function or dtype is a SpecError naming it) on it, rows of
+        ``epilogue.hidden`` or of the tensor's last dimension. On the fused kernel (sm
+        datapath, an LL size) it is one launch: the one-shot kernel built for the epilogue,
+        on the all-reduce :meth:`all_reduce_add_rms_norm` prepares for those rows.
+        Elsewhere: :meth:`all_reduce`, then the epilogue's host reference, with a one-time
+        warning saying why. Returns ``tensor``."""
+        import copy
+
+        fn = "all_reduce_epilogue"
+        hidden = epilogue.check(tensor)["hidden"]
+        epilogue = copy.copy(epilogue)
+        epilogue.hidden = hidden  # the rows the staging area's flat view is cut into
+        why = self._refuse(fn, [tensor], dist.ReduceOp.SUM, "sum")
+        if why is None and tensor.numel():
+            if self.hierarchy is not None:
+                why = "the group spans nodes"
+            elif self.datapath != "sm":
+                why = f"the {self.datapath} datapath has no fused kernel"
+            elif not tensor.is_contiguous():
+                why = "a strided tensor"
+            else:
+                call = self._next(fn, tensor, tensor.numel(), "sum", "sum")
+                why = self._call(_norm_key(tensor.numel(), tensor.dtype, hidden), tensor,
+                                 tensor, norm=epilogue, call=call)
+        if why:
+            self._warn_once(fn, why, f"runs as all_reduce and then the epilogue's host "
+                                     f"reference: {why}")
+            epilogue.reference_prologue(tensor)
+            self.all_reduce(tensor)
+            if epilogue.builtin is not None:  # rms_norm: PyTorch's own kernels
+                add_rms_norm(tensor, epilogue.residual, *epilogue.builtin)
+            else:
+                epilogue.reference(tensor)
         return tensor
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,

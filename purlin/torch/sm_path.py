@@ -126,6 +126,8 @@ class SmPrepared:
             desc_ptr = self._relocated(src, dst, capturing, norm)
         stream = torch.cuda.current_stream(self.path.device).cuda_stream
         launcher = self.launcher if norm is None else self.norm_launcher
+        if norm is not None and hasattr(norm, "form"):  # a user epilogue: its own kernel
+            launcher = self._user_launchers[self._key(src, dst, norm)]
         launcher(desc_ptr, stream, self.timeout_ns, self.counters_ptr)
 
     def _program(self, low, epilogue=None):
@@ -148,7 +150,8 @@ class SmPrepared:
         # (relocated, with an epilogue: one op and one source entry more) is that long
         if self.program_words is None:
             self.program_words = prog.words.size + isa.OP_WIDTH + isa.SOURCE_WIDTH
-        words = np.zeros(self.program_words, dtype=np.int64)
+        # (a user epilogue's extra words may run past it: the kernel reads those from memory)
+        words = np.zeros(max(self.program_words, prog.words.size), dtype=np.int64)
         words[:prog.words.size] = prog.words
         return torch.from_numpy(words).to(self.path.device), prog.items
 
@@ -175,6 +178,21 @@ class SmPrepared:
         if self.epilogue_kernel == "auto" and oneshot_problem(words.cpu().numpy()) is None:
             return "fused-norm-oneshot"
         return "fused-norm"
+
+    def _user_kernel(self, key, words: torch.Tensor, epilogue) -> str | None:
+        """Choose the kernel of user ``epilogue`` (``purlin.kernels.epilogue``) for the
+        program ``words`` made for ``key``; why it cannot run there, or None."""
+        from purlin.atom.fused import oneshot_problem
+        from purlin.kernels.epilogue import kernel_name
+
+        why = oneshot_problem(words.cpu().numpy())
+        if why:
+            return f"a user epilogue runs on the one-shot kernel, which cannot run it: {why}"
+        if not hasattr(self, "_user_launchers"):
+            self._user_launchers = {}
+        self._user_launchers[key] = self._grid_launcher(kernel_name(epilogue.form(
+            self.output, epilogue.hidden)))
+        return None
 
     def _grid_launcher(self, kernel: str):
         """A launcher of fused ``kernel`` ("fused", "fused-norm", "fused-norm-oneshot") on this
@@ -234,7 +252,9 @@ class SmPrepared:
     def _key(src, dst, norm=None) -> tuple:
         key = (src.data_ptr() if src is not None else 0,
                dst.data_ptr() if dst is not None else 0)
-        if norm is not None:
+        if norm is not None and hasattr(norm, "key"):  # a user epilogue (purlin.Epilogue)
+            key += norm.key()
+        elif norm is not None:
             residual, weight, eps = norm
             key += (residual.data_ptr(), weight.data_ptr(), weight.numel(), float(eps))
         return key
@@ -248,8 +268,11 @@ class SmPrepared:
         words = row_sums_bytes(nbytes, self.unit, self.threads) // 8
         if self.sums is None or self.sums.numel() < words:
             self.sums = torch.zeros(words, dtype=torch.int64, device=self.path.device)
-        residual, weight, eps = norm
         target = (dst if dst is not None else self.output).data_ptr()
+        if hasattr(norm, "record"):  # a user epilogue, on rows of its hidden
+            return norm.record(target, self.sums.data_ptr(),
+                               norm.check(self.output, norm.hidden)["hidden"])
+        residual, weight, eps = norm
         return Epilogue(target, residual.data_ptr(), weight.data_ptr(), self.sums.data_ptr(),
                         weight.numel(), float(eps))
 
@@ -284,7 +307,12 @@ class SmPrepared:
                     self._refused[key] = problem
                     return None
                 found, _ = self._program(low, epilogue)
-                if epilogue is not None and self.norm_launcher is None:  # not while capturing
+                if epilogue is not None and hasattr(norm, "form"):
+                    why = self._user_kernel(key, found, norm)
+                    if why:
+                        self._refused[key] = why
+                        return None
+                elif epilogue is not None and self.norm_launcher is None:  # not while capturing
                     self.norm_kernel = self._norm_kernel(found)
                     self.norm_launcher = self._grid_launcher(self.norm_kernel)
             else:  # the relocated block counts calls in this one's control words: one epoch

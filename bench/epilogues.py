@@ -1,0 +1,132 @@
+"""User-written fused epilogues on one GPU (2 virtual ranks), and the built-in add + RMSNorm
+through the same mechanism.
+
+    python3 bench/epilogues.py [--out outputs/epilogues.json]      # 1 GPU, a few minutes
+
+Two tables, at hidden 4096 and 8192, batch 1 to 64 (bfloat16):
+
+* ``builtin`` -- ``rms_norm`` as a user epilogue on the kernel ``purlin.kernels.epilogue``
+  builds for it (``generic_us``) against the hand-written ``fused.oneshot_norm`` that
+  ``Communicator.all_reduce_add_rms_norm`` launches (``builtin_us``), the same programs;
+  ``same_bits``: both leave the same outputs and residuals;
+* ``user`` -- add + RMSNorm + FP8 (e4m3, a float32 scale per token) and bias + GELU fused
+  into the all-reduce (``fused_us``) against the same all-reduce and then the same in
+  separate PyTorch ops (``unfused_us``).
+
+Each time: a CUDA graph of ``--ops`` calls, per call, median of ``--replays``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+from purlin.bench.scripts import gpu_env, output, write_json
+
+gpu_env()
+
+EPS = 1e-6
+
+
+def fp8_setup(hidden: int):
+    """add + RMSNorm + e4m3 with a per-token scale: (epilogue, unfused) per rank."""
+    import numpy as np
+    import torch
+    from numba import cuda
+
+    import purlin
+
+    h, e = np.float32(hidden), np.float32(EPS)
+
+    @cuda.jit(device=True)
+    def stat(v, w):
+        return v * v, abs(v * w)
+
+    @cuda.jit(device=True)
+    def finish(total, peak):
+        inv = np.float32(1) / np.float32(math.sqrt(total / h + e))
+        return inv, max(peak * inv / np.float32(448), np.float32(1e-12))
+
+    @cuda.jit(device=True)
+    def quantise(v, inv, scale, w):
+        return v * inv * w / scale
+
+    def setup(rank, count, device):
+        residual = torch.randn(count, device=device).bfloat16()
+        weight = (torch.rand(hidden, device=device) + 0.5).bfloat16()
+        q = torch.empty(count, device=device, dtype=torch.float8_e4m3fn)
+        scales = torch.empty(count // hidden, device=device)
+        epi = purlin.Epilogue(quantise, extras=(weight,), residual=residual, stat=stat,
+                              finish=finish, out=q, row_out=scales, hidden=hidden)
+        r2 = residual.clone()
+
+        def unfused(out):
+            r2.add_(out)
+            n = torch.rms_norm(r2.view(-1, hidden).float(), (hidden,), weight.float(), EPS)
+            s = (n.abs().amax(dim=1, keepdim=True) / 448).clamp(min=1e-12)
+            q.copy_((n / s).to(torch.float8_e4m3fn).view(-1))
+            scales.copy_(s.view(-1))
+
+        return epi, unfused
+
+    return setup
+
+
+def gelu_setup(hidden: int):
+    import numpy as np
+    import torch
+    from numba import cuda
+
+    import purlin
+
+    @cuda.jit(device=True)
+    def bias_gelu(v, bias):
+        x = v + bias
+        return np.float32(0.5) * x * (np.float32(1) + math.erf(x * np.float32(0.70710678)))
+
+    def setup(rank, count, device):
+        bias = torch.randn(hidden, device=device).bfloat16()
+
+        def unfused(out):
+            out.copy_(torch.nn.functional.gelu(out.view(-1, hidden) + bias).view(-1))
+
+        return purlin.Epilogue(bias_gelu, extras=(bias,), hidden=hidden), unfused
+
+    return setup
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=None, help="JSON file or folder (default outputs/)")
+    p.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--ops", type=int, default=20)
+    p.add_argument("--replays", type=int, default=30)
+    args = p.parse_args(argv)
+    from purlin.bench.clusters import gpu_count
+    from purlin.bench.epilogues import builtin_vs_generic, fused_vs_unfused, table
+
+    if not gpu_count():
+        print("bench/epilogues.py needs a GPU (its ranks are virtual ranks on one)")
+        return 2
+    timing = {"ops": args.ops, "replays": args.replays}
+    builtin, user = [], []
+    for hidden in args.hidden:
+        for batch in args.batch:
+            builtin.append(builtin_vs_generic(hidden=hidden, batch=batch, eps=EPS, **timing))
+            for name, setup in (("add_rms_norm_fp8", fp8_setup), ("bias_gelu", gelu_setup)):
+                user.append(fused_vs_unfused(name, setup(hidden), hidden=hidden, batch=batch,
+                                             **timing))
+    print("the built-in add + RMSNorm, 2 virtual ranks, bfloat16 (us per call)")
+    print(table(builtin, ["hidden", "batch", "builtin_us", "generic_us", "ratio",
+                          "same_bits"]))
+    print("\nuser epilogues fused vs the all-reduce + PyTorch ops (us per call)")
+    print(table(user, ["epilogue", "hidden", "batch", "fused_us", "unfused_us", "speedup"]))
+    path = write_json(output(args.out, "epilogues.json"), {"builtin": builtin, "user": user})
+    print(f"\nwrote {path}")
+    return 0 if all(r["same_bits"] for r in builtin) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

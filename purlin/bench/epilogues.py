@@ -1,0 +1,156 @@
+"""Timing user epilogues (:class:`purlin.Epilogue`) against the same all-reduce followed by
+separate PyTorch ops, and the built-in add + RMSNorm through the generic kernel against the
+hand-written one (``bench/epilogues.py`` prints the table; notebook 07 draws it).
+
+On a GPU the ranks are virtual (``Cluster.virtual``: every rank in one launch on one GPU) and
+each time is a CUDA graph of ``ops`` calls, per call, median of ``replays``; on a cpu cluster
+(no GPU) the calls are timed on the wall clock and say only that both paths run.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from purlin.bench.metrics import Timing
+
+__all__ = ["builtin_vs_generic", "fused_vs_unfused"]
+
+
+def _cluster(nranks: int, cluster=None):
+    from purlin.runtime import Cluster
+
+    if cluster is not None:
+        return cluster
+    from purlin.bench.clusters import gpu_count
+
+    return Cluster.virtual(nranks) if gpu_count() else Cluster.cpu(nranks)
+
+
+def _bind(cluster, count, dtype, epilogue=None, kernel="generic"):
+    from purlin.spec import collectives
+
+    ar = collectives.all_reduce(cluster.nranks)
+    if cluster.kind == "cpu":
+        return cluster.bind(ar, count=count, dtype=dtype, epilogue=epilogue)
+    extra = {} if epilogue is None else {"epilogue": epilogue, "epilogue_kernel": kernel}
+    return cluster.bind(ar, "direct-push", count=count, dtype=dtype, protocol="fused-ll",
+                        **extra)
+
+
+class _NoDist:
+    @staticmethod
+    def barrier():
+        pass
+
+
+def _time(torch, fn, ops: int, replays: int, gpu: bool) -> Timing:
+    """Per call of ``fn``: a CUDA graph of ``ops`` calls on a GPU, else the wall clock."""
+    if gpu:
+        from purlin.bench.torch_dist import graph_per_op_us
+
+        return Timing.of(graph_per_op_us(torch, fn, ops, replays, _NoDist))
+    for _ in range(2):
+        fn()
+    samples = []
+    for _ in range(max(3, replays // 10)):
+        t0 = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - t0) * 1e6)
+    return Timing.of(samples)
+
+
+def fused_vs_unfused(name: str, setup, *, hidden: int, batch: int, dtype: str = "bfloat16",
+                     nranks: int = 2, cluster=None, ops: int = 20, replays: int = 30) -> dict:
+    """One record: ``setup(rank, count, device)`` returns (the rank's epilogue, a function
+    applying the same to the all-reduce's output with separate PyTorch ops); the epilogue
+    fused into the all-reduce against the all-reduce and then those ops."""
+    import torch
+
+    cluster = _cluster(nranks, cluster)
+    gpu = cluster.kind != "cpu"
+    count = batch * hidden
+    device = torch.device("cuda", cluster.devices[0]) if gpu else torch.device("cpu")
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    xs = [torch.randn(count, generator=gen, device=device).to(tdt) for _ in range(cluster.nranks)]
+    pairs = [setup(r, count, device) for r in range(cluster.nranks)]
+    fused = _bind(cluster, count, dtype, [p[0] for p in pairs])
+    plain = _bind(cluster, count, dtype)
+    if gpu:
+        for r, x in enumerate(xs):
+            fused.inputs[r][:count].copy_(x)
+            plain.inputs[r][:count].copy_(x)
+        outs = [plain.outputs[r][:count] for r in range(cluster.nranks)]
+
+        def run_fused():
+            fused.launch()
+
+        def run_unfused():
+            plain.launch()
+            for (_, unfused), out in zip(pairs, outs):
+                unfused(out)
+    else:
+        def run_fused():
+            fused(xs)
+
+        def run_unfused():
+            for (_, unfused), out in zip(pairs, plain(xs)):
+                unfused(out)
+
+    f = _time(torch, run_fused, ops, replays, gpu)
+    u = _time(torch, run_unfused, ops, replays, gpu)
+    if gpu:
+        fused.check()
+        plain.check()
+    return {"epilogue": name, "hidden": hidden, "batch": batch, "ranks": cluster.nranks,
+            "where": "gpu" if gpu else "cpu", "fused_us": f.median_us,
+            "unfused_us": u.median_us, "speedup": u.median_us / f.median_us}
+
+
+def builtin_vs_generic(*, hidden: int, batch: int, nranks: int = 2, eps: float = 1e-6,
+                       ops: int = 20, replays: int = 30, cluster=None) -> dict:
+    """One record: the built-in add + RMSNorm (``purlin.atom.epilogue.rms_norm``) on the
+    generic kernel built for it and on the hand-written ``oneshot_norm``, the same programs
+    on virtual ranks on one GPU; ``same_bits``: both left the same outputs and residuals."""
+    import torch
+
+    from purlin.atom.epilogue import rms_norm
+
+    cluster = _cluster(nranks, cluster)
+    if cluster.kind == "cpu":
+        raise ValueError("builtin_vs_generic compares two GPU kernels: it needs a GPU")
+    count = batch * hidden
+    device = torch.device("cuda", cluster.devices[0])
+    gen = torch.Generator(device=device).manual_seed(2)
+    xs = [torch.randn(count, generator=gen, device=device).bfloat16()
+          for _ in range(cluster.nranks)]
+    start = [torch.randn(count, generator=gen, device=device).bfloat16()
+             for _ in range(cluster.nranks)]
+    weight = torch.rand(hidden, generator=gen, device=device).bfloat16()
+    record = {"hidden": hidden, "batch": batch, "ranks": cluster.nranks}
+    results = {}
+    for kernel in ("builtin", "generic"):
+        epis = [rms_norm(s.clone(), weight, eps) for s in start]
+        bound = _bind(cluster, count, "bfloat16", epis, kernel)
+        out = [o.clone() for o in bound(xs)]
+        results[kernel] = (out, [e.residual.clone() for e in epis])
+        record[f"{kernel}_us"] = _time(torch, bound.launch, ops, replays, True).median_us
+        bound.check()
+    (a, ra), (b, rb) = results["builtin"], results["generic"]
+    record["same_bits"] = all(torch.equal(x, y) for x, y in zip(a + ra, b + rb))
+    record["ratio"] = record["generic_us"] / record["builtin_us"]
+    return record
+
+
+def table(records: list[dict], columns: list[str]) -> str:
+    """``records`` as an aligned text table of ``columns``."""
+    def cell(v):
+        return f"{v:.2f}" if isinstance(v, (float, np.floating)) else str(v)
+
+    rows = [[cell(r.get(c, "")) for c in columns] for r in records]
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
