@@ -660,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         print(f"purlin: error: {error_line(exc)}", file=sys.stderr)
-        return 2 if isinstance(exc, (PurlinError, OSError)) else 1
+        return 2 if isinstance(exc, (PurlinError, OSError, ModuleNotFoundError)) else 1
 
 
 def error_line(exc: BaseException) -> str:
@@ -670,6 +670,10 @@ def error_line(exc: BaseException) -> str:
         text = str(exc)
     elif isinstance(exc, OSError) and exc.filename is not None:
         text = f"cannot write or read {exc.filename}: {exc.strerror or exc}"
+    elif isinstance(exc, ModuleNotFoundError) and exc.name:
+        package = exc.name.partition(".")[0]
+        text = (f"this command needs the {package} package, which is not installed: "
+                f"pip install -e '.[notebook]' (or pip install {package})")
     else:
         text = (f"unexpected {type(exc).__name__}: {exc} (a bug: PURLIN_DEBUG=1 shows the "
                 "traceback)")

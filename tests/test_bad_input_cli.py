@@ -148,3 +148,13 @@ def test_purlin_debug_raises_a_purlin_error_with_its_traceback(here, monkeypatch
     monkeypatch.setenv("PURLIN_DEBUG", "1")
     with pytest.raises(SpecError, match="unknown collective 'frob'"):
         main(["describe", "frob", "-n", "2"])
+
+
+def test_a_missing_figure_package_is_one_line_naming_it(capsys, here, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "plotly", None)  # `import plotly` now fails as if absent
+    monkeypatch.setitem(sys.modules, "plotly.graph_objects", None)
+    line = one_line_error(capsys, ["trace", "all-reduce", "-n", "2", "-s", "ring"])
+    assert "needs the plotly package" in line and "pip install" in line, line
+    assert not list(here.iterdir())
