@@ -467,6 +467,7 @@ def trace_command(args: argparse.Namespace) -> int:
     from purlin.trace.profiles import get_profile
     from purlin.viz import compare_figure, timeline_figure, to_html
 
+    import plotly.graph_objects  # noqa: F401 - the figure needs it: say so before writing anything
     schedule = plan_from(args)
     verify(schedule, raise_on_error=True)
     out = output_path(args.out)
