@@ -2,7 +2,7 @@
 same capacity, on virtual ranks of one GPU.
 
     PYTHONPATH=. python3 bench/all_to_all_v.py [--ranks 4,8] [--sizes 8KiB:64MiB]
-        [--dtype bfloat16] [--row 64] [--protocol simple] [--out FOLDER_OR_FILE.json]
+        [--dtype bfloat16] [--row 64] [--protocol auto] [--out FOLDER_OR_FILE.json]
 
 For each rank count and size (a rank's input at capacity), the counts are skewed as an MoE
 router's are: one (sender, receiver) pair in eight gets the capacity, 4x the average, the
@@ -105,7 +105,9 @@ def measure(torch, n, nbytes, dtype, row, protocol, ops, repeats) -> dict:
     cap = max(1, nbytes // n // (row * item))
     cluster = Cluster.virtual(n)
     v = all_to_all_v(n, cap, row=row)
-    bound = cluster.bind(v, dtype=dtype, protocol=protocol)
+    how = ({"strategy": "auto"} if protocol == "auto" else
+           {"strategy": "direct-push", "protocol": protocol})
+    bound = cluster.bind(v, dtype=dtype, **how)
     host = skewed_counts(n, cap)
     dev = torch.device("cuda", 0)
     counts = torch.tensor(host, dtype=torch.int64, device=dev)
@@ -128,7 +130,7 @@ def measure(torch, n, nbytes, dtype, row, protocol, ops, repeats) -> dict:
             f"eager (capture failed: {str(exc).splitlines()[0][:200]})"
     bound.check()
     us_padded = time_graph(torch, bound.bound, ops, repeats)
-    plain = cluster.bind(collectives.all_to_all(n), protocol=protocol, dtype=dtype,
+    plain = cluster.bind(collectives.all_to_all(n), dtype=dtype, **how,
                          chunk_sizes={name: cap * row for name in v.names})
     us_plain = time_graph(torch, plain, ops, repeats)
     sent = sum(host) * row * item
@@ -152,7 +154,7 @@ def _size(b: int) -> str:
     return f"{b // MiB}M" if b >= MiB else f"{b // KiB}K" if b >= KiB else str(b)
 
 
-def run(ranks=(4, 8), sizes=SIZES, dtype="bfloat16", row=64, protocol="simple", ops=20,
+def run(ranks=(4, 8), sizes=SIZES, dtype="bfloat16", row=64, protocol="auto", ops=20,
         repeats=7, log=sys.stdout) -> dict:
     import torch
 
@@ -195,7 +197,8 @@ def main(argv=None) -> int:
                     "default 8 KiB to 32 MiB by 4x, and 64 MiB")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--row", type=int, default=64, help="elements per row (a count unit)")
-    ap.add_argument("--protocol", default="simple", choices=("simple", "ll", "fused"))
+    ap.add_argument("--protocol", default="auto", choices=("auto", "simple", "ll", "fused"),
+                    help="auto: strategy='auto' picks (default); else direct-push on it")
     ap.add_argument("--out", default=None, help="a folder (default outputs/) or a .json file")
     args = ap.parse_args(argv)
     gpu_env()

@@ -10,7 +10,7 @@
 # --dry-run  print each stage's commands instead of running them
 #
 # One GPU (virtual ranks): one-gpu = env imports cli1 notebooks1 custom fusedtrace fp8det varlen
-#                          vtests
+#                          epilogues vtests
 #   env         nvidia-smi -L, the versions of python, torch, numba, numpy, the GPUs torch sees
 #   imports     purlin.kernels imported three ways (PYTHONPATH=. from the checkout, installed
 #               with pip --target, editable in a venv), each printing where purlin.kernels.isa is
@@ -32,6 +32,7 @@
 #   fusedtrace   bench/timelines.py --fused: the fused kernel traced vs untraced, its timelines
 #   fp8det       bench/fp8_deterministic.py: FP8 vs bf16 all-gathers, deterministic all-reduces
 #   varlen       bench/moe.py (the MoE layer) and bench/all_to_all_v.py (skewed device counts)
+#   epilogues    bench/epilogues.py: user epilogues fused vs unfused, the built-in generic vs hand
 #   peers                                              bench/peers.py: every peer beside Purlin
 #                                                      in one run, ~9 minutes (FlashInfer from
 #                                                      .whl: bash bench/wheels.sh --peers)
@@ -51,7 +52,8 @@ done
 expanded=()
 for s in "${stages[@]}"; do
     case $s in
-        one-gpu) expanded+=(env imports cli1 notebooks1 custom fusedtrace fp8det varlen vtests) ;;
+        one-gpu) expanded+=(env imports cli1 notebooks1 custom fusedtrace fp8det varlen epilogues
+                          vtests) ;;
         two-gpu) expanded+=(env tests allreduce) ;;
         *) expanded+=("$s") ;;
     esac
@@ -250,6 +252,8 @@ for stage in "${stages[@]}"; do
             TAIL=40 step fp8_deterministic 240 python3 bench/fp8_deterministic.py --ranks 4,8 \
                 --out "$OUT/fp8_deterministic.json"
             ;;
+        epilogues)  # user epilogues fused vs unfused; the built-in through the generic kernel
+            TAIL=40 step epilogues 300 python3 bench/epilogues.py --out "$OUT/epilogues.json" ;;
         varlen)  # the MoE layer, then all_to_all_v with skewed device counts
             TAIL=8 step moe 150 python3 bench/moe.py --datapath sm --out "$OUT"
             TAIL=40 step all_to_all_v 240 python3 bench/all_to_all_v.py --ranks 4,8 --out "$OUT"

@@ -49,7 +49,7 @@ def test_gpu_session_dry_run_bounds_every_one_gpu_stage(tmp_path):
                          env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}).stdout
     stages = [ln.split()[1] for ln in out.splitlines() if ln.startswith("=== ")]
     assert stages == ["env", "imports", "cli1", "notebooks1", "custom", "fusedtrace", "fp8det",
-                      "varlen", "vtests"]
+                      "varlen", "epilogues", "vtests"]
     commands = [ln.strip() for ln in out.splitlines() if ln.startswith("  timeout ")]
     assert any("purlin bench all-reduce -n 4 -b 8KiB:1MiB" in c for c in commands)
     assert any("purlin trace all-reduce -n 4" in c and "--measure" in c for c in commands)
