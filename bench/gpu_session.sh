@@ -211,7 +211,8 @@ for stage in "${stages[@]}"; do
                 --perfetto "$OUT/trace-4ranks-1MiB.json"
             ;;
         notebooks1)
-            TAIL=12 step notebooks_1gpu 400 python3 -c "$NOTEBOOKS_PY" "$OUT" 1xH200
+            # NOTEBOOKS="03 06" runs only the notebooks whose names start so
+            TAIL=12 step notebooks_1gpu 400 python3 -c "$NOTEBOOKS_PY" "$OUT" 1xH200 ${NOTEBOOKS:-}
             ;;
         demo1)  # `purlin demo --gpu`: the tour on the best cluster here (virtual ranks on one GPU)
             TAIL=25 step demo_gpu 200 python3 -m purlin demo --gpu --out "$OUT/demo"
