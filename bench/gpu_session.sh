@@ -254,7 +254,8 @@ for stage in "${stages[@]}"; do
                 --out "$OUT/fp8_deterministic.json"
             ;;
         epilogues)  # user epilogues fused vs unfused; the built-in through the generic kernel
-            TAIL=40 step epilogues 300 python3 bench/epilogues.py --out "$OUT/epilogues.json" ;;
+            TAIL=40 step epilogues 300 python3 bench/epilogues.py --batch 1 8 32 64 \
+                --out "$OUT/epilogues.json" ;;
         varlen)  # the MoE layer, then all_to_all_v with skewed device counts
             TAIL=8 step moe 150 python3 bench/moe.py --datapath sm --out "$OUT"
             TAIL=40 step all_to_all_v 240 python3 bench/all_to_all_v.py --ranks 4,8 --out "$OUT"
