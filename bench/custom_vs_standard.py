@@ -27,6 +27,8 @@ import math
 import sys
 import time
 
+from purlin.bench.scripts import run_info
+
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB)
 PROTOCOLS = ("simple", "ll", "fused", "fused-ll")
@@ -290,22 +292,10 @@ def run(ranks, sizes, datapath="sm", kind="auto", quick=False, dtype="bfloat16",
                 _print_row(row, log)
     out = {"rows": rows, "refusals": refusals,
            "default_refusals": sum(1 for r in refusals if r["default"]),
-           "info": _info(datapath, ranks, sizes, dtype, quick, time.monotonic() - t0)}
+           "info": run_info(datapath, time.monotonic() - t0, ranks=list(ranks), sizes=list(sizes),
+                            dtype=dtype, quick=quick)}
     _print_summary(out, log)
     return out
-
-
-def _info(datapath, ranks, sizes, dtype, quick, seconds) -> dict:
-    from purlin.bench.sweep import environment
-
-    try:
-        env = environment(datapath=datapath if datapath == "cpu" else "sm")
-    except Exception as exc:  # noqa: BLE001 - the table stands without it
-        env = {"environment": f"unavailable: {exc}"}
-    return {**env, "ranks": list(ranks), "sizes": list(sizes), "dtype": dtype,
-            "quick": quick, "seconds": round(seconds, 1),
-            "measured": ("CUDA-graph replay, device time per op (median)" if datapath == "sm"
-                         else "cpu datapath, wall time per call: not GPU numbers")}
 
 
 HEADER = (f"{'case':<34} {'n':>2} {'size':>7} {'auto':>8} {'best':>8} {'std auto':>8} "

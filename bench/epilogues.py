@@ -21,8 +21,9 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 
-from purlin.bench.scripts import gpu_env, output, write_json
+from purlin.bench.scripts import gpu_env, output, run_info, write_json
 
 gpu_env()
 
@@ -111,6 +112,7 @@ def main(argv=None) -> int:
         print("bench/epilogues.py needs a GPU (its ranks are virtual ranks on one)")
         return 2
     timing = {"ops": args.ops, "replays": args.replays}
+    started = time.monotonic()
     builtin, user = [], []
     for hidden in args.hidden:
         for batch in args.batch:
@@ -123,7 +125,10 @@ def main(argv=None) -> int:
                           "same_bits"]))
     print("\nuser epilogues fused vs the all-reduce + PyTorch ops (us per call)")
     print(table(user, ["epilogue", "hidden", "batch", "fused_us", "unfused_us", "speedup"]))
-    path = write_json(output(args.out, "epilogues.json"), {"builtin": builtin, "user": user})
+    path = write_json(output(args.out, "epilogues.json"), {
+        "builtin": builtin, "user": user,
+        "info": run_info("sm", time.monotonic() - started, kind="virtual", ranks=2,
+                         hidden=args.hidden, batch=args.batch, dtype="bfloat16", **timing)})
     print(f"\nwrote {path}")
     return 0 if all(r["same_bits"] for r in builtin) else 1
 

@@ -29,6 +29,8 @@ import json
 import sys
 import time
 
+from purlin.bench.scripts import run_info
+
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = (8 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB)
 FP8 = "float8_e4m3fn"
@@ -226,24 +228,13 @@ def run(ranks, sizes, datapath="sm", kind="virtual", log=sys.stdout) -> dict:
                 _print_row(row, log)
                 if torch is not None:
                     torch.cuda.empty_cache()
-    out = {"rows": rows, "info": _info(datapath, kind, ranks, sizes, time.monotonic() - t0)}
+    out = {"rows": rows, "info": run_info(datapath, time.monotonic() - t0,
+                                        kind="cpu" if datapath == "cpu" else kind,
+                                        ranks=list(ranks), sizes=list(sizes))}
     if log is not None:
         bad = sum(r["status"] != "ok" for r in rows)
         print(f"\n{len(rows)} rows, {bad} not ok", file=log)
     return out
-
-
-def _info(datapath, kind, ranks, sizes, seconds) -> dict:
-    from purlin.bench.sweep import environment
-
-    try:
-        env = environment(datapath=datapath if datapath == "cpu" else "sm")
-    except Exception as exc:  # noqa: BLE001 - the table stands without it
-        env = {"environment": f"unavailable: {exc}"}
-    return {**env, "kind": "cpu" if datapath == "cpu" else kind, "ranks": list(ranks),
-            "sizes": list(sizes), "seconds": round(seconds, 1),
-            "measured": ("CUDA-graph replay, device time per op (median)" if datapath == "sm"
-                         else "cpu datapath, wall time per call: not GPU numbers")}
 
 
 def _size(n: int) -> str:

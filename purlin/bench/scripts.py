@@ -53,6 +53,23 @@ def write_json(path, obj) -> Path:
     return path
 
 
+def run_info(datapath: str = "sm", seconds: float | None = None, **fields) -> dict:
+    """The environment of a run (date, commit, versions, GPUs: ``purlin.bench.sweep.environment``)
+    with ``fields``, what was measured and how long it took, for a script's JSON."""
+    from purlin.bench.sweep import environment
+
+    try:
+        env = environment(datapath="cpu" if datapath == "cpu" else "sm")
+    except Exception as exc:  # noqa: BLE001 - the table stands without it
+        env = {"environment": f"unavailable: {exc}"}
+    info = {**env, **fields,
+            "measured": ("CUDA-graph replay, device time per op (median)" if datapath != "cpu"
+                         else "cpu datapath, wall time per call: not GPU numbers")}
+    if seconds is not None:
+        info["seconds"] = round(seconds, 1)
+    return info
+
+
 def missing_gpus(n: int, script: str) -> str | None:
     """Why ``script``, which runs one rank per GPU, cannot run ``n`` ranks here (None: it
     can); the scripts print it and exit with status 2 instead of failing inside a spawn."""
