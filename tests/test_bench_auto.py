@@ -207,3 +207,120 @@ def test_a_tables_fused_choice_that_cannot_run_this_size_takes_the_fast_path():
     assert small.protocol.startswith("fused") and small.strategy != "two-phase"
     schedule = plan(coll, small.strategy, count=tiny, dtype="bfloat16", chunks=small.chunks)
     assert fused_problems(schedule)[small.protocol] is None
+
+
+# -- virtual ranks of one H200: what bench/custom_vs_standard.py measured fastest -----------
+def _bench_cases():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "custom_vs_standard.py"
+    spec = importlib.util.spec_from_file_location("custom_vs_standard", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.cases
+
+
+# (ranks, bytes, case, side, strategy, protocol): the bind the measurement favoured, on the
+# shipped H200 table, where auto took a slower one before (fewer blocks than the bind sizes,
+# no PDL, or a strategy that won inside the noise)
+FAVOURED = [
+    (8, 64 * KiB, "all-reduce + 1 element", "custom", "direct-push", "fused-ll"),
+    (8, 64 * KiB, "all-reduce + 1 element", "standard", "direct-push", "fused-ll"),
+    (8, 64 * KiB, "partial all-reduce to the others", "standard", "direct-push", "fused-ll"),
+    (8, 64 * KiB, "two-root broadcast", "standard", "direct-push", "fused-ll"),
+    (8, 64 * KiB, "uneven all-to-all", "custom", "direct-push", "fused-ll"),
+    (8, 1 * MiB, "rotated reduce-scatter max", "custom", "direct-push", "fused"),
+    (8, 1 * MiB, "rotated reduce-scatter avg", "custom", "direct-push", "fused"),
+    (8, 1 * MiB, "uneven all-to-all", "standard", "direct-push", "fused"),
+    (8, 1 * MiB, "gqa all-gather", "standard", "direct-push", "fused"),
+    (8, 1 * MiB, "reversed all-gather", "custom", "direct-push", "fused"),
+    (8, 16 * MiB, "reversed all-gather", "custom", "direct-pull", "fused"),
+    (4, 16 * MiB, "reversed all-gather", "custom", "direct-pull", "fused"),
+    (4, 16 * MiB, "reversed all-gather", "standard", "direct-pull", "fused"),
+    (4, 16 * MiB, "gqa all-gather", "standard", "direct-pull", "fused"),
+    (4, 16 * MiB, "uneven all-to-all", "standard", "direct-pull", "fused"),
+    (4, 16 * MiB, "two-root broadcast", "custom", "direct-pull", "fused"),
+    (4, 16 * MiB, "two-root broadcast", "standard", "direct-pull", "fused"),
+    (4, 16 * MiB, "all-gather, own chunk twice", "custom", "direct-pull", "fused"),
+    (4, 16 * MiB, "all-gather, own chunk twice", "standard", "direct-pull", "fused"),
+]
+
+
+@pytest.mark.parametrize("n,nbytes,case,side,strategy,protocol", FAVOURED)
+def test_auto_on_virtual_ranks_takes_what_measured_fastest(n, nbytes, case, side, strategy,
+                                                           protocol):
+    """The shipped table on a made-up virtual H200 cluster: the measured strategy and
+    protocol, PDL, and no blocks from the table, so the sm bind sizes the launch itself
+    (atom.sm.fused_launch) -- the launch the plain fused binds measured faster."""
+    from purlin.runtime.cluster import _auto_options
+
+    table = TuningTable.load(auto.TUNING_DIR / "nvidia-h200.json")
+    cluster = SimpleNamespace(datapath="sm", kind="virtual", nranks=n, devices=[0] * n)
+    found = [c for c in _bench_cases()(n, nbytes, 2) if c[0] == case]
+    assert len(found) == 1, case
+    _, _, coll, sizes, twin, twin_sizes = found[0]
+    coll, sizes = (coll, sizes) if side == "custom" else (twin, twin_sizes)
+    got = select(coll, cluster, chunk_sizes=sizes, dtype="bfloat16", table=table)
+    assert (got.strategy, got.protocol, got.pdl) == (strategy, protocol, True), got
+    assert got.blocks_per_lane is None and got.source.startswith("table"), got
+    options = _auto_options(got, {}, sm=True)
+    assert options == {"blocks_per_lane": None, "protocol": protocol, "pdl": True,
+                       "fallback": True}  # no wish, no fit: fused_launch sizes the blocks
+
+
+def test_the_binds_launch_is_what_the_table_cut_short():
+    """The 8-rank 64 KiB all-reduce entry measured 16 blocks per rank (the tuning's 512-thread
+    budget: 132 // 8) without PDL; the bind sizes 32 of 256 threads for its 8192 LL units
+    (33 with one element more), and that ran 1.35x-1.5x faster."""
+    from purlin.atom.sm import Gpu, fused_launch
+
+    table = TuningTable.load(auto.TUNING_DIR / "nvidia-h200.json")
+    row = next(e for e in table.virtual[8] if (e["collective"], e["nbytes"]) ==
+               ("all-reduce", 64 * KiB))
+    assert (row["blocks_per_lane"], row.get("pdl", False)) == (16, False)
+    gpu = Gpu(0, 132)
+    assert fused_launch(gpu, 8192, 8, 8) == (32, 256)
+    assert fused_launch(gpu, 8192 + 1, 8, 8) == (33, 256)
+    assert fused_launch(gpu, 8192, 8, 8, wish=16) == (16, 256)  # what auto asked for before
+    # the real-GPU section keeps the table's blocks and PDL (measured within its budget)
+    real = TuningTable("x", {2: [row]})
+    kept = real.lookup("all-reduce", 2, 64 * KiB)
+    assert (kept.blocks_per_lane, kept.pdl) == (16, False)
+    virt = TuningTable("x", {}, virtual={2: [row]}).lookup("all-reduce", 2, 64 * KiB,
+                                                          virtual=True)
+    assert (virt.blocks_per_lane, virt.pdl, virt.protocol) == (None, True, "fused-ll")
+
+
+def test_a_win_inside_the_noise_does_not_leave_direct_push():
+    e = _entry("broadcast", 64 * KiB, "direct-pull", 1, 1, 16, protocol="fused",
+               per_strategy={"direct-push": {"chunks": 1, "lanes": 1, "blocks_per_lane": 16,
+                                             "protocol": "fused-ll", "time_us": 1.03}})
+    t = TuningTable("x", {8: [e]})
+    c = t.lookup("broadcast", 8, 64 * KiB)
+    assert (c.strategy, c.protocol) == ("direct-push", "fused-ll")
+    far = dict(e, per_strategy={"direct-push": {**e["per_strategy"]["direct-push"],
+                                                "time_us": 1.2}})
+    assert TuningTable("x", {8: [far]}).lookup("broadcast", 8, 64 * KiB).strategy == \
+        "direct-pull"
+    # a fixed strategy still gets its own best
+    assert t.lookup("broadcast", 8, 64 * KiB, strategy="direct-pull").strategy == "direct-pull"
+
+
+def test_custom_reductions_have_twins():
+    from purlin.spec import Collective
+
+    n = 4
+    rotated = Collective([list(range(n))] * n, [[(r + 1) % n] for r in range(n)], "max")
+    partial = Collective([["x"], ["x"], [], []], [[], [], ["x"], ["x"]], "sum")
+    one = Collective([["x"]] * n, [["x"], [], [], []], "sum")
+    assert auto.twin_name(rotated) == "reduce-scatter"
+    assert auto.twin_name(one) == "reduce"
+    assert auto.twin_name(partial) is None  # not every rank contributes: no twin
+    assert auto.twin_name(collectives.all_reduce(n)) == "all-reduce"
+
+
+def test_the_fast_paths_fused_kernel_launches_with_pdl_at_every_size():
+    for count in (4096, 8 << 20):
+        c = auto.fast_choice(collectives.all_reduce(4).sized(count, dtype="bfloat16"))
+        assert c.protocol.startswith("fused") and c.pdl and c.blocks_per_lane is None, c

@@ -319,7 +319,7 @@ def test_custom_copy_layouts_borrow_their_twins_table_entry():
     cluster = types.SimpleNamespace(datapath="sm", kind="virtual", nranks=4, devices=[0] * 4)
     two_root = Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy")
     assert twin_name(two_root) == "broadcast" and twin_name(gqa(4)) == "all-gather"
-    assert twin_name(collectives.all_reduce(4)) is None
+    assert twin_name(collectives.all_reduce(4)) == "all-reduce"  # its own: nothing borrowed
     got = select(two_root, cluster, chunk_sizes={"a": 1 << 18, "b": 1 << 18}, dtype="bfloat16",
                  table=table)
     assert (got.strategy, got.protocol) == ("direct-pull", "fused") and "twin broadcast" in \

@@ -138,7 +138,7 @@ def candidates(collective, nbytes: int, dtype: str = "bfloat16", *, sms: int = 1
             found[first] = -1.0
         ranked = _diverse(sorted(found, key=lambda c: (found[c], c.blocks, c.chunks)))
         ranked = ranked[:limit] if limit else ranked
-        per_strategy.append(_fused_configs(sizing, strategy, sms, budget)
+        per_strategy.append(_fused_configs(sizing, strategy, sms, budget, ranks_per_launch)
                             + _ll_configs(sizing, strategy, lane_opts, sms)
                             + _with_pdl(ranked, size))
     out = []
@@ -154,7 +154,26 @@ def _with_pdl(configs: list[Config], size: int) -> list[Config]:
     return [v for c in configs for v in (c, replace(c, pdl=True))]
 
 
-def _fused_configs(sizing, strategy: str, sms: int, budget: int) -> list[Config]:
+def _fused_budget(nbytes: int, unit: int, sms: int, budget: int,
+                  ranks_per_launch: int | None) -> int:
+    """The blocks per rank a fused launch of ``nbytes`` in ``unit``-byte items may take:
+    within the residency of the fused kernel's own threads (``atom.fused.grid``: 128 or 256
+    for small messages), not the interpreter's 512 that ``budget`` counts -- on 8 virtual
+    ranks of 132 SMs 33 blocks of 256 threads fit per rank where 16 of 512 do.
+
+    >>> _fused_budget(64 << 10, 8, 132, 16, 8), _fused_budget(64 << 10, 8, 132, 16, None)
+    (33, 16)
+    """
+    from purlin.atom.fused import grid
+
+    if ranks_per_launch is None:
+        return budget
+    threads = grid(max(1, nbytes // unit), sms=sms, unit=unit)[1]
+    return max(budget, sm_budget(sms, threads, ranks_per_launch))
+
+
+def _fused_configs(sizing, strategy: str, sms: int, budget: int,
+                   ranks_per_launch: int | None = None) -> list[Config]:
     """Fused-kernel candidates up to FUSED_MAX_BYTES, one lane each: with LL transfers for
     direct-push up to LL_MAX_BYTES, and with flags (a slot per block) for every strategy, at
     the kernel's default blocks per rank (with PDL up to PDL_MAX_BYTES) and twice as many;
@@ -164,6 +183,8 @@ def _fused_configs(sizing, strategy: str, sms: int, budget: int) -> list[Config]
     from purlin.atom.fused import grid
 
     size = sizing.message_bytes
+    budget, ll_budget = (_fused_budget(size, unit, sms, budget, ranks_per_launch)
+                         for unit in (16, 8))
     blocks = min(budget, grid(max(1, size // 16), sms=sms)[0])
     if size > FUSED_MAX_BYTES:
         if strategy != "two-phase":
@@ -174,11 +195,11 @@ def _fused_configs(sizing, strategy: str, sms: int, budget: int) -> list[Config]
     pdl = size <= PDL_MAX_BYTES
     out = []
     if strategy == "direct-push" and size <= LL_MAX_BYTES:
-        units = min(budget, grid(max(1, size // 8), sms=sms, unit=8)[0])  # 8-byte LL units
+        units = min(ll_budget, grid(max(1, size // 8), sms=sms, unit=8)[0])  # 8-byte LL units
         out += [Config(strategy, 1, 1, units, "fused-ll", True),
                 Config(strategy, 1, 1, units, "fused-ll")]
         out += [Config(strategy, 1, 1, b, "fused-ll", True)
-                for b in sorted({max(1, units // 2), min(budget, 2 * units)} - {units})]
+                for b in sorted({max(1, units // 2), min(ll_budget, 2 * units)} - {units})]
     out.append(Config(strategy, 1, 1, blocks, "fused", pdl))
     if more != blocks:
         out.append(Config(strategy, 1, 1, more, "fused", pdl))

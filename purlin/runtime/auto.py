@@ -92,7 +92,9 @@ class TuningTable:
                virtual: bool = False) -> Choice | None:
         """The entry of ``collective`` on ``nranks`` (virtual ranks of one GPU with
         ``virtual``) nearest to ``nbytes`` (same dtype first); with ``strategy``, that
-        strategy's best configuration there."""
+        strategy's best configuration there. Without ``strategy``: the entry's winner, or
+        direct-push where it measured within ``TIE`` of it (:func:`preferred`); a fused choice
+        of the virtual section comes with the bind's launch (:func:`own_launch`)."""
         section = self.virtual if virtual else self.entries
         rows = [e for e in section.get(int(nranks), []) if e["collective"] == collective]
         if dtype is not None and any(e.get("dtype") == dtype for e in rows):
@@ -103,13 +105,14 @@ class TuningTable:
             return None
         best = min(rows, key=lambda e: (abs(math.log2(max(e["nbytes"], 1) / max(nbytes, 1))),
                                         e["nbytes"]))
-        cfg = _config_of(best, strategy or best["strategy"])
+        cfg = _config_of(best, strategy or preferred(best))
         if cfg["strategy"] == "two-phase" and not is_reduce:
             return None
         where = f"table {self.gpu}{' virtual' if virtual else ''} @ {best['nbytes']} B"
-        return Choice(cfg["strategy"], int(cfg["chunks"]), int(cfg["lanes"]),
-                      cfg.get("blocks_per_lane"), where, cfg.get("protocol", "simple"),
-                      bool(cfg.get("pdl", False)))
+        protocol = cfg.get("protocol", "simple")
+        choice = Choice(cfg["strategy"], int(cfg["chunks"]), int(cfg["lanes"]),
+                        cfg.get("blocks_per_lane"), where, protocol, bool(cfg.get("pdl", False)))
+        return own_launch(choice) if virtual and protocol.startswith("fused") else choice
 
     def add(self, nranks: int, entry: dict, virtual: bool = False) -> None:
         """Add or replace the entry of the same collective, size and dtype (of the virtual
@@ -158,6 +161,44 @@ class TuningTable:
     def load(cls, path) -> "TuningTable":
         path = Path(path)
         return _load(str(path), path.stat().st_mtime_ns)
+
+
+def own_launch(choice: Choice) -> Choice:
+    """``choice`` with no blocks (the bind sizes its launch) and PDL: what a fused entry of a
+    table's virtual-rank section gives. ``purlin tune`` kept every candidate within 512-thread
+    blocks x ranks of the launch <= the resident blocks (16 per rank on 8 virtual ranks of
+    132 SMs) while the fused kernel runs 128 or 256 threads where two or four times as many
+    fit, so its blocks there were never compared with the launch the bind sizes itself
+    (``atom.sm.fused_launch``: about one item per thread of the program's own items, which
+    also follows a custom layout's uneven items); and it tried PDL only up to 1 MiB. Against
+    the plain fused binds (that launch, with PDL), the entries' launches measured up to 1.5x
+    slower on 8 virtual ranks (64 KiB all-reduce: 16 blocks, no PDL) and never faster; on 4
+    ranks within a few percent either way below 16 MiB, slower at 16 MiB (no PDL)."""
+    return Choice(choice.strategy, choice.chunks, choice.lanes, None,
+                  f"{choice.source}, bind's launch", choice.protocol, True, choice.lanes_by)
+
+
+TIE = 1.05  # a winner within this of direct-push's best did not beat it beyond noise
+
+
+def preferred(entry: dict) -> str:
+    """The strategy ``auto`` takes from a table entry: its fastest, unless direct-push (the
+    plain binds' plan, the latency one) was measured within ``TIE`` of it -- a win inside the
+    noise of one tuning run, often between launches the tuning cut short, is no reason to
+    leave it.
+
+    >>> preferred({"strategy": "ring", "time_us": 10.0,
+    ...            "per_strategy": {"direct-push": {"time_us": 10.3}}})
+    'direct-push'
+    >>> preferred({"strategy": "ring", "time_us": 10.0,
+    ...            "per_strategy": {"direct-push": {"time_us": 11.0}}})
+    'ring'
+    """
+    push = entry.get("per_strategy", {}).get("direct-push") or {}
+    won, mine = entry.get("time_us"), push.get("time_us")
+    if entry["strategy"] != "direct-push" and won and mine and mine <= TIE * won:
+        return "direct-push"
+    return entry["strategy"]
 
 
 def _config_of(entry: dict, strategy: str) -> dict | None:
@@ -312,33 +353,50 @@ BORROW_MIN_BYTES = 1 << 20  # where a custom copy layout takes its twin's measur
 
 
 def twin_name(collective) -> str | None:
-    """The standard collective whose tuning-table entries a custom copy layout borrows:
-    broadcast where at most half the ranks send, else all-gather; None for a reduction.
+    """The standard collective whose tuning-table entries a custom layout borrows: for a
+    copy, broadcast where at most half the ranks send, else all-gather; for a reduction over
+    every rank's input, all-reduce where every rank gets the same outputs, reduce where one
+    rank gets them, reduce-scatter where every rank gets its own (None otherwise).
 
     >>> from purlin.spec import Collective
     >>> twin_name(Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy"))
     'broadcast'
+    >>> twin_name(Collective([[0, 1]] * 2, [[1], [0]], "max"))
+    'reduce-scatter'
     """
-    if collective.op.is_reduce:
-        return None
     n = collective.nranks
+    if collective.op.is_reduce:
+        outs = [tuple(collective.output[r]) for r in range(n)]
+        if not all(len(collective.input[r]) for r in range(n)):
+            return None
+        got = [o for o in outs if o]
+        if len(got) == n and len(set(outs)) == 1:
+            return "all-reduce"
+        if len(got) == 1:
+            return "reduce"
+        names = [x for o in outs for x in o]
+        if len(got) == n and len(set(names)) == len(names):
+            return "reduce-scatter"
+        return None
     senders = sum(1 for r in range(n) if len(collective.input[r]))
     return "broadcast" if 2 * senders <= n else "all-gather"
 
 
 def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
-    """For a copy layout of at least ``BORROW_MIN_BYTES`` that ``table`` has no entry of
-    (a custom one), its twin's (:func:`twin_name`) entry at the same size, or None. The
+    """For a layout of at least ``BORROW_MIN_BYTES`` that ``table`` has no entry of (a
+    custom one), its twin's (:func:`twin_name`) entry at the same size, or None. The
     cost model ranks strategies for NVLink links; on one GPU's virtual ranks every byte
     crosses the same memory, and the tables measured there pick direct-pull for broadcast
     and all-gather from 1 MiB on (one copy straight into the output, where a push writes
-    the peer's scratch and the peer copies it again) -- which the model does not see."""
+    the peer's scratch and the peer copies it again) -- which the model does not see. A
+    custom reduction likewise: the model ranks direct-pull first for a rotated reduce-scatter
+    on 8 virtual ranks at 1 MiB, where the table measured the reduce-scatter's plans."""
     coll = sizing.collective
     name = twin_name(coll)
     if name is None or name == coll.name or sizing.message_bytes < BORROW_MIN_BYTES:
         return None
     choice = table.lookup(name, coll.nranks, sizing.message_bytes, dtype=sizing.dtype.name,
-                          is_reduce=False, virtual=bool(virtual))
+                          is_reduce=coll.op.is_reduce, virtual=bool(virtual))
     if choice is None:
         return None
     return Choice(choice.strategy, choice.chunks, choice.lanes, choice.blocks_per_lane,
@@ -351,9 +409,10 @@ def fast_choice(sizing, strategy: str | None = None, profile: str = MODEL_PROFIL
     """The fused kernel for ``sizing`` where no table covers the cluster: one lane (what it
     runs), the strategy the cost model predicts fastest among those whose plan the fused
     kernel runs (or ``strategy``), LL up to ``LL_MAX_BYTES`` (one hop with the flag in the
-    data), the rules' chunks for two-phase (pipelined through the one lane), PDL up to
-    ``PDL_MAX_BYTES``; where the fused kernel runs none of them, the
-    interpreter with the rules' chunks and lanes (LL for small messages).
+    data), the rules' chunks for two-phase (pipelined through the one lane), the launch the
+    bind sizes (no blocks given) with PDL at every size, as the plain fused binds launch;
+    where the fused kernel runs none of them, the interpreter with the rules' chunks and
+    lanes (LL for small messages, PDL up to ``PDL_MAX_BYTES``).
 
     >>> from purlin.spec import collectives
     >>> fast_choice(collectives.all_reduce(4).sized(4096, dtype="bfloat16")).protocol
@@ -374,7 +433,7 @@ def fast_choice(sizing, strategy: str | None = None, profile: str = MODEL_PROFIL
         where = cand.source if cand.source.startswith("model") else "rules"
         for protocol in protocols:
             choice = Choice(cand.strategy, chunks, 1, None, f"fast path, {where}", protocol,
-                            pdl)
+                            True)
             if _fused_problem(sizing, choice, protocol) is None:
                 return choice
     base = ranked[0]
