@@ -9,16 +9,12 @@ tests/test_epilogue_api.py OUT``), as in ``test_kernels_sim.py``, whose buffers 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
+from simulator import run_cases, simulator_verdicts
 
 torch = pytest.importorskip("torch")
 cuda = pytest.importorskip("numba.cuda")
@@ -26,7 +22,6 @@ cuda = pytest.importorskip("numba.cuda")
 from purlin import Cluster, Epilogue, SpecError, collectives  # noqa: E402
 from purlin.atom.epilogue import rms_norm  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = {}
 EPS = 1e-5
 
@@ -684,16 +679,7 @@ def sim_e4m3_conversion_matches_torch():
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sim") / "verdicts.json"
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    if not out.exists():
-        pytest.fail(f"the simulator process failed (rc {proc.returncode}):\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return simulator_verdicts(__file__, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -702,21 +688,5 @@ def test_in_simulator(name, verdicts):
     assert verdicts[name] == "ok", verdicts[name]
 
 
-def _run_all(out: str) -> None:
-    from numba.cuda import config
-
-    if not config.ENABLE_CUDASIM:
-        raise SystemExit("set NUMBA_ENABLE_CUDASIM=1 before running the simulator cases")
-    verdicts = {}
-    for name, fn in CASES.items():
-        try:
-            fn()
-            verdicts[name] = "ok"
-        except Exception:  # noqa: BLE001 - every failure is reported to the parent test
-            verdicts[name] = traceback.format_exc()
-    Path(out).write_text(json.dumps(verdicts, indent=1))
-
-
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "tests"))
-    _run_all(sys.argv[1])
+    run_cases(CASES, sys.argv[1])

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
-import subprocess
 import sys
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from simulator import run_cases, simulator_verdicts
 
 from purlin.atom.fused_trace import as_row_records, op_rows
 from purlin.kernels import isa
@@ -122,33 +120,14 @@ def _check_case(name, coll, protocol):
     assert len(fig.data) > 0 and "fused" in fig.layout.title.text
 
 
-def _run_simulated(out: str) -> None:
-    from numba.cuda import config
-
-    if not config.ENABLE_CUDASIM:
-        raise SystemExit("set NUMBA_ENABLE_CUDASIM=1 before running the simulator cases")
-    verdicts = {}
-    for name, coll, protocol in _layouts():
-        try:
-            _check_case(name, coll, protocol)
-            verdicts[name] = "ok"
-        except Exception:  # noqa: BLE001 - every failure is reported to the parent test
-            verdicts[name] = traceback.format_exc()
-    Path(out).write_text(json.dumps(verdicts, indent=1))
+def _simulated_cases() -> dict:
+    return {name: (lambda n=name, c=coll, p=protocol: _check_case(n, c, p))
+            for name, coll, protocol in _layouts()}
 
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    pytest.importorskip("numba.cuda", reason="numba-cuda is needed for the kernel simulator")
-    out = tmp_path_factory.mktemp("sim") / "verdicts.json"
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    if not out.exists():
-        pytest.fail(f"the simulator process failed (rc {proc.returncode}):\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return simulator_verdicts(__file__, tmp_path_factory, timeout=600)
 
 
 @pytest.mark.parametrize("name", ["all-reduce", "all-reduce-ll", "reversed-all-gather"])
@@ -435,4 +414,4 @@ def test_gpu_purlin_trace_measures_the_fused_kernel(tmp_path, capsys):
 
 
 if __name__ == "__main__":
-    _run_simulated(sys.argv[1])
+    run_cases(_simulated_cases(), sys.argv[1])
