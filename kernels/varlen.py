@@ -14,6 +14,11 @@ device array -- never read by the host, so a call stays capturable into a CUDA g
   prefix sum of the earlier slots' counts, read from the slot headers (or, for a reducing
   collective, from the counts array) and written to ``out_counts``.
 
+* :func:`pack_group` / :func:`unpack_group`: the same for every rank of one device in one
+  launch (``blockIdx.z`` picks the rank; its buffers, tables and error record are the
+  rank's entries in tuples), sized by :func:`group_grid`: one launch each per call, whatever
+  the number of virtual ranks.
+
 Buffers are passed as integer views of their element size (bits move unchanged, whatever the
 dtype) plus an int64 view of the slot buffer for the headers. ``meta`` is int64[positions,
 isa.VL_META_WIDTH] per rank: the chunk's index in the counts, its slot's first unit, and the

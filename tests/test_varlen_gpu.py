@@ -35,6 +35,35 @@ def test_kernels_compile_for_sm90(kernel, elem):
         assert "atom.global.cas.b64" in ptx  # the error record's first-writer-wins
 
 
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1",
+                    reason="PTX can only be checked without the simulator")
+@pytest.mark.parametrize("kernel", ["pack_group", "unpack_group"])
+@pytest.mark.parametrize("elem", ["uint8", "int64"])
+@pytest.mark.parametrize("ranks", [1, 8])
+def test_group_kernels_compile_for_sm90(kernel, elem, ranks):
+    """The one-launch-per-device kernels take their ranks' arrays as tuples."""
+    pytest.importorskip("numba.cuda")
+    from numba import types
+
+    from purlin.kernels import varlen as kv
+    from purlin.kernels.compat import compile_ptx
+
+    a, a64 = types.Array(getattr(types, elem), 1, "C"), types.Array(types.int64, 1, "C")
+    m, i = types.Array(types.int64, 2, "C"), types.int64
+
+    def t(x):
+        return types.UniTuple(x, ranks)
+
+    sig = {"pack_group": types.void(t(a), t(i), t(a), t(a64), a64, t(m), t(i), i, i, i,
+                                    t(a64), t(i)),
+           "unpack_group": types.void(t(a), t(a64), t(a), a64, t(m), t(i), i, i, i,
+                                      t(a64))}[kernel]
+    ptx = compile_ptx(getattr(kv, kernel).py_func, sig, cc=(9, 0))
+    assert ".entry" in ptx and "%ctaid.z" in ptx  # blockIdx.z picks the rank
+    if kernel == "pack_group":
+        assert "cas.b64" in ptx  # the error record's first-writer-wins
+
+
 def _torch():
     import torch
 
