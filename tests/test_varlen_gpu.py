@@ -205,6 +205,45 @@ def test_over_capacity_is_caught_on_the_device():
 
 
 @pytest.mark.gpu
+def test_one_pack_and_one_unpack_launch_for_all_virtual_ranks():
+    """8 virtual ranks on one GPU: one pack and one unpack launch for them all, grids that
+    span many blocks per slot, rows right against the reference, and a bad count on rank 5
+    alone reported with its rank and chunk."""
+    torch = _torch()
+    from purlin import Cluster
+    from purlin.errors import CountError
+    from purlin.spec.varlen import all_to_all_v
+
+    n, cap, row = 8, 2048, 64
+    v = all_to_all_v(n, cap, row=row)
+    bound = Cluster.virtual(n).bind(v, dtype="float32")
+    assert [g.ranks for g in bound._pack_groups] == [tuple(range(n))]
+    assert [g.ranks for g in bound._unpack_groups] == [tuple(range(n))]
+    assert bound._pack_groups[0].grid[0] > 1 and bound._pack_groups[0].grid[1:] == (n, n)
+    rng = np.random.default_rng(2)
+    host = rng.integers(0, cap + 1, n * n).tolist()
+    host[3] = cap
+    values = [rng.integers(-8, 8, sum(host[r * n:(r + 1) * n]) * row).astype(np.float64)
+              for r in range(n)]
+    ins = [torch.zeros(v.input_capacity(r), device="cuda") for r in range(n)]
+    for r in range(n):
+        ins[r][:values[r].size] = torch.from_numpy(values[r]).float()
+    outs, got = bound.launch(ins, torch.tensor(host, device="cuda"))
+    bound.check()
+    want = v.reference(values, host)
+    for r in range(n):
+        k = sum(host[j * n + r] for j in range(n))
+        assert got[r].tolist() == [host[j * n + r] for j in range(n)], r
+        assert np.array_equal(outs[r][:k * row].double().cpu().numpy(), want[r]), r
+    bad = list(host)
+    bad[5 * n + 2] = cap + 1
+    bound.launch(ins, torch.tensor(bad, device="cuda"))
+    with pytest.raises(CountError, match=r"^rank 5 chunk \(5,2\) \(input position 2\): count "
+                                         rf"{cap + 1} is over the capacity of {cap} rows"):
+        bound.check()
+
+
+@pytest.mark.gpu
 def test_moe_example_on_virtual_ranks():
     import importlib.util
 
