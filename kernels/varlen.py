@@ -41,6 +41,9 @@ THREADS = 256
 # Registers per thread a copy loop needs, for sizing a group launch's grid only (its blocks
 # never wait on each other, so they need not all be resident).
 COPY_REGISTERS = 32
+# Ranks in one pack_group / unpack_group launch at most: every rank adds ~330 bytes of kernel
+# parameters (its arrays' descriptors), and 8 keep a launch inside CUDA's 4 KiB of them.
+MAX_GROUP = 8
 
 
 @cuda.jit(device=True)

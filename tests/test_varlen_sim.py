@@ -284,21 +284,30 @@ def case_group(kind, dtype):
     return "ok"
 
 
-def case_runtime_group_error(kind):
-    """VarLenBound's one launch per device: a bad count on a rank past the first is reported
-    with that rank and chunk."""
+def case_runtime_group_error(kind, most=None):
+    """VarLenBound's one launch per device (``most`` ranks a launch: kernels.varlen's
+    MAX_GROUP, made smaller): a bad count on a rank past the first is reported with that rank
+    and chunk."""
     from types import SimpleNamespace
 
     import torch
 
     from purlin.errors import CountError
+    from purlin.kernels import varlen as kv
     from purlin.runtime.varlen import VarLenBound
 
     _fake_gpu()
     v = _builder(kind)(3, 4, row=2)
-    bound = VarLenBound(SimpleNamespace(kind="virtual", nranks=3), v,
-                        _FakeGpuBound(v, "float32"), "float32")
-    assert len(bound._pack_groups) == 1 and bound._pack_groups[0].ranks == (0, 1, 2)
+    kept = kv.MAX_GROUP
+    kv.MAX_GROUP = most or kept
+    try:
+        bound = VarLenBound(SimpleNamespace(kind="virtual", nranks=3), v,
+                            _FakeGpuBound(v, "float32"), "float32")
+    finally:
+        kv.MAX_GROUP = kept
+    want = [(0, 1, 2)] if most is None else [(0, 1), (2,)]
+    assert [g.ranks for g in bound._pack_groups] == want, bound._pack_groups
+    assert [g.ranks for g in bound._unpack_groups] == want, bound._unpack_groups
     fixed = [torch.ones(v.input_capacity(r)) for r in range(3)]
     counts = [1] * len(v.names)
     name = v.collective.input[2][-1]
@@ -483,6 +492,7 @@ def _cases():
     # a reduction's chunk is every rank's input: its bad count is on every rank
     out.update({f"runtime-group-error-{k}": (case_runtime_group_error, (k,))
                 for k in ("all-gather-v", "all-to-all-v")})
+    out["runtime-group-error-split"] = (case_runtime_group_error, ("all-to-all-v", 2))
     return out
 
 

@@ -151,8 +151,9 @@ class VarLenBound:
         self._groups()
 
     def _groups(self) -> None:
-        """The pack and unpack launches: one each per device, over the ranks on it (their
-        fixed kernel arguments converted once, so a call only adds its inputs and counts)."""
+        """The pack and unpack launches: one each per device, over the ranks on it (at most
+        ``MAX_GROUP`` a launch; their fixed kernel arguments converted once, so a call only
+        adds its inputs and counts)."""
         from numba import cuda
 
         from purlin.atom.sm import gpu_of
@@ -167,8 +168,9 @@ class VarLenBound:
         for dev, ranks in by_device.items():
             # host tensors (the CUDA simulator): any grid is correct, the smallest is fastest
             sms = gpu_of(torch, dev.index or 0).sms if dev.type == "cuda" else 1
-            ins = [r for r in ranks if c.input[r]]
-            if ins:
+            senders = [r for r in ranks if c.input[r]]
+            for k in range(0, len(senders), kv.MAX_GROUP):
+                ins = senders[k:k + kv.MAX_GROUP]
                 m = [self._meta[r][0] for r in ins]
                 grid = kv.group_grid(max(len(c.input[r]) for r in ins), len(ins),
                                      v.capacity * kw.row, sms)
@@ -179,8 +181,9 @@ class VarLenBound:
                     (tuple(arr(t) for t in m), tuple(len(c.input[r]) for r in ins), kw.head,
                      kw.row, v.capacity, tuple(arr(self._errors[r]) for r in ins),
                      tuple(ins))))
-            outs = [r for r in ranks if c.output[r]]
-            if outs:
+            receivers = [r for r in ranks if c.output[r]]
+            for k in range(0, len(receivers), kv.MAX_GROUP):
+                outs = receivers[k:k + kv.MAX_GROUP]
                 m = [self._meta[r][1] for r in outs]
                 grid = kv.group_grid(max(len(c.output[r]) for r in outs), len(outs),
                                      v.capacity * kw.row, sms)
