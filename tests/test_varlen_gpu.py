@@ -35,6 +35,35 @@ def test_kernels_compile_for_sm90(kernel, elem):
         assert "atom.global.cas.b64" in ptx  # the error record's first-writer-wins
 
 
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1",
+                    reason="PTX can only be checked without the simulator")
+@pytest.mark.parametrize("kernel", ["pack_group", "unpack_group"])
+@pytest.mark.parametrize("elem", ["uint8", "int64"])
+@pytest.mark.parametrize("ranks", [1, 8])
+def test_group_kernels_compile_for_sm90(kernel, elem, ranks):
+    """The one-launch-per-device kernels take their ranks' arrays as tuples."""
+    pytest.importorskip("numba.cuda")
+    from numba import types
+
+    from purlin.kernels import varlen as kv
+    from purlin.kernels.compat import compile_ptx
+
+    a, a64 = types.Array(getattr(types, elem), 1, "C"), types.Array(types.int64, 1, "C")
+    m, i = types.Array(types.int64, 2, "C"), types.int64
+
+    def t(x):
+        return types.UniTuple(x, ranks)
+
+    sig = {"pack_group": types.void(t(a), t(i), t(a), t(a64), a64, t(m), t(i), i, i, i,
+                                    t(a64), t(i)),
+           "unpack_group": types.void(t(a), t(a64), t(a), a64, t(m), t(i), i, i, i,
+                                      t(a64))}[kernel]
+    ptx = compile_ptx(getattr(kv, kernel).py_func, sig, cc=(9, 0))
+    assert ".entry" in ptx and "%ctaid.z" in ptx  # blockIdx.z picks the rank
+    if kernel == "pack_group":
+        assert "cas.b64" in ptx  # the error record's first-writer-wins
+
+
 def _torch():
     import torch
 
@@ -172,6 +201,45 @@ def test_over_capacity_is_caught_on_the_device():
     bound.check()  # reported once: the record is cleared
     outs, got = bound.launch(ins, torch.tensor([-1, 0, 0, 0], device="cuda"))
     with pytest.raises(CountError, match=r"rank 0 chunk \(0,0\).*count -1 is negative"):
+        bound.check()
+
+
+@pytest.mark.gpu
+def test_one_pack_and_one_unpack_launch_for_all_virtual_ranks():
+    """8 virtual ranks on one GPU: one pack and one unpack launch for them all, grids that
+    span many blocks per slot, rows right against the reference, and a bad count on rank 5
+    alone reported with its rank and chunk."""
+    torch = _torch()
+    from purlin import Cluster
+    from purlin.errors import CountError
+    from purlin.spec.varlen import all_to_all_v
+
+    n, cap, row = 8, 2048, 64
+    v = all_to_all_v(n, cap, row=row)
+    bound = Cluster.virtual(n).bind(v, dtype="float32")
+    assert [g.ranks for g in bound._pack_groups] == [tuple(range(n))]
+    assert [g.ranks for g in bound._unpack_groups] == [tuple(range(n))]
+    assert bound._pack_groups[0].grid[0] > 1 and bound._pack_groups[0].grid[1:] == (n, n)
+    rng = np.random.default_rng(2)
+    host = rng.integers(0, cap + 1, n * n).tolist()
+    host[3] = cap
+    values = [rng.integers(-8, 8, sum(host[r * n:(r + 1) * n]) * row).astype(np.float64)
+              for r in range(n)]
+    ins = [torch.zeros(v.input_capacity(r), device="cuda") for r in range(n)]
+    for r in range(n):
+        ins[r][:values[r].size] = torch.from_numpy(values[r]).float()
+    outs, got = bound.launch(ins, torch.tensor(host, device="cuda"))
+    bound.check()
+    want = v.reference(values, host)
+    for r in range(n):
+        k = sum(host[j * n + r] for j in range(n))
+        assert got[r].tolist() == [host[j * n + r] for j in range(n)], r
+        assert np.array_equal(outs[r][:k * row].double().cpu().numpy(), want[r]), r
+    bad = list(host)
+    bad[5 * n + 2] = cap + 1
+    bound.launch(ins, torch.tensor(bad, device="cuda"))
+    with pytest.raises(CountError, match=r"^rank 5 chunk \(5,2\) \(input position 2\): count "
+                                         rf"{cap + 1} is over the capacity of {cap} rows"):
         bound.check()
 
 

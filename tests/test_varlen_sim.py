@@ -211,6 +211,123 @@ def case_bad_counts():
     return "ok"
 
 
+def _run_group(v, dtype, counts, inputs, threads=32, blocks=2):
+    """:func:`_run` with every rank's pack in one ``pack_group`` launch and every unpack in
+    one ``unpack_group`` launch (``blocks`` per slot: their grid-stride loops share a slot);
+    each buffer has one spare slot past its end that must stay untouched."""
+    from purlin.kernels import varlen as kv
+    from purlin.runtime.varlen import kernel_view, slot_meta
+
+    c = v.collective
+    _, slot = v.slot(dtype)
+    kw = kernel_view(v, dtype)
+    counts = np.asarray(counts, dtype=np.int64)
+    n = v.nranks
+    bufs = [np.full(slot * (len(c.input[r]) + 1), SENTINEL, dtype=inputs[r].dtype)
+            for r in range(n)]
+    for b in bufs:
+        b[:-slot] = 0
+    errors = [np.zeros(16, dtype=np.int64) for _ in range(n)]
+    srcs = [inputs[r] if inputs[r].size else np.zeros(v.row, inputs[r].dtype) for r in range(n)]
+    metas = [slot_meta(v, r, dtype) for r in range(n)]
+    grid = (blocks, max(len(c.input[r]) for r in range(n)), n)
+    kv.pack_group[grid, threads](
+        tuple(_int_view(x, kw) for x in srcs),
+        tuple(inputs[r].size // v.row * kw.row for r in range(n)),
+        tuple(_int_view(b, kw) for b in bufs), tuple(_shared(b.view(np.int64)) for b in bufs),
+        counts, tuple(_shared(m[0]) for m in metas), tuple(len(c.input[r]) for r in range(n)),
+        kw.head, kw.row, v.capacity, tuple(_shared(e) for e in errors), tuple(range(n)))
+    for b in bufs:
+        assert (b[-slot:] == np.full(1, SENTINEL, b.dtype)).all(), "a pack wrote past its slots"
+    moved = _move(v, v.sized(dtype), [b[:-slot] for b in bufs], dtype)
+    outs = [np.full(max(v.output_capacity(r), 1) + slot, SENTINEL, dtype=inputs[r].dtype)
+            for r in range(n)]
+    got = [np.zeros(max(len(c.output[r]), 1), dtype=np.int64) for r in range(n)]
+    kv.unpack_group[(blocks, max(len(c.output[r]) for r in range(n)), n), threads](
+        tuple(_int_view(m, kw) for m in moved), tuple(_shared(m.view(np.int64)) for m in moved),
+        tuple(_int_view(o, kw) for o in outs), counts, tuple(_shared(m[1]) for m in metas),
+        tuple(len(c.output[r]) for r in range(n)), kw.head, kw.row, v.capacity,
+        tuple(_shared(g) for g in got))
+    return ([o[:-slot] for o in outs], [g[:len(c.output[r])] for r, g in enumerate(got)],
+            errors, [o[-slot:] for o in outs])
+
+
+def case_group(kind, dtype):
+    """Several ranks in one pack launch and one unpack launch: the same bits, counts and
+    error records as one launch per rank, also with a count error on the last rank only."""
+    from purlin.kernels import isa
+
+    rng = np.random.default_rng(3)
+    v = _builder(kind)(3, 4, row=3)
+    counts = rng.integers(0, v.capacity + 1, len(v.names)).tolist()
+    counts[0] = v.capacity
+    bad = list(counts)
+    name = v.collective.input[2][-1]
+    bad[v.index(name)] = 9  # over capacity, on rank 2's last input chunk only
+    checked = v.counts(counts)
+    ins = [_values(dtype, sum(v.input_counts(r, checked)) * v.row, rng)[1] for r in range(3)]
+    for cs in (counts, bad):
+        want_outs, want_got, want_err = _run(v, dtype, cs, ins)
+        outs, got, errors, spare = _run_group(v, dtype, cs, ins)
+        for r in range(3):
+            assert np.array_equal(outs[r], want_outs[r]), (r, outs[r], want_outs[r])
+            assert np.array_equal(got[r], want_got[r]), (r, got[r], want_got[r])
+            assert np.array_equal(errors[r], want_err[r]), (r, errors[r], want_err[r])
+            assert (spare[r] == np.full(1, SENTINEL, spare[r].dtype)).all(), r
+    if not v.collective.op.is_reduce:  # a reduction's chunks are every rank's input
+        assert errors[0][isa.E_CODE] == errors[1][isa.E_CODE] == isa.ERR_NONE, errors
+    e = errors[2]
+    assert e[isa.E_CODE] == isa.ERR_COUNT and e[isa.E_RANK] == 2 and \
+        e[isa.E_STEP] == len(v.collective.input[2]) - 1 and \
+        e[isa.E_FLAG] == v.index(name) and e[isa.E_SEEN] == 9 and \
+        e[isa.E_EXPECTED] == v.capacity, e
+    return "ok"
+
+
+def case_runtime_group_error(kind, most=None):
+    """VarLenBound's one launch per device (``most`` ranks a launch: kernels.varlen's
+    MAX_GROUP, made smaller): a bad count on a rank past the first is reported with that rank
+    and chunk."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from purlin.errors import CountError
+    from purlin.kernels import varlen as kv
+    from purlin.runtime.varlen import VarLenBound
+
+    _fake_gpu()
+    v = _builder(kind)(3, 4, row=2)
+    kept = kv.MAX_GROUP
+    kv.MAX_GROUP = most or kept
+    try:
+        bound = VarLenBound(SimpleNamespace(kind="virtual", nranks=3), v,
+                            _FakeGpuBound(v, "float32"), "float32")
+    finally:
+        kv.MAX_GROUP = kept
+    want = [(0, 1, 2)] if most is None else [(0, 1), (2,)]
+    assert [g.ranks for g in bound._pack_groups] == want, bound._pack_groups
+    assert [g.ranks for g in bound._unpack_groups] == want, bound._unpack_groups
+    fixed = [torch.ones(v.input_capacity(r)) for r in range(3)]
+    counts = [1] * len(v.names)
+    name = v.collective.input[2][-1]
+    counts[v.index(name)] = 7
+    bound.launch(fixed, torch.tensor(counts))
+    try:
+        bound.check()
+        raise AssertionError("an over-capacity count on rank 2 went unreported")
+    except CountError as exc:
+        assert str(exc).startswith(f"rank 2 chunk {_fmt(name)} "), exc
+        assert "count 7 is over the capacity of 4 rows" in str(exc), exc
+    return "ok"
+
+
+def _fmt(name):
+    from purlin.spec.collective import _fmt as fmt
+
+    return fmt(name)
+
+
 def _fake_gpu():
     """Run the GPU code paths of ``purlin.runtime.varlen`` and ``purlin.torch.varlen`` here:
     host tensors handed to the simulator's kernels as they are (no copies), no streams."""
@@ -370,6 +487,12 @@ def _cases():
     out.update({f"runtime-gpu-path-{k}-{d}": (case_runtime_gpu_path, (k, d))
                 for k in KINDS for d in ("float32", "float16", "int32")})
     out["process-slots-gpu-path"] = (case_process_slots_gpu_path, ())
+    out.update({f"group-{k}-{d}": (case_group, (k, d))
+                for k in KINDS for d in ("float32", "bfloat16", "float8_e4m3fn")})
+    # a reduction's chunk is every rank's input: its bad count is on every rank
+    out.update({f"runtime-group-error-{k}": (case_runtime_group_error, (k,))
+                for k in ("all-gather-v", "all-to-all-v")})
+    out["runtime-group-error-split"] = (case_runtime_group_error, ("all-to-all-v", 2))
     return out
 
 

@@ -148,6 +148,53 @@ class VarLenBound:
                                                 device=dev))
             self._errors.append(torch.zeros(16, dtype=torch.int64, device=dev))
         self._int_dtype = idt
+        self._groups()
+
+    def _groups(self) -> None:
+        """The pack and unpack launches: one each per device, over the ranks on it (at most
+        ``MAX_GROUP`` a launch; their fixed kernel arguments converted once, so a call only
+        adds its inputs and counts)."""
+        from numba import cuda
+
+        from purlin.atom.sm import gpu_of
+        from purlin.kernels import varlen as kv
+
+        torch, v, c, kw = self.bound.torch, self.varlen, self.varlen.collective, self.view
+        arr = cuda.as_cuda_array
+        by_device: dict = {}
+        for r in range(v.nranks):
+            by_device.setdefault(self.bound.inputs[r].device, []).append(r)
+        self._pack_groups, self._unpack_groups = [], []
+        for dev, ranks in by_device.items():
+            # host tensors (the CUDA simulator): any grid is correct, the smallest is fastest
+            sms = gpu_of(torch, dev.index or 0).sms if dev.type == "cuda" else 1
+            senders = [r for r in ranks if c.input[r]]
+            for k in range(0, len(senders), kv.MAX_GROUP):
+                ins = senders[k:k + kv.MAX_GROUP]
+                m = [self._meta[r][0] for r in ins]
+                grid = kv.group_grid(max(len(c.input[r]) for r in ins), len(ins),
+                                     v.capacity * kw.row, sms)
+                self._pack_groups.append(_Launch(
+                    dev, tuple(ins), grid,
+                    (tuple(arr(self._views[r][0]) for r in ins),
+                     tuple(arr(self._views[r][1]) for r in ins)),
+                    (tuple(arr(t) for t in m), tuple(len(c.input[r]) for r in ins), kw.head,
+                     kw.row, v.capacity, tuple(arr(self._errors[r]) for r in ins),
+                     tuple(ins))))
+            receivers = [r for r in ranks if c.output[r]]
+            for k in range(0, len(receivers), kv.MAX_GROUP):
+                outs = receivers[k:k + kv.MAX_GROUP]
+                m = [self._meta[r][1] for r in outs]
+                grid = kv.group_grid(max(len(c.output[r]) for r in outs), len(outs),
+                                     v.capacity * kw.row, sms)
+                self._unpack_groups.append(_Launch(
+                    dev, tuple(outs), grid,
+                    (tuple(arr(self._views[r][2]) for r in outs),
+                     tuple(arr(self._views[r][3]) for r in outs),
+                     tuple(arr(self._outs[r].view(self._int_dtype)) for r in outs)),
+                    (tuple(arr(t) for t in m), tuple(len(c.output[r]) for r in outs),
+                     kw.head, kw.row, v.capacity,
+                     tuple(arr(self._out_counts[r]) for r in outs))))
 
     def _gpu_launch(self, inputs, counts):
         from numba import cuda
@@ -161,9 +208,9 @@ class VarLenBound:
         if counts.dtype not in (torch.int32, torch.int64):
             raise CountError(f"{v.name}: counts must be int32 or int64, got {counts.dtype}")
         counts = counts.reshape(-1)
-        kw = self.view
         stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
         arr = cuda.as_cuda_array
+        srcs = {}
         for r, x in enumerate(inputs):
             if not c.input[r]:
                 continue
@@ -178,21 +225,16 @@ class VarLenBound:
                                      f"{x.dtype} on {x.device}")
             x = x.reshape(-1)[:x.numel() // v.row * v.row]  # whole rows: whole units
             src = x.view(self._int_dtype) if x.numel() else self._views[r][0][:1]
-            cr = counts if counts.device == x.device else counts.to(x.device)
-            i_view, i64, _, _ = self._views[r]
-            kv.pack[kv.grid(len(c.input[r]), v.capacity * kw.row), kv.THREADS, stream](
-                arr(src), x.numel() // v.row * kw.row, arr(i_view), arr(i64), arr(cr),
-                arr(self._meta[r][0]), kw.head, kw.row, v.capacity, arr(self._errors[r]), r)
+            srcs[r] = (arr(src), x.numel() // v.row * self.view.row)
+        for g in self._pack_groups:  # one launch per device for all its ranks
+            cr = arr(counts if counts.device == g.device else counts.to(g.device))
+            kv.pack_group[g.grid, kv.THREADS, stream](
+                tuple(srcs[r][0] for r in g.ranks), tuple(srcs[r][1] for r in g.ranks),
+                *g.fixed, cr, *g.tables)
         self.bound.launch()
-        for r in range(v.nranks):
-            if not c.output[r]:
-                continue
-            _, _, o_view, o64 = self._views[r]
-            cr = counts if counts.device == o_view.device else counts.to(o_view.device)
-            kv.unpack[kv.grid(len(c.output[r]), v.capacity * kw.row), kv.THREADS, stream](
-                arr(o_view), arr(o64), arr(self._outs[r].view(self._int_dtype)), arr(cr),
-                arr(self._meta[r][1]), kw.head, kw.row, v.capacity,
-                arr(self._out_counts[r]))
+        for g in self._unpack_groups:
+            cr = arr(counts if counts.device == g.device else counts.to(g.device))
+            kv.unpack_group[g.grid, kv.THREADS, stream](*g.fixed, cr, *g.tables)
         return ([o[:v.output_capacity(r)] for r, o in enumerate(self._outs)],
                 [k[:len(c.output[r])] for r, k in enumerate(self._out_counts)])
 
@@ -231,6 +273,18 @@ class VarLenBound:
 
     def __repr__(self) -> str:
         return f"<bound {self.varlen!r}, {self.schedule.strategy}, on {self.cluster}>"
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One pack or unpack launch: its device, ranks, grid and fixed arguments (those before
+    the counts and those after)."""
+
+    device: object
+    ranks: tuple
+    grid: tuple
+    fixed: tuple
+    tables: tuple
 
 
 @dataclass(frozen=True)
