@@ -162,8 +162,8 @@ def rotations(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> li
                                for op in ops)
         segs = {segment[row] for row in group}
         at = 0 if fixed else max(fill.get(s, 0) for s in segs)
-        if at + items > ROTATE_ITEMS:
-            at = 0
+        if at + items > ROTATE_ITEMS:  # (LL: wrap around, so later rows keep spreading
+            at = at % ROTATE_ITEMS if ll else 0  # over every thread of a power-of-two grid)
         for s in segs:
             fill[s] = max(fill.get(s, 0), at + items)
         if at:
