@@ -1016,7 +1016,7 @@ def fused_rotated_ll_pieces():
         n = int(rng.integers(2, 9))
         dt = str(rng.choice(list(item)))
         coll, sizes = random_layout(rng, n, dt)
-        if coll.op == "copy":
+        if coll.name == "random copy layout":
             cases.append((coll, sizes, dt, int(rng.integers(1, 4)), int(rng.integers(1, 5))))
     ran = 0
     for coll, sizes, dtype, blocks, threads in cases:
@@ -1045,11 +1045,12 @@ def fused_rotated_ll_pieces():
         def units(dst, nbytes):  # a PUT's LL units on even calls
             return dst, 2 * unit * -(-nbytes // unit)
 
-        sent = {p: ctypes.string_at(*units(dst, nb)) for rank in puts for dst, nb, _ in rank
-                for p in [(dst, nb)]}
+        sent = {(dst, nb): ctypes.string_at(*units(dst, nb)) for rank in puts
+                for dst, nb, _ in rank}
         for r in range(n):
             for dst, nb, _ in puts[r]:
-                ctypes.memset(*units(dst, nb)[:1], 0, units(dst, nb)[1])
+                at, size = units(dst, nb)
+                ctypes.memset(at, 0, size)
             bufs.outputs[r][:] = 0
             counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
             w = programs[r]
