@@ -37,6 +37,7 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 WAIT_PEER, WAIT_PER_CALL, WAIT_SLOT, WAIT_STEP, WAIT_VALUE)
 from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
 from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
+from purlin.kernels.isa import PUT_ROTATE  # (a PUT's rotation: _rotated)
 from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
 
 SPINS_PER_CHECK = 64
@@ -720,14 +721,18 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     # before the first store (every thread reads its block's counter: no barrier for it)
     p0, p1, p2, p3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     first_put = meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUT
-    if first_put and g < (meta[F_HEAD + PUT_BYTES] + unit_bytes - 1) >> shift:
+    stride = blocks_per_rank * cuda.blockDim.x
+    gp = g  # this thread's first item of the first PUT (rotated: isa.PUT_ROTATE)
+    if first_put:
+        gp = _rotated(g, meta[F_HEAD + PUT_ROTATE], stride)
+    if first_put and gp < (meta[F_HEAD + PUT_BYTES] + unit_bytes - 1) >> shift:
         src = meta[F_HEAD + PUT_SRC]
         if unit_bytes == 4:
-            p0 = load_u32(src + g * 4)
+            p0 = load_u32(src + gp * 4)
         elif unit_bytes == 8:
-            p0, p1 = load_u32(src + g * 8), load_u32(src + g * 8 + 4)
+            p0, p1 = load_u32(src + gp * 8), load_u32(src + gp * 8 + 4)
         else:
-            w = load_v4_u32(src + g * 16)
+            w = load_v4_u32(src + gp * 16)
             p0, p1, p2, p3 = np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
     # a NORM (last op): this thread's residual item of its block's first chunk, read now so
     # that its latency hides behind the all-reduce's
@@ -741,7 +746,6 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     epoch = load_i64(counter)
     tag = ll_tag(epoch)
     odd = epoch & 1
-    stride = blocks_per_rank * cuda.blockDim.x
     dt = meta[F_DTYPE]
     redop = meta[F_REDOP]
     divisor = meta[F_DIVISOR]
@@ -771,8 +775,8 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             # a partial last item (a scalar tail) goes whole: its LL units' bytes past the
             # row are read from the aligned item and never used
             items = (_word(meta, head, at + PUT_BYTES) + unit_bytes - 1) >> shift
-            i = g
-            if k == 0 and i < items:  # the item read with the counter
+            i = _rotated(g, _word(meta, head, at + PUT_ROTATE), stride)
+            if k == 0 and i < items:  # the item read with the counter (gp)
                 if unit_bytes == 4:
                     store_volatile_v2_u32(dst + i * 8, (p0, tag))
                 elif unit_bytes == 8:

@@ -115,6 +115,9 @@ WAIT_SLOT, WAIT_PER_CALL, WAIT_VALUE, WAIT_EPOCH_OFFSET, WAIT_PEER, WAIT_STEP, W
 NOTIFY_SLOT, NOTIFY_VALUE = 1, 2
 # PUT:    kind, source, LL units on even calls, on odd calls, bytes, peer, step (LL_PUT)
 PUT_SRC, PUT_DST, PUT_BYTES, PUT_PEER, PUT_STEP = 1, 2, 4, 5, 6
+# (and, word 7, a rotation as a MOVE's: the LL transfers of several pieces per peer run on
+#  different threads at once; 0 for the standard collectives' programs)
+PUT_ROTATE = 7
 # MOVE:   kind, destination on even calls, on odd calls, bytes, sources, first source word
 MOVE_DST, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES = 1, 3, 4, 5
 # (and, word 6, a rotation: item i is thread (i + rotation) mod the rank's threads', so the

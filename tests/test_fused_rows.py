@@ -118,6 +118,11 @@ def test_gqa_all_gather_is_right_with_one_notify_per_peer(n, protocol):
                 kinds = [op.kind for op in ops[r]]
                 assert kinds.count("put") == 3 * (n - 1) and "notify" not in kinds and \
                     "wait" not in kinds, kinds
+                # the pieces' PUTs (and LL moves) side by side: disjoint thread ranges
+                for kind in ("put", "move"):
+                    spans = sorted((rot[r].get(k, 0), -(-op.nbytes // 8)) for k, op in
+                                   enumerate(ops[r]) if op.kind == kind)
+                    assert all(a + m <= b for (a, m), (b, _) in zip(spans, spans[1:])), spans
             continue
         if protocol == "fused-ll":
             continue  # (a tail: the last piece's units still start aligned; either is right)
@@ -150,6 +155,52 @@ def test_standard_collectives_keep_their_programs():
             low = bufs.lower()
             ops, rot = regrouped(low, 16)
             assert ops == [rank_ops(x, 16) for x in low] and rot == [{}] * len(low)
+
+
+def test_standard_collectives_keep_their_programs_every_strategy():
+    """Every standard collective x strategy x chunks x protocol that fuses: no rank sends a
+    peer two LL transfers (``ll_pieces``), so no PUT or LL move rotates; unchunked, nothing
+    merges and the programs' words are :func:`purlin.atom.fused.program`'s on the plain
+    ops (chunked plans merge their chunks' flags, as ``regroup`` did before)."""
+    from purlin.atom.fused import program
+    from purlin.atom.fused_rows import cluster_programs, ll_pieces
+    from purlin.kernels import isa
+    from purlin.snac import STRATEGIES
+    from purlin.spec import collectives
+
+    ran = 0
+    for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
+                 "reduce", "gather", "scatter"):
+        for n in (2, 3, 4, 8):
+            for strategy in STRATEGIES:
+                for chunks in (1, 2):
+                    try:
+                        s = plan(getattr(collectives, name)(n), strategy, count=96 * n,
+                                 dtype="bfloat16", chunks=chunks)
+                    except Exception:  # noqa: BLE001 - a strategy that does not plan it
+                        continue
+                    for protocol in ("fused", "fused-ll"):
+                        low = HostBuffers(s, ll=protocol == "fused-ll").lower()
+                        unit, problem = fused_unit(low, protocol)
+                        if problem is not None:
+                            continue
+                        plain = [rank_ops(x, unit) for x in low]
+                        ops, rot = regrouped(low, unit)
+                        assert not ll_pieces(plain), (name, n, strategy, chunks, protocol)
+                        got = cluster_programs(low, lambda r: 0, 0, int, unit)
+                        for p in got:  # (no PUT rotated)
+                            w = p.words
+                            assert not any(
+                                w[at + isa.PUT_ROTATE] for at in
+                                (isa.F_HEAD + k * isa.OP_WIDTH for k in range(p.ops))
+                                if w[at + isa.OP_KIND] == isa.F_OP_PUT), (name, strategy)
+                        ran += 1
+                        if chunks > 1:  # (chunks' flags merge: regroup's, as before)
+                            continue
+                        assert ops == plain and rot == [{}] * n, (name, strategy, protocol)
+                        for x, p in zip(low, got):
+                            assert np.array_equal(p.words, program(x, 0, 0, int, unit).words)
+    assert ran >= 400, ran
 
 
 def test_rotations_keep_shared_bytes_on_one_thread():

@@ -989,6 +989,86 @@ def fused_random_layouts_of_unequal_rows():
         ran += 1
     assert ran >= 5, ran
 
+@case
+def fused_rotated_ll_pieces():
+    """LL transfers of several pieces per peer rotated onto different threads (the GQA
+    all-gather and random copy layouts, 2..8 ranks, odd sizes, four dtypes, 8- and 4-byte
+    units, 1..3 blocks): after the host interpreter ran call 0, each rank's program run
+    again by the kernel -- its PUTs' LL units first wiped -- writes the same LL units as
+    the interpreter (rotated PUTs) and gives the reference (rotated LL moves)."""
+    from test_fused_rows import gqa, gqa_sizes, random_layout
+
+    from purlin.atom.fused import fused_unit, rank_ops
+    from purlin.atom.fused_rows import ll_pieces
+    from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
+    from purlin.kernels import fused, isa
+    from purlin.snac import plan
+    from purlin.spec import reference
+
+    item = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4}
+    rng = np.random.default_rng(25)
+    cases = [(gqa(n), gqa_sizes(n, 16 // item[dt] * m, extra), dt, blocks, threads)
+             for n, dt, m, extra, blocks, threads in (
+                 (2, "bfloat16", 1, 0, 2, 3), (3, "float32", 3, 1, 3, 2),
+                 (4, "float16", 2, 0, 1, 8), (5, "int32", 1, 2, 2, 4),
+                 (8, "bfloat16", 1, 0, 2, 4), (8, "float32", 1, 0, 2, 3))]
+    while len(cases) < 14:
+        n = int(rng.integers(2, 9))
+        dt = str(rng.choice(list(item)))
+        coll, sizes = random_layout(rng, n, dt)
+        if coll.name == "random copy layout":
+            cases.append((coll, sizes, dt, int(rng.integers(1, 4)), int(rng.integers(1, 5))))
+    ran = 0
+    for coll, sizes, dtype, blocks, threads in cases:
+        n = coll.nranks
+        s = plan(coll, "direct-push", chunk_sizes=sizes, dtype=dtype)
+        bufs = HostBuffers(s, ll=True)
+        low = bufs.lower()
+        unit, problem = fused_unit(low, "fused-ll")
+        if problem is not None:
+            continue
+        if not ll_pieces([rank_ops(x, unit) for x in low]):
+            continue
+        programs = [w.copy() for w in fused_programs(low, bufs, unit)]
+        puts = [[(int(w[at + isa.PUT_DST]), int(w[at + isa.PUT_BYTES]),
+                  int(w[at + isa.PUT_ROTATE]))
+                 for at in (isa.F_HEAD + k * isa.OP_WIDTH for k in range(int(w[isa.F_NOPS])))
+                 if w[at + isa.OP_KIND] == isa.F_OP_PUT] for w in programs]
+        assert any(rot for rank in puts for _, _, rot in rank), puts  # (PUTs rotated)
+        xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
+               for r in range(n)]]
+        for x in xs[0]:
+            x[x == 0] = 3
+        run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads)
+        want = reference(s.sizing, xs[0])
+
+        def units(dst, nbytes):  # a PUT's LL units on even calls
+            return dst, 2 * unit * -(-nbytes // unit)
+
+        sent = {(dst, nb): ctypes.string_at(*units(dst, nb)) for rank in puts
+                for dst, nb, _ in rank}
+        for r in range(n):
+            for dst, nb, _ in puts[r]:
+                at, size = units(dst, nb)
+                ctypes.memset(at, 0, size)
+            bufs.outputs[r][:] = 0
+            counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
+            w = programs[r]
+            fused.fused[blocks, threads](w.ctypes.data, 1, blocks, 10_000_000, w.size,
+                                         counters.ctypes.data)
+            assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, r, bufs.fused_error)
+            got = bufs.outputs[r][:len(want[r])]
+            got = bf16_floats(got) if dtype == "bfloat16" else \
+                (got.view(np.float16) if dtype == "float16" else got).astype(np.float64)
+            tol = 0.02 if dtype in ("bfloat16", "float16") else 0
+            assert (np.abs(got - want[r]) <= tol * (1 + np.abs(want[r]))).all(), \
+                (coll.name, dtype, r, got, want[r])
+        for (dst, nb), was in sent.items():
+            assert ctypes.string_at(*units(dst, nb)) == was, (coll.name, dtype, hex(dst))
+        ran += 1
+    assert ran >= 8, ran
+
+
 # ------------------------------------------------------------------------ pytest entry points
 
 

@@ -448,7 +448,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
         elif op.kind == "notify":
             row = (F_OP_NOTIFY, flag_slot(op.flag), op.value)
         elif op.kind == "put":
-            row = (F_OP_PUT, op.source, op.dst_even, op.dst_odd, op.nbytes, op.peer, op.step)
+            row = (F_OP_PUT, op.source, op.dst_even, op.dst_odd, op.nbytes, op.peer, op.step,
+                   (rotation or {}).get(k, 0))
         elif op.kind == "norm":  # its parameters take one source entry
             e = op.epilogue
             nbytes, chunk = moves[-1].nbytes, unit * threads

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from purlin.atom.fused import _Refused, _accesses, _check_rank, program, rank_ops
 
-__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "regroup", "regrouped",
-           "rotations"]
+__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "ll_pieces", "regroup",
+           "regrouped", "rotations"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -107,13 +107,15 @@ def _merge_waits(ops: list[tuple]) -> list[tuple]:
     return out
 
 
-def rotations(ops_by_rank: list[list[tuple]], unit: int) -> list[dict]:
+def rotations(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> list[dict]:
     """For each rank, {op index: rotation} of its moves: the rows between two flag operations
     of a rank take consecutive threads (a row's item i is thread (i + rotation) mod the
     rank's threads'), and rows that touch the same bytes -- on any rank, in any segment --
     share their rotation, so each item stays with one block (its flag slot orders it) and,
-    inside a segment, with one thread. Rows touching a PUT's or LL transfer's bytes, and
-    rows past :data:`ROTATE_ITEMS`, keep 0."""
+    inside a segment, with one thread. Rows touching a PUT's or LL transfer's bytes keep 0
+    unless ``ll`` (then PUTs and LL moves rotate too, :func:`ll_pieces`, and an LL area's
+    units tie no rotations: each is polled by its tag); rows past :data:`ROTATE_ITEMS`
+    keep 0."""
     rows = [(r, k) for r, ops in enumerate(ops_by_rank) for k, op in enumerate(ops)
             if op.kind in ("put", "move")]
     parent = {row: row for row in rows}
@@ -136,7 +138,12 @@ def rotations(ops_by_rank: list[list[tuple]], unit: int) -> list[dict]:
                 continue
             segment[(r, k)] = (r, seg)
             w, reads = _accesses(op)
-            touching.setdefault(w, []).append(((r, k), True))
+            if ll:  # (LL units are polled by their tag: writer and reader need not match)
+                w = None if op.kind == "put" else w
+                reads = reads if op.kind == "put" else \
+                    tuple(x for x, src in zip(reads, op.sources) if not src.is_ll)
+            if w is not None:
+                touching.setdefault(w, []).append(((r, k), True))
             for x in reads:
                 touching.setdefault(x, []).append(((r, k), False))
     for span, who in touching.items():
@@ -151,17 +158,38 @@ def rotations(ops_by_rank: list[list[tuple]], unit: int) -> list[dict]:
     for group in sorted(members.values()):
         ops = [ops_by_rank[r][k] for r, k in group]
         items = max(-(-op.nbytes // unit) for op in ops)
-        fixed = any(op.kind == "put" or any(s.is_ll for s in op.sources) for op in ops)
+        fixed = not ll and any(op.kind == "put" or any(s.is_ll for s in op.sources)
+                               for op in ops)
         segs = {segment[row] for row in group}
         at = 0 if fixed else max(fill.get(s, 0) for s in segs)
-        if at + items > ROTATE_ITEMS:
-            at = 0
+        if at + items > ROTATE_ITEMS:  # (LL: wrap around, so later rows keep spreading
+            at = at % ROTATE_ITEMS if ll else 0  # over every thread of a power-of-two grid)
         for s in segs:
             fill[s] = max(fill.get(s, 0), at + items)
         if at:
             for r, k in group:
                 out[r][k] = at
     return out
+
+
+def ll_pieces(ops_by_rank: list[list[tuple]]) -> bool:
+    """Does some rank send one peer several LL transfers (a piece each: q, k and v)? Then its
+    PUTs and LL moves rotate too (:func:`rotations`), so the pieces of one peer and of all
+    peers go on different threads at once; no standard collective's program does (each
+    sends a peer one transfer), so theirs stay as they were.
+
+    Rotating LL rows is sound for any assignment of items to threads: an LL unit carries its
+    call's tag, so the reader polls it whichever block wrote it; rows sharing bytes with a
+    plain row still share its rotation (:func:`rotations`); and "a rank sending LL units to
+    a peer hears from it in the same call" holds per rank, not per block -- a rank's next
+    call starts only after every block of its call ended, and what it heard from the peer
+    in that call was written after the peer's previous call had ended on every block, so no
+    block of the peer can still be reading the parity the next-but-one call rewrites."""
+    for ops in ops_by_rank:
+        peers = [op.peer for op in ops if op.kind == "put"]
+        if len(peers) != len(set(peers)):
+            return True
+    return False
 
 
 def regrouped(lowered, unit: int = 16) -> tuple[list[list[tuple]], list[dict]]:
@@ -172,9 +200,10 @@ def regrouped(lowered, unit: int = 16) -> tuple[list[list[tuple]], list[dict]]:
     collectives' programs stay as they were)."""
     plain = [rank_ops(low, unit) for low in lowered]
     ops = [regroup(low.rank, o) for low, o in zip(lowered, plain)]
-    if all(a is b for a, b in zip(ops, plain)):
+    ll = ll_pieces(ops)
+    if all(a is b for a, b in zip(ops, plain)) and not ll:
         return plain, [{} for _ in lowered]
-    return ops, rotations(ops, unit)
+    return ops, rotations(ops, unit, ll)
 
 
 def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,

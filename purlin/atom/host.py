@@ -406,7 +406,7 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
         elif kind == isa.F_OP_PUT:
             put = mem.ll_put_half if unit == 4 else mem.ll_put  # 4 bytes: half an LL unit
             src, dst, nbytes = op[isa.PUT_SRC], op[isa.PUT_DST + odd], op[isa.PUT_BYTES]
-            for i in _items(nbytes, unit, block, blocks, threads):
+            for i in _items(nbytes, unit, block, blocks, threads, op[isa.PUT_ROTATE]):
                 valid = min(unit, nbytes - unit * i)
                 put(dst + 2 * unit * i, _tail(_bytes(src + unit * i, valid).tobytes(), valid, unit),
                     tag)
