@@ -20,6 +20,7 @@ is planned, verified and bound once at capacity; each call packs, runs and unpac
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,6 +199,7 @@ class VarLenBound:
 
     def _gpu_launch(self, inputs, counts):
         from numba import cuda
+        from numba.core.errors import NumbaPerformanceWarning
 
         from purlin.kernels import varlen as kv
 
@@ -226,15 +228,17 @@ class VarLenBound:
             x = x.reshape(-1)[:x.numel() // v.row * v.row]  # whole rows: whole units
             src = x.view(self._int_dtype) if x.numel() else self._views[r][0][:1]
             srcs[r] = (arr(src), x.numel() // v.row * self.view.row)
-        for g in self._pack_groups:  # one launch per device for all its ranks
-            cr = arr(counts if counts.device == g.device else counts.to(g.device))
-            kv.pack_group[g.grid, kv.THREADS, stream](
-                tuple(srcs[r][0] for r in g.ranks), tuple(srcs[r][1] for r in g.ranks),
-                *g.fixed, cr, *g.tables)
-        self.bound.launch()
-        for g in self._unpack_groups:
-            cr = arr(counts if counts.device == g.device else counts.to(g.device))
-            kv.unpack_group[g.grid, kv.THREADS, stream](*g.fixed, cr, *g.tables)
+        with warnings.catch_warnings():  # small calls get small grids on purpose
+            warnings.simplefilter("ignore", NumbaPerformanceWarning)
+            for g in self._pack_groups:  # one launch per device for all its ranks
+                cr = arr(counts if counts.device == g.device else counts.to(g.device))
+                kv.pack_group[g.grid, kv.THREADS, stream](
+                    tuple(srcs[r][0] for r in g.ranks), tuple(srcs[r][1] for r in g.ranks),
+                    *g.fixed, cr, *g.tables)
+            self.bound.launch()
+            for g in self._unpack_groups:
+                cr = arr(counts if counts.device == g.device else counts.to(g.device))
+                kv.unpack_group[g.grid, kv.THREADS, stream](*g.fixed, cr, *g.tables)
         return ([o[:v.output_capacity(r)] for r, o in enumerate(self._outs)],
                 [k[:len(c.output[r])] for r, k in enumerate(self._out_counts)])
 
