@@ -168,7 +168,7 @@ def run(ranks=4, tokens=64, hidden=128, ffn=256, experts=8, k=2, datapath="cpu",
 
 
 def main(argv=None) -> int:
-    from purlin.bench.scripts import output, write_json
+    from purlin.bench.scripts import output, run_info, write_json
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
@@ -188,7 +188,8 @@ def main(argv=None) -> int:
         datapath = "sm" if torch.cuda.is_available() else "cpu"
     row = run(args.ranks, args.tokens, args.hidden, args.ffn, args.experts, args.topk,
               datapath)
-    path = write_json(output(args.out, "moe.json"), row)
+    path = write_json(output(args.out, "moe.json"),
+                      {**row, "info": run_info(row["datapath"], measured=row["measured"])})
     print(f"wrote {path}")
     return 0 if row["status"] == "ok" else 1
 

@@ -54,17 +54,18 @@ def write_json(path, obj) -> Path:
 
 
 def run_info(datapath: str = "sm", seconds: float | None = None, **fields) -> dict:
-    """The environment of a run (date, commit, versions, GPUs: ``purlin.bench.sweep.environment``)
-    with ``fields``, what was measured and how long it took, for a script's JSON."""
+    """The environment of a run (date, commit, versions, GPUs: ``purlin.bench.sweep.environment``),
+    what was measured (unless ``fields`` say) and how long it took, with ``fields``, for a
+    script's JSON."""
     from purlin.bench.sweep import environment
 
     try:
         env = environment(datapath="cpu" if datapath == "cpu" else "sm")
     except Exception as exc:  # noqa: BLE001 - the table stands without it
         env = {"environment": f"unavailable: {exc}"}
-    info = {**env, **fields,
+    info = {**env,
             "measured": ("CUDA-graph replay, device time per op (median)" if datapath != "cpu"
-                         else "cpu datapath, wall time per call: not GPU numbers")}
+                         else "cpu datapath, wall time per call: not GPU numbers"), **fields}
     if seconds is not None:
         info["seconds"] = round(seconds, 1)
     return info
