@@ -9,21 +9,16 @@ another and fences are no-ops: every WAIT here is either satisfied already or me
 from __future__ import annotations
 
 import ctypes
-import json
-import os
-import subprocess
 import sys
 import time
-import traceback
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
+from simulator import run_cases, simulator_verdicts
 
 from purlin.atom.host import bf16_bits, bf16_floats
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = {}
 
 
@@ -1074,16 +1069,7 @@ def fused_rotated_ll_pieces():
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    pytest.importorskip("numba.cuda", reason="numba-cuda is needed for the kernel simulator")
-    out = tmp_path_factory.mktemp("sim") / "verdicts.json"
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    if not out.exists():
-        pytest.fail(f"the simulator process failed (rc {proc.returncode}):\n"
-                    f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return simulator_verdicts(__file__, tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -1092,20 +1078,5 @@ def test_in_simulator(name, verdicts):
     assert verdicts[name] == "ok", verdicts[name]
 
 
-def _run_all(out: str) -> None:
-    from numba.cuda import config
-
-    if not config.ENABLE_CUDASIM:
-        raise SystemExit("set NUMBA_ENABLE_CUDASIM=1 before running the simulator cases")
-    verdicts = {}
-    for name, fn in CASES.items():
-        try:
-            fn()
-            verdicts[name] = "ok"
-        except Exception:  # noqa: BLE001 - every failure is reported to the parent test
-            verdicts[name] = traceback.format_exc()
-    Path(out).write_text(json.dumps(verdicts, indent=1))
-
-
 if __name__ == "__main__":
-    _run_all(sys.argv[1])
+    run_cases(CASES, sys.argv[1])

@@ -12,17 +12,12 @@ interprets (on host memory, ``purlin.atom.host``) instead.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
-import traceback
-from pathlib import Path
 
 import numpy as np
 import pytest
+from simulator import run_cases, simulator_verdicts
 
-ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("all-gather-v", "reduce-scatter-v", "all-to-all-v")
 DTYPES = ("float16", "float32", "float64", "int32", "float8_e4m3fn", "bfloat16")
 STYLES = ("mixed", "zero", "full")
@@ -496,25 +491,19 @@ def _cases():
     return out
 
 
-def _run_all(path: str) -> None:
-    verdicts = {}
-    for name, (fn, args) in _cases().items():
-        try:
-            verdicts[name] = fn(*args)
-        except Exception:  # noqa: BLE001 - the verdict carries it to the test
-            verdicts[name] = "fail: " + traceback.format_exc()
-    Path(path).write_text(json.dumps(verdicts))
+def _simulated_cases() -> dict:
+    def checked(fn, args):
+        def run():
+            verdict = fn(*args)
+            if verdict != "ok":
+                raise AssertionError(verdict)
+        return run
+    return {name: checked(fn, args) for name, (fn, args) in _cases().items()}
 
 
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
-    out = tmp_path_factory.mktemp("varlen-sim") / "verdicts.json"
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return simulator_verdicts(__file__, tmp_path_factory, timeout=600)
 
 
 @pytest.mark.parametrize("name", list(_cases()))
@@ -523,4 +512,4 @@ def test_simulated(verdicts, name):
 
 
 if __name__ == "__main__":
-    _run_all(sys.argv[1])
+    run_cases(_simulated_cases(), sys.argv[1])
