@@ -882,7 +882,6 @@ def fused_scalar_tails_store_the_rows_bytes_only():
         assert (bufs.outputs[0][count:] == GUARD).all(), (coll.name, bufs.outputs[0][count:])
 
 
-
 @case
 def fused_rotated_rows_of_a_gqa_all_gather():
     """An all-gather of q, k, v per rank delivered interleaved (rows of unequal size, merged
