@@ -32,26 +32,12 @@ EPS = 1e-6
 
 def fp8_setup(hidden: int):
     """add + RMSNorm + e4m3 with a per-token scale: (epilogue, unfused) per rank."""
-    import numpy as np
     import torch
-    from numba import cuda
 
     import purlin
+    from purlin.bench.epilogues import fp8_norm
 
-    h, e = np.float32(hidden), np.float32(EPS)
-
-    @cuda.jit(device=True)
-    def stat(v, w):
-        return v * v, abs(v * w)
-
-    @cuda.jit(device=True)
-    def finish(total, peak):
-        inv = np.float32(1) / np.float32(math.sqrt(total / h + e))
-        return inv, max(peak * inv / np.float32(448), np.float32(1e-12))
-
-    @cuda.jit(device=True)
-    def quantise(v, inv, scale, w):
-        return v * inv * w / scale
+    stat, finish, quantise = fp8_norm(hidden, EPS)
 
     def setup(rank, count, device):
         residual = torch.randn(count, device=device).bfloat16()

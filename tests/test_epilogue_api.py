@@ -21,6 +21,7 @@ cuda = pytest.importorskip("numba.cuda")
 
 from purlin import Cluster, Epilogue, SpecError, collectives  # noqa: E402
 from purlin.atom.epilogue import rms_norm  # noqa: E402
+from purlin.bench.epilogues import fp8_norm as bench_fp8_norm  # noqa: E402
 
 CASES = {}
 EPS = 1e-5
@@ -48,22 +49,7 @@ def swiglu(v, bias, up):  # silu(v + bias) * up: a column bias and an element-wi
 
 def fp8_norm(hidden: int, eps: float = EPS):
     """add + RMSNorm + float8_e4m3fn with a per-token scale: (stat, finish, fn)."""
-    h, e = np.float32(hidden), np.float32(eps)
-
-    @cuda.jit(device=True)
-    def stat(v, w):
-        return v * v, abs(v * w)
-
-    @cuda.jit(device=True)
-    def finish(total, peak):
-        inv = np.float32(1) / np.float32(math.sqrt(total / h + e))
-        return inv, max(peak * inv / np.float32(448), np.float32(1e-12))
-
-    @cuda.jit(device=True)
-    def quantise(v, inv, scale, w):
-        return v * inv * w / scale
-
-    return stat, finish, quantise
+    return bench_fp8_norm(hidden, eps)
 
 
 def fp8_epilogue(residual, weight, out, scales, functions=None):

@@ -15,7 +15,34 @@ import numpy as np
 
 from purlin.bench.metrics import Timing
 
-__all__ = ["builtin_vs_generic", "fused_vs_unfused"]
+__all__ = ["builtin_vs_generic", "fp8_norm", "fused_vs_unfused"]
+
+
+def fp8_norm(hidden: int, eps: float):
+    """The device functions of add + RMSNorm + float8_e4m3fn with a per-token scale, as a user
+    writes them (``Epilogue(quantise, extras=(weight,), residual=..., stat=stat,
+    finish=finish, out=codes, row_out=scales, hidden=hidden)``): (stat, finish, quantise).
+    Ranks that share a launch share one call's functions."""
+    import math
+
+    from numba import cuda
+
+    h, e = np.float32(hidden), np.float32(eps)
+
+    @cuda.jit(device=True)
+    def stat(v, w):
+        return v * v, abs(v * w)
+
+    @cuda.jit(device=True)
+    def finish(total, peak):
+        inv = np.float32(1) / np.float32(math.sqrt(total / h + e))
+        return inv, max(peak * inv / np.float32(448), np.float32(1e-12))
+
+    @cuda.jit(device=True)
+    def quantise(v, inv, scale, w):
+        return v * inv * w / scale
+
+    return stat, finish, quantise
 
 
 def _cluster(nranks: int, cluster=None):
