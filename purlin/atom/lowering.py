@@ -269,6 +269,21 @@ def ll_transfers(schedule: Schedule, layout: dict | None = None) -> LLTransfers:
     return LLTransfers(puts, frozenset(skip), gets)
 
 
+def _one_staged_copy(p, written, reads):
+    """The one (index, step) of ``written`` that lands on peer ``p``, if it is a plain copy
+    from another rank into p's scratch and p reads none of the rest; else None."""
+    to_p = [(i, st) for i, st in written if st.dst.rank == p]
+    if len(to_p) != 1:
+        return None
+    stage_at, stage = to_p[0]
+    if not (stage.op == "copy" and len(stage.srcs) == 1 and stage.dst.buffer == "scratch"
+            and stage.srcs[0].rank != p):
+        return None
+    if any(r.overlaps(st.dst) for i, st in written if i != stage_at for r in reads.get(p, ())):
+        return None
+    return stage_at, stage
+
+
 def _ll_piece(note, since, ordinal, per_call, waits, reads, writers, schedule, item, layout):
     """:func:`_ll_pair` for the ``ordinal``-th notify of a flag that grows once per piece
     (a layout sending several pieces to one peer): of what its lane wrote ``since`` the
@@ -278,16 +293,11 @@ def _ll_piece(note, since, ordinal, per_call, waits, reads, writers, schedule, i
     pieces' notifies (themselves LL, or the whole flag stays) ordered everything before."""
     flag = note.flag
     p = flag.owner
-    to_p = [(i, st) for i, st in since if st.dst.rank == p]
-    if len(to_p) != 1:
+    staged = _one_staged_copy(p, since, reads)
+    if staged is None:
         return None
-    stage_at, stage = to_p[0]
+    stage_at, stage = staged
     region = stage.dst
-    if not (stage.op == "copy" and len(stage.srcs) == 1 and region.buffer == "scratch"
-            and stage.srcs[0].rank != p):
-        return None
-    if any(r.overlaps(st.dst) for i, st in since if i != stage_at for r in reads.get(p, ())):
-        return None
     mine = [x for x in waits.get(flag, ()) if (x[2].value, x[2].call) == (ordinal, 0)]
     if len(waits.get(flag, ())) != per_call[flag] or len(mine) != 1:
         return None
@@ -311,16 +321,11 @@ def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item, lay
     """((stage index), (receiver rank, step index, flag)) if ``note`` can travel as LL."""
     flag = note.flag
     p = flag.owner
-    to_p = [(i, st) for i, st in written if st.dst.rank == p]
-    if len(to_p) != 1:
+    staged = _one_staged_copy(p, written, reads)
+    if staged is None:
         return None
-    stage_at, stage = to_p[0]
+    stage_at, stage = staged
     region = stage.dst
-    if not (stage.op == "copy" and len(stage.srcs) == 1 and region.buffer == "scratch"
-            and stage.srcs[0].rank != p):
-        return None
-    if any(r.overlaps(st.dst) for i, st in written if i != stage_at for r in reads.get(p, ())):
-        return None
     if per_call.get(flag) != 1 or len(waits.get(flag, ())) != 1:
         return None
     rank, index, w = waits[flag][0]
