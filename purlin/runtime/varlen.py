@@ -169,12 +169,15 @@ class VarLenBound:
         for dev, ranks in by_device.items():
             # host tensors (the CUDA simulator): any grid is correct, the smallest is fastest
             sms = gpu_of(torch, dev.index or 0).sms if dev.type == "cuda" else 1
-            senders = [r for r in ranks if c.input[r]]
-            for k in range(0, len(senders), kv.MAX_GROUP):
-                ins = senders[k:k + kv.MAX_GROUP]
+            def launches(positions):  # the ranks with chunks there, MAX_GROUP a launch
+                busy = [r for r in ranks if positions[r]]
+                for k in range(0, len(busy), kv.MAX_GROUP):
+                    group = busy[k:k + kv.MAX_GROUP]
+                    yield group, kv.group_grid(max(len(positions[r]) for r in group),
+                                               len(group), v.capacity * kw.row, sms)
+
+            for ins, grid in launches(c.input):
                 m = [self._meta[r][0] for r in ins]
-                grid = kv.group_grid(max(len(c.input[r]) for r in ins), len(ins),
-                                     v.capacity * kw.row, sms)
                 self._pack_groups.append(_Launch(
                     dev, tuple(ins), grid,
                     (tuple(arr(self._views[r][0]) for r in ins),
@@ -182,12 +185,8 @@ class VarLenBound:
                     (tuple(arr(t) for t in m), tuple(len(c.input[r]) for r in ins), kw.head,
                      kw.row, v.capacity, tuple(arr(self._errors[r]) for r in ins),
                      tuple(ins))))
-            receivers = [r for r in ranks if c.output[r]]
-            for k in range(0, len(receivers), kv.MAX_GROUP):
-                outs = receivers[k:k + kv.MAX_GROUP]
+            for outs, grid in launches(c.output):
                 m = [self._meta[r][1] for r in outs]
-                grid = kv.group_grid(max(len(c.output[r]) for r in outs), len(outs),
-                                     v.capacity * kw.row, sms)
                 self._unpack_groups.append(_Launch(
                     dev, tuple(outs), grid,
                     (tuple(arr(self._views[r][2]) for r in outs),
