@@ -1,6 +1,6 @@
-"""User-written epilogues: the one-shot epilogue kernel (``fused.oneshot_norm``) specialised,
-per epilogue, to call the user's Numba CUDA device functions on the reduced values before
-they are written.
+"""User-written epilogues: the one-shot epilogue kernel (an LL all-reduce's PUTs, then each
+item's sum kept in registers) specialised, per epilogue, to call the user's Numba CUDA device
+functions on the reduced values before they are written.
 
 A :class:`Form` says what the kernel does after each item's sum (an 8-byte LL unit: four 16-bit
 or two float32 elements, summed over the ranks and rounded to the element type):
@@ -245,7 +245,7 @@ def _build(form: Form):
     return space["epilogue_oneshot"], space["epilogue_oneshot_pdl"]
 
 
-# The kernel: fused._run_oneshot's exchange, then the form's work. Read from the same module
+# The kernel: the one-shot exchange, then the form's work. Read from the same module
 # namespace as the template (its constants are the form's).
 _RUN = '''
 @device
@@ -295,7 +295,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     prm = _word(meta, head, norm + NORM_PARAMS)
     src = _word(meta, head, F_HEAD + PUT_SRC)
     g = block * nthreads + tid
-    # read together, as oneshot_norm does: this thread's input item, the residual's and the
+    # read together: this thread's input item, the residual's and the
     # extras' items of the block's first chunk, and the call counter
     residual = _word(meta, head, prm + NORM_RESIDUAL)
     x0, x1 = np.int64(0), np.int64(0)

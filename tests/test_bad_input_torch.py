@@ -30,7 +30,7 @@ def world_of_one(tmp_path):
 @pytest.mark.parametrize("options, phrase", [
     (dict(protocol="lamport"), "protocol must be one of simple, ll, fused, fused-ll, auto"),
     (dict(epilogue_grid=48), "epilogue_grid must be None, 'rows' or threads per block"),
-    (dict(epilogue_kernel="oneshot"), "epilogue_kernel must be 'auto', 'fused' or 'generic'"),
+    (dict(epilogue_kernel="generic"), "epilogue_kernel must be 'auto' or 'fused'"),
     (dict(staging_bytes=-1), "staging_bytes must be a positive int"),
     (dict(staging_bytes="1M"), "staging_bytes must be a positive int"),
 ])

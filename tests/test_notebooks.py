@@ -139,6 +139,7 @@ def test_notebook_07_your_own_epilogue(tmp_path):
     for r in range(2):  # the FP8 epilogue against unfused torch
         assert f"rank {r}: residual identical: True" in text
         assert f"rank {r}: bias + GELU max |fused - unfused torch|" in text
+        assert f"rank {r}: residual equal to PyTorch's, max |norm - torch|" in text  # rms_norm
     assert "at most 0 step apart" in text or "at most 1 step apart" in text
     assert "fn must take (v, e0) -- the value, then one per extra tensor" in text
     assert "extra 0 is torch.float32, the tensor torch.float16" in text

@@ -472,7 +472,7 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
 
 
 def oneshot_problem(words: np.ndarray) -> str | None:
-    """Why the one-shot epilogue kernel (``purlin.kernels.fused.oneshot_norm``) cannot run the fused
+    """Why the one-shot epilogue kernel (:mod:`purlin.kernels.epilogue`) cannot run the fused
     program ``words`` (a sentence), or None: it runs the direct-push all-reduce on LL
     transfers ending with the epilogue -- a PUT of the rank's input to each peer, one MOVE
     summing one LL source per PUT and that input into the epilogue's target, the NORM --

@@ -126,8 +126,7 @@ FUSED_MAX_BYTES = 16 << 20  # where the fused kernel is tried (tuning candidates
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
          threads: int | None = None, trace_rows: int = 0, protocol: str = "simple",
-         pdl: bool = False, fallback: bool = False, fit: bool = False, epilogue=None,
-         epilogue_kernel: str = "generic"):
+         pdl: bool = False, fallback: bool = False, fit: bool = False, epilogue=None):
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), by default with one
@@ -161,7 +160,7 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     options = dict(timeout=timeout, trace_rows=trace_rows, pdl=pdl, fit=fit)
     if epilogue is not None:  # the one-shot kernel or nothing: no fallback
         return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
-                       protocol=protocol, epilogue=(epilogue, epilogue_kernel), **options)
+                       protocol=protocol, epilogue=epilogue, **options)
     try:
         return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
                        protocol=protocol, **options)
@@ -380,7 +379,7 @@ class SmBound:
             from purlin.atom.sm_epilogue import launch_epilogue
 
             self.kernel = f"{protocol} kernel with epilogue"
-            launch_epilogue(self, groups, asked, wish, threads, *epilogue)
+            launch_epilogue(self, groups, asked, wish, threads, epilogue)
         elif fused:
             self.kernel = f"{protocol} kernel"
             self._launch_fused(groups, asked, wish, threads)

@@ -1,8 +1,6 @@
 """A bound all-reduce on the sm datapath that ends with user epilogues
 (:mod:`purlin.atom.epilogue`): one program per rank ending with the epilogue's NORM op, run by
-the one-shot kernel :mod:`purlin.kernels.epilogue` builds for the epilogue (or, for
-:func:`purlin.atom.epilogue.rms_norm`, by the built-in ``oneshot_norm`` on the same programs:
-``epilogue_kernel="builtin"``, what the benchmarks compare)."""
+the one-shot kernel :mod:`purlin.kernels.epilogue` builds for the epilogue."""
 
 from __future__ import annotations
 
@@ -11,10 +9,8 @@ import numpy as np
 from purlin.errors import CapabilityError, SpecError
 from purlin.kernels import isa
 
-EPILOGUE_KERNELS = ("generic", "builtin")
 
-
-def launch_epilogue(bound, groups, blocks, wish, threads, epilogue, kernel="generic") -> None:
+def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
     """Fill ``bound.launches`` (an ``SmBound`` of a fused-ll all-reduce) with one launch per
     device of the programs ending with ``epilogue`` (one per rank, or one for every rank)."""
     from purlin.atom.fused import fused_unit, oneshot_problem, program, row_sums_bytes
@@ -26,9 +22,6 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue, kernel="gene
 
     torch = bound.torch
     epis = per_rank(epilogue, bound.schedule)
-    if kernel not in EPILOGUE_KERNELS:
-        raise SpecError(f"epilogue_kernel must be one of {', '.join(EPILOGUE_KERNELS)}, got "
-                        f"{kernel!r}")
     if bound.schedule.collective.name != "all-reduce" or bound.protocol != "fused-ll":
         raise CapabilityError(f"a user epilogue follows an all-reduce on protocol='fused-ll' "
                               f"(the one-shot kernel); got {bound.schedule.title()} on "
@@ -55,13 +48,7 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue, kernel="gene
         out = bound.outputs[r][:sizing.output_count(r)]
         e = epis[r]
         hidden = e.check(out)["hidden"]
-        name = kernel_name(e.form(out))
-        if kernel == "builtin":
-            if e.builtin is None:
-                raise SpecError(f"epilogue_kernel='builtin' runs purlin.atom.epilogue.rms_norm "
-                                f"only, not {e!r}")
-            name = "fused-norm-oneshot"
-        names.append(name)
+        names.append(kernel_name(e.form(out)))
         sums = torch.zeros(row_sums_bytes(out.numel() * out.element_size(), 8, bound.threads)
                            // 8, dtype=torch.int64, device=out.device)
         bound.epilogue_sums.append(sums)

@@ -1,6 +1,5 @@
 """Timing user epilogues (:class:`purlin.Epilogue`) against the same all-reduce followed by
-separate PyTorch ops, and the built-in add + RMSNorm through the generic kernel against the
-hand-written one (``bench/epilogues.py`` prints the table; notebook 07 draws it).
+separate PyTorch ops (``bench/epilogues.py`` prints the table; notebook 07 draws it).
 
 On a GPU the ranks are virtual (``Cluster.virtual``: every rank in one launch on one GPU) and
 each time is a CUDA graph of ``ops`` calls, per call, median of ``replays``; on a cpu cluster
@@ -15,7 +14,7 @@ import numpy as np
 
 from purlin.bench.metrics import Timing
 
-__all__ = ["builtin_vs_generic", "fp8_norm", "fused_vs_unfused"]
+__all__ = ["fp8_norm", "fused_vs_unfused"]
 
 
 def fp8_norm(hidden: int, eps: float):
@@ -55,13 +54,13 @@ def _cluster(nranks: int, cluster=None):
     return Cluster.virtual(nranks) if gpu_count() else Cluster.cpu(nranks)
 
 
-def _bind(cluster, count, dtype, epilogue=None, kernel="generic"):
+def _bind(cluster, count, dtype, epilogue=None):
     from purlin.spec import collectives
 
     ar = collectives.all_reduce(cluster.nranks)
     if cluster.kind == "cpu":
         return cluster.bind(ar, count=count, dtype=dtype, epilogue=epilogue)
-    extra = {} if epilogue is None else {"epilogue": epilogue, "epilogue_kernel": kernel}
+    extra = {} if epilogue is None else {"epilogue": epilogue}
     return cluster.bind(ar, "direct-push", count=count, dtype=dtype, protocol="fused-ll",
                         **extra)
 
@@ -134,41 +133,6 @@ def fused_vs_unfused(name: str, setup, *, hidden: int, batch: int, dtype: str = 
     return {"epilogue": name, "hidden": hidden, "batch": batch, "ranks": cluster.nranks,
             "where": "gpu" if gpu else "cpu", "fused_us": f.median_us,
             "unfused_us": u.median_us, "speedup": u.median_us / f.median_us}
-
-
-def builtin_vs_generic(*, hidden: int, batch: int, nranks: int = 2, eps: float = 1e-6,
-                       ops: int = 20, replays: int = 30, cluster=None) -> dict:
-    """One record: the built-in add + RMSNorm (``purlin.atom.epilogue.rms_norm``) on the
-    generic kernel built for it and on the hand-written ``oneshot_norm``, the same programs
-    on virtual ranks on one GPU; ``same_bits``: both left the same outputs and residuals."""
-    import torch
-
-    from purlin.atom.epilogue import rms_norm
-
-    cluster = _cluster(nranks, cluster)
-    if cluster.kind == "cpu":
-        raise ValueError("builtin_vs_generic compares two GPU kernels: it needs a GPU")
-    count = batch * hidden
-    device = torch.device("cuda", cluster.devices[0])
-    gen = torch.Generator(device=device).manual_seed(2)
-    xs = [torch.randn(count, generator=gen, device=device).bfloat16()
-          for _ in range(cluster.nranks)]
-    start = [torch.randn(count, generator=gen, device=device).bfloat16()
-             for _ in range(cluster.nranks)]
-    weight = torch.rand(hidden, generator=gen, device=device).bfloat16()
-    record = {"hidden": hidden, "batch": batch, "ranks": cluster.nranks}
-    results = {}
-    for kernel in ("builtin", "generic"):
-        epis = [rms_norm(s.clone(), weight, eps) for s in start]
-        bound = _bind(cluster, count, "bfloat16", epis, kernel)
-        out = [o.clone() for o in bound(xs)]
-        results[kernel] = (out, [e.residual.clone() for e in epis])
-        record[f"{kernel}_us"] = _time(torch, bound.launch, ops, replays, True).median_us
-        bound.check()
-    (a, ra), (b, rb) = results["builtin"], results["generic"]
-    record["same_bits"] = all(torch.equal(x, y) for x, y in zip(a + ra, b + rb))
-    record["ratio"] = record["generic_us"] / record["builtin_us"]
-    return record
 
 
 def table(records: list[dict], columns: list[str]) -> str:

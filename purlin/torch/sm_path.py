@@ -75,9 +75,8 @@ class SmPrepared:
         self.threads = threads
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         self.program_words = None  # the fused programs' length
-        self.norm_launcher = None  # the fused kernel compiled with the epilogue, on demand
-        self.epilogue_kernel = epilogue_kernel  # "auto": the one-shot kernel where it runs
-        self.norm_kernel = None  # the one the epilogue's programs run on, once chosen
+        self.epilogue_kernel = epilogue_kernel  # "fused": the built-in on the NORM op everywhere
+        self.norm_kernel = None  # what the last epilogue program made runs on (plans())
         tdt = getattr(torch, schedule.dtype)
         if self.fused:
             from purlin.atom.fused import fuse_problem, fused_unit, row_grid, threads_grid
@@ -121,13 +120,11 @@ class SmPrepared:
         relocated copy of the table or fused program (kept; the ones used in a graph capture
         for ever). ``norm``: (residual, weight, eps) of an epilogue :meth:`norm_problem`
         accepted -- the program ends with it."""
-        desc_ptr = self.desc_ptr
+        desc_ptr, launcher = self.desc_ptr, self.launcher
         if src is not None or dst is not None or norm is not None:
-            desc_ptr = self._relocated(src, dst, capturing, norm)
+            desc_ptr, kernel = self._relocated(src, dst, capturing, norm)
+            launcher = kernel or launcher
         stream = torch.cuda.current_stream(self.path.device).cuda_stream
-        launcher = self.launcher if norm is None else self.norm_launcher
-        if norm is not None and hasattr(norm, "form"):  # a user epilogue: its own kernel
-            launcher = self._user_launchers[self._key(src, dst, norm)]
         launcher(desc_ptr, stream, self.timeout_ns, self.counters_ptr)
 
     def _program(self, low, epilogue=None):
@@ -169,35 +166,34 @@ class SmPrepared:
                 self.path.gpu, items, 1, self.unit, blocks=blocks_per_lane, kind="process")
         return self._grid_launcher("fused")
 
-    def _norm_kernel(self, words: torch.Tensor) -> str:
-        """The kernel for this collective's programs with an epilogue (all of one shape; the
-        first is ``words``): the one-shot kernel where it runs them and ``epilogue_kernel``
-        is "auto", else the fused kernel with the NORM op."""
-        from purlin.atom.fused import oneshot_problem
-
-        if self.epilogue_kernel == "auto" and oneshot_problem(words.cpu().numpy()) is None:
-            return "fused-norm-oneshot"
-        return "fused-norm"
-
-    def _user_kernel(self, key, words: torch.Tensor, epilogue) -> str | None:
-        """Choose the kernel of user ``epilogue`` (``purlin.kernels.epilogue``) for the
-        program ``words`` made for ``key``; why it cannot run there, or None."""
+    def _epilogue_kernel(self, low, words: torch.Tensor, dst, norm):
+        """(why not, program, launcher) for the program ``words`` that ``low`` ends with the
+        epilogue ``norm`` in: the one-shot kernel built for the epilogue where it runs the
+        program (a user epilogue runs nowhere else; the built-in (residual, weight, eps) runs
+        there as the user epilogue ``rms_norm``, unless ``epilogue_kernel`` is "fused"), else
+        the fused kernel with the NORM op."""
+        from purlin.atom.epilogue import rms_norm
         from purlin.atom.fused import oneshot_problem
         from purlin.kernels.epilogue import kernel_name
 
         why = oneshot_problem(words.cpu().numpy())
-        if why:
-            return f"a user epilogue runs on the one-shot kernel, which cannot run it: {why}"
-        if not hasattr(self, "_user_launchers"):
-            self._user_launchers = {}
-        self._user_launchers[key] = self._grid_launcher(kernel_name(epilogue.form(
-            self.output, epilogue.hidden)))
-        return None
+        user = hasattr(norm, "form")
+        if why and user:
+            return (f"a user epilogue runs on the one-shot kernel, which cannot run it: {why}",
+                    None, None)
+        if why or (self.epilogue_kernel == "fused" and not user):
+            self.norm_kernel = "fused-norm"
+            return None, words, self._grid_launcher("fused-norm")
+        if not user:  # (its program also holds the addresses the generic kernel reads)
+            norm = rms_norm(*norm)
+            words, _ = self._program(low, self._epilogue(dst, norm))
+        self.norm_kernel = "generic"
+        return None, words, self._grid_launcher(kernel_name(norm.form(self.output,
+                                                                      norm.hidden)))
 
     def _grid_launcher(self, kernel: str):
-        """A launcher of fused ``kernel`` ("fused", "fused-norm", "fused-norm-oneshot") on this
-        collective's grid,
-        reading programs of this collective's length."""
+        """A launcher of fused ``kernel`` ("fused", "fused-norm" or an epilogue's one-shot
+        kernel) on this collective's grid, reading programs of this collective's length."""
         return self.path.launcher(1, self.blocks_per_lane, self.threads, kernel=kernel,
                                   stride_words=self.program_words, pdl=self.pdl)
 
@@ -276,10 +272,10 @@ class SmPrepared:
         return Epilogue(target, residual.data_ptr(), weight.data_ptr(), self.sums.data_ptr(),
                         weight.numel(), float(eps))
 
-    def _relocated(self, src, dst, capturing: bool, norm=None) -> int | None:
-        """The device address of the table (or fused program) that reads ``src`` / writes
-        ``dst`` (and ends with the epilogue ``norm``); None where the fused kernel cannot run
-        it."""
+    def _relocated(self, src, dst, capturing: bool, norm=None) -> tuple | None:
+        """(device address, launcher or None: the collective's) of the table (or fused
+        program) that reads ``src`` / writes ``dst`` (and ends with the epilogue ``norm``);
+        None where the fused kernel cannot run it."""
         from purlin.atom.fused import epilogue_problem, fuse_problem
         from purlin.atom.lowering import relocate
         from purlin.atom.sm import rank_blob
@@ -289,7 +285,7 @@ class SmPrepared:
             return None
         found = self._moved.get(key)
         if found is None:
-            moves = {}
+            launcher, moves = None, {}
             for t, region in ((src, self.input), (dst, self.output)):
                 if t is not None:
                     nbytes = region.numel() * region.element_size()
@@ -307,18 +303,15 @@ class SmPrepared:
                     self._refused[key] = problem
                     return None
                 found, _ = self._program(low, epilogue)
-                if epilogue is not None and hasattr(norm, "form"):
-                    why = self._user_kernel(key, found, norm)
+                if epilogue is not None:  # (never while capturing: a new key is refused then)
+                    why, found, launcher = self._epilogue_kernel(low, found, dst, norm)
                     if why:
                         self._refused[key] = why
                         return None
-                elif epilogue is not None and self.norm_launcher is None:  # not while capturing
-                    self.norm_kernel = self._norm_kernel(found)
-                    self.norm_launcher = self._grid_launcher(self.norm_kernel)
             else:  # the relocated block counts calls in this one's control words: one epoch
                 found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
                                      self.schedule.lanes, control=self.control.data_ptr())
-            self._moved[key] = found
+            found = self._moved[key] = (found, launcher)
             if len(self._moved) > self.MAX_MOVED + len(self._pinned):
                 # a launch still queued may read the oldest table: let it finish (rare)
                 torch.cuda.synchronize(self.path.device)
@@ -328,7 +321,7 @@ class SmPrepared:
         self._moved.move_to_end(key)
         if capturing:
             self._pinned.add(key)  # the graph keeps this block's address
-        return found.data_ptr()
+        return found[0].data_ptr(), found[1]
 
     def error(self) -> str | None:
         """The error this rank's executor recorded, as a sentence (call after a synchronize)."""
