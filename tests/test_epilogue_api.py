@@ -312,6 +312,7 @@ def _process_prepared(protocol, epilogue_kernel="auto", count=1024):
     import types
 
     from purlin.atom.lowering import lower
+    from purlin.atom.sm_kernel import Flags
     from purlin.kernels import isa
     from purlin.runtime.shm import layout
     from purlin.snac import plan
@@ -324,16 +325,17 @@ def _process_prepared(protocol, epilogue_kernel="auto", count=1024):
              for b in ("input", "output", "scratch")}
     p = object.__new__(SmPrepared)
     p.path = types.SimpleNamespace(device=torch.device("cpu"), ptrs=ptrs, rank=0)
-    p.layout, p.offset, p.threads, p.program_words = lay, 0, 32, None
+    p.threads, p.program_words = 32, None
     p.unit = 8 if protocol == "fused-ll" else 16
-    p.flag_bases = {q: ptrs[q] + lay.flags for q in range(2)}
+    p.flags = Flags(2, 1, lay.flag_count, {q: ptrs[q] + lay.flags for q in range(2)},
+                    slots={q: ptrs[q] + lay.block_flags for q in range(2)})
     p.control, p.abort_ptr, p.sums = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64), 0, None
     p.output = torch.zeros(count, dtype=torch.bfloat16)
     p.epilogue_kernel, p.norm_kernel = epilogue_kernel, None
     p._grid_launcher = lambda kernel: kernel
     ll = ({q: ptrs[q] + lay.offset(q, "ll") for q in range(2)} if lay.has_ll else None)
     out = types.SimpleNamespace(data_ptr=lambda: bases[(0, "output")])
-    return p, lower(s, bases, p.flag_bases, ll_bases=ll)[0], out
+    return p, lower(s, bases, p.flags.flags, ll_bases=ll)[0], out
 
 
 @pytest.mark.parametrize("protocol,epilogue_kernel,kernel", [

@@ -4,21 +4,18 @@ the one-shot kernel :mod:`purlin.kernels.epilogue` builds for the epilogue."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from purlin.errors import CapabilityError, SpecError
-from purlin.kernels import isa
 
 
 def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
     """Fill ``bound.launches`` (an ``SmBound`` of a fused-ll all-reduce) with one launch per
     device of the programs ending with ``epilogue`` (one per rank, or one for every rank)."""
+    from purlin.atom.epilogue import per_rank
     from purlin.atom.fused import fused_unit, oneshot_problem, program, row_sums_bytes
     from purlin.atom.sm import fused_launch
+    from purlin.atom.sm_kernel import RankKernel, pack
     from purlin.kernels.epilogue import kernel_name
     from purlin.kernels.launch import Launcher
-
-    from purlin.atom.epilogue import per_rank
 
     torch = bound.torch
     epis = per_rank(epilogue, bound.schedule)
@@ -30,13 +27,7 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
     if problem or unit != 8:
         raise CapabilityError(f"the epilogue's one-shot kernel takes 8-byte LL units; "
                               f"{bound.schedule.title()} {problem or f'moves {unit}-byte ones'}")
-    bound.block_flags = [torch.zeros(f.numel() * isa.F_MAX_BLOCKS, dtype=torch.int64,
-                                     device=f.device) for f in bound.flags]
-
-    def flag_slot(address: int) -> int:
-        rank, index = bound._flag_of(address)
-        return bound.block_flags[rank].data_ptr() + index * isa.F_MAX_BLOCKS * 8
-
+    bound._slots_per_block()
     sizing = bound.schedule.sizing
     count = sizing.output_count(0)
     per_launch = max(len(r) for r in groups.values())
@@ -55,7 +46,7 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
         record = e.record(out.data_ptr(), sums.data_ptr(), hidden)
         try:
             prog = program(low, error=bound.control[r].data_ptr() + 2 * 8,
-                           abort=bound.abort.data_ptr(), flag_slot=flag_slot, unit=8,
+                           abort=bound.abort.data_ptr(), flag_slot=bound.flag_map.slot, unit=8,
                            epilogue=record, threads=bound.threads)
         except CapabilityError as exc:
             raise CapabilityError(f"epilogue {e.name!r} on {bound.threads} threads per block: "
@@ -69,15 +60,11 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
         if len({names[r] for r in ranks}) != 1:
             raise SpecError(f"the ranks on GPU {d} share a launch: give them epilogues of the "
                             "same functions, dtypes and extras' shapes")
-        stride = max(progs[r].words.size for r in ranks)
-        words = np.zeros(stride * len(ranks), dtype=np.int64)
-        for k, r in enumerate(ranks):
-            words[k * stride: k * stride + progs[r].words.size] = progs[r].words
-        table = torch.from_numpy(words).to(torch.device("cuda", d))
-        counters = torch.zeros(len(ranks) * isa.F_MAX_BLOCKS, dtype=torch.int64,
-                               device=table.device)
+        table, stride, counters = pack(torch, torch.device("cuda", d),
+                                       [progs[r].words for r in ranks])
         bound._keep += [table, counters, epis]
         launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
                             blocks_per_lane=bound.blocks_per_lane, threads=bound.threads,
                             pdl=bound.pdl, kernel=names[ranks[0]], stride_words=stride)
-        bound.launches.append((d, launcher, table.data_ptr(), ranks, counters.data_ptr()))
+        bound.launches.append(RankKernel(d, ranks, launcher, table.data_ptr(),
+                                         counters.data_ptr(), [bound.control[r] for r in ranks]))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import warnings
 from collections import OrderedDict
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,15 +29,18 @@ DEFAULT_THREADS = 512
 
 
 class SmPrepared:
-    """One prepared collective on this rank: its table (or fused program), descriptor and
-    region views. ``protocol``: "simple" / "ll" run the interpreter, "fused" / "fused-ll" the
-    fused kernel (the communicator has checked that it can run the schedule)."""
+    """One prepared collective on this rank: its launch (a :class:`purlin.atom.sm_kernel.
+    RankKernel` of this rank: executor block or fused program, control words, launcher),
+    where the group's flags are (:class:`purlin.atom.sm_kernel.Flags`) and region views.
+    ``protocol``: "simple" / "ll" run the interpreter, "fused" / "fused-ll" the fused kernel
+    (the communicator has checked that it can run the schedule)."""
 
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads,
                  protocol: str = "simple", pdl: bool = False, row_bytes: int | None = None,
                  epilogue_grid: str | int | None = None, epilogue_kernel: str = "auto"):
         from purlin.atom.lowering import local_buffers, lower
-        from purlin.atom.sm import default_blocks_per_lane, rank_blob, size_launch
+        from purlin.atom.sm import interpreter_launch, rank_blob
+        from purlin.atom.sm_kernel import Flags, RankKernel
 
         self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
         self.protocol, self.pdl = protocol, pdl
@@ -48,22 +50,26 @@ class SmPrepared:
         lanes = schedule.lanes
         bpl = 1  # the fused kernel's lowering: one block per lane
         if not self.fused:  # sized to fit the device, an explicit request refused if not
-            bpl, threads = size_launch(
-                path.gpu, lanes=lanes, ranks=1, blocks_per_lane=blocks_per_lane,
-                threads=threads, kind="process",
-                want=default_blocks_per_lane(sizing.message_bytes, lanes, path.sms))
+            # (the size's default blocks, LL too)
+            bpl, threads = interpreter_launch(schedule, path.gpu, 1,
+                                              blocks_per_lane=blocks_per_lane,
+                                              threads=threads, kind="process")
         self.blocks_per_lane = bpl
         ptrs = path.ptrs
         bases = {(q, b): ptrs[q] + offset + lay.offset(q, b)
                  for q in range(n) for b in ("input", "output", "scratch")}
-        self.flag_bases = {q: ptrs[q] + offset + lay.flags for q in range(n)}
         # LL areas (a layout made for protocol="ll"): every peer's, as the puts target them
-        self.ll_bases = ({q: ptrs[q] + offset + lay.offset(q, "ll") for q in range(n)}
-                         if lay.has_ll else None)
-        self.ll_bytes = lay.ll_bytes
-        self.all_lowered = lower(schedule, bases, self.flag_bases, blocks_per_lane=bpl,
+        ll_bases = ({q: ptrs[q] + offset + lay.offset(q, "ll") for q in range(n)}
+                    if lay.has_ll else None)
+        self.flags = Flags(n, lanes, lay.flag_count,
+                           {q: ptrs[q] + offset + lay.flags for q in range(n)},
+                           slots={q: ptrs[q] + offset + lay.block_flags for q in range(n)}
+                           if lay.block_flags else None,
+                           ll={q: (a, lay.ll_bytes[q]) for q, a in ll_bases.items()}
+                           if ll_bases else None)
+        self.all_lowered = lower(schedule, bases, self.flags.flags, blocks_per_lane=bpl,
                                  scratch_bytes=dict(enumerate(lay.scratch_bytes)),
-                                 ll_bases=self.ll_bases)
+                                 ll_bases=ll_bases)
         low = self.all_lowered[rank]
         # one abort word for the whole group: rank 0's copy
         self.abort_ptr = ptrs[0] + offset + lay.abort
@@ -71,7 +77,6 @@ class SmPrepared:
         self._moved: OrderedDict = OrderedDict()  # (input at, output at) -> relocated block
         self._pinned: set = set()
         self._refused: dict = {}  # keys the fused kernel cannot run relocated: why
-        self.counters_ptr = 0  # the fused kernel's call counters
         self.threads = threads
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         self.program_words = None  # the fused programs' length
@@ -79,12 +84,12 @@ class SmPrepared:
         self.norm_kernel = None  # what the last epilogue program made runs on (plans())
         tdt = getattr(torch, schedule.dtype)
         if self.fused:
-            from purlin.atom.fused import fuse_problem, fused_unit, row_grid, threads_grid
+            from purlin.atom.fused import fuse_problem, row_grid, threads_grid
+            from purlin.atom.sm_kernel import fused_unit_or_refuse
 
-            self.unit, problem = fused_unit(self.all_lowered, protocol)
-            if problem:  # the communicator checked the plan: this is a bug, said on every rank
-                raise CapabilityError(f"protocol={protocol!r} cannot run "
-                                      f"{schedule.title()} here: {problem}")
+            # (the communicator checked the plan: a refusal is a bug, said on every rank)
+            self.unit = fused_unit_or_refuse(self.all_lowered, protocol,
+                                             f"{schedule.title()} here")
             # row_bytes: made for an RMSNorm epilogue over rows that long, on the grid
             # epilogue_grid asks for ("rows": blocks owning whole rows, 16-byte items, where
             # there is one; threads: blocks of that many, one item each)
@@ -98,19 +103,19 @@ class SmPrepared:
             elif row_bytes and epilogue_grid:
                 rows = threads_grid(nbytes, self.unit, epilogue_grid, path.sms)
             self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
-            self.counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
-            self.counters_ptr = self.counters.data_ptr()
-            self.desc, items = self._program(low)
-            self.launcher = self._fused_launcher(items, blocks_per_lane, rows)
+            counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
+            desc, items = self._program(low)
+            launcher = self._fused_launcher(items, blocks_per_lane, rows)
         else:
-            self.desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
-            self.launcher = path.launcher(lanes, bpl, threads)
-        self.desc_ptr = self.desc.data_ptr()
+            desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
+            counters, launcher = None, path.launcher(lanes, bpl, threads)
+        self.kernel = RankKernel(dev.index, [rank], launcher, desc.data_ptr(),
+                                 0 if counters is None else counters.data_ptr(), [self.control],
+                                 keep=[desc, counters])
         self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
         self.output = path.view(offset + lay.offset(rank, "output"), sizing.output_count(rank),
                                 tdt)
         self.timeout_ns = int(path.timeout * 1e9)
-        self.flag_count = lay.flag_count
 
     def launch(self, src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
                capturing: bool = False, norm: tuple | None = None) -> None:
@@ -120,37 +125,28 @@ class SmPrepared:
         relocated copy of the table or fused program (kept; the ones used in a graph capture
         for ever). ``norm``: (residual, weight, eps) of an epilogue :meth:`norm_problem`
         accepted -- the program ends with it."""
-        desc_ptr, launcher = self.desc_ptr, self.launcher
+        desc = launcher = None
         if src is not None or dst is not None or norm is not None:
-            desc_ptr, kernel = self._relocated(src, dst, capturing, norm)
-            launcher = kernel or launcher
-        stream = torch.cuda.current_stream(self.path.device).cuda_stream
-        launcher(desc_ptr, stream, self.timeout_ns, self.counters_ptr)
+            desc, launcher = self._relocated(src, dst, capturing, norm)
+        self.kernel.launch(torch.cuda.current_stream(self.path.device).cuda_stream,
+                           self.timeout_ns, desc, launcher)
 
     def _program(self, low, epilogue=None):
         """This rank's fused program for lowered table ``low`` on the device, and its items
         (what the grid is sized for); ``epilogue``: a :class:`purlin.atom.fused.Epilogue`
         to end with."""
         from purlin.atom.fused import program
-
-        lay, base = self.layout, self.offset
-
-        def flag_slot(address: int) -> int:  # flag i of rank q -> its block-0 slot
-            q, i = next((q, (address - b) // 8) for q, b in self.flag_bases.items()
-                        if b <= address < b + 8 * lay.flag_count)
-            return self.path.ptrs[q] + base + lay.block_flags + i * isa.F_MAX_BLOCKS * 8
+        from purlin.atom.sm_kernel import pack
 
         prog = program(low, error=self.control.data_ptr() + 2 * 8, abort=self.abort_ptr,
-                       flag_slot=flag_slot, unit=self.unit, epilogue=epilogue,
+                       flag_slot=self.flags.slot, unit=self.unit, epilogue=epilogue,
                        threads=self.threads)
         # the launch reads stride_words words of a program: every program of this collective
         # (relocated, with an epilogue: one op and one source entry more) is that long
         if self.program_words is None:
             self.program_words = prog.words.size + isa.OP_WIDTH + isa.SOURCE_WIDTH
         # (a user epilogue's extra words may run past it: the kernel reads those from memory)
-        words = np.zeros(max(self.program_words, prog.words.size), dtype=np.int64)
-        words[:prog.words.size] = prog.words
-        return torch.from_numpy(words).to(self.path.device), prog.items
+        return pack(torch, self.path.device, [prog.words], self.program_words)[0], prog.items
 
     def _fused_launcher(self, items: int, blocks_per_lane, rows=None):
         """The fused kernel's launcher: ``rows`` = (blocks, threads) where given (an
@@ -325,50 +321,12 @@ class SmPrepared:
 
     def error(self) -> str | None:
         """The error this rank's executor recorded, as a sentence (call after a synchronize)."""
-        rec = self.control[2:].cpu().tolist()
-        code = rec[isa.E_CODE]
-        if code == isa.ERR_NONE:
-            return None
-        rank, step = self.path.rank, rec[isa.E_STEP]
-        peer = rec[isa.E_PEER]
-        sums = self.sums
-        if sums is not None and 0 <= rec[isa.E_FLAG] - sums.data_ptr() < sums.numel() * 8:
-            chunk = (rec[isa.E_FLAG] - sums.data_ptr()) // 16
-            return (f"rank {rank} block {rec[isa.E_BLOCK]} gave up after {self.path.timeout:.3g}"
-                    f" s waiting for row sum slot {chunk} of the RMSNorm epilogue (tag "
-                    f"{rec[isa.E_EXPECTED]} expected, saw {rec[isa.E_SEEN]}): another block of "
-                    "this rank did not finish its part of the all-reduce")
-        if self._is_ll(rec[isa.E_FLAG]) and code != isa.ERR_ABORTED:
-            return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}) timed out after "
-                    f"{self.path.timeout:.3g} s waiting for the LL data rank {peer} sends: "
-                    f"expected tag {rec[isa.E_EXPECTED]}, saw {rec[isa.E_SEEN]} — is rank "
-                    f"{peer} alive?")
-        what, owner = self._flag_of(rec[isa.E_FLAG])
-        if code == isa.ERR_ABORTED:
-            return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}) gave up waiting on {what} "
-                    f"from rank {peer}: another rank timed out first (its own check() names the "
-                    "rank it waited for)")
-        bpl = 1 if self.fused else self.blocks_per_lane  # the fused kernel: slots per block
-        return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}, block {rec[isa.E_BLOCK]}) "
-                f"timed out after {self.path.timeout:.3g} s waiting on {what} >= "
-                f"{rec[isa.E_EXPECTED]} ({rec[isa.E_EXPECTED] // bpl} notifies x {bpl} blocks) "
-                f"from rank {peer}: saw {rec[isa.E_SEEN]} — is rank {peer} alive?")
+        from purlin.atom.sm_kernel import describe
 
-    def _is_ll(self, address: int) -> bool:
-        base = (self.ll_bases or {}).get(self.path.rank)
-        return base is not None and base <= address < base + self.ll_bytes[self.path.rank]
-
-    def _flag_of(self, address: int):
-        if self._is_ll(address):
-            return "its LL data", self.path.rank
-        lanes, n = self.schedule.lanes, self.schedule.nranks
-        for q, base in self.flag_bases.items():
-            if base <= address < base + 8 * self.flag_count:
-                i = (address - base) // 8
-                if i < n * lanes:
-                    return f"flag(r{q}<-r{i // lanes}.l{i % lanes})", q
-                return f"lane barrier {i - n * lanes} of rank {q}", q
-        return f"flag at 0x{address:x}", -1
+        [(rank, rec)] = self.kernel.records()
+        sums = None if self.sums is None else (self.sums.data_ptr(), self.sums.numel() * 8)
+        return describe(rec, rank, self.flags, self.path.timeout,
+                        1 if self.fused else self.blocks_per_lane, sums, ask=True)
 
     def release(self) -> None:
         self._keep = ()
