@@ -80,11 +80,16 @@ class _Launcher:
         self.calls.append(args)
 
 
-def _path():
+def _path(monkeypatch):
     """An ``SmPath`` of rank 0 of 2 whose staging is host memory (peers' at made-up
     addresses) and whose launchers record their calls."""
     from purlin.atom.sm import Gpu
+    from purlin.kernels import launch
     from purlin.torch.sm_path import SmPath
+
+    monkeypatch.setattr(launch, "Launcher", _Launcher)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: types.SimpleNamespace(cuda_stream=9))
 
     path = object.__new__(SmPath)
     path.group, path.rank, path.nranks, path.timeout = None, 0, 2, 2.0
@@ -94,8 +99,6 @@ def _path():
     path.buf = torch.zeros(1 << 20, dtype=torch.uint8)
     path.ptrs = [path.buf.data_ptr(), 1 << 44]
     path._launchers, path.prepared = {}, []
-    path.launcher = lambda lanes, bpl, threads=None, **kw: _Launcher(
-        lanes=lanes, bpl=bpl, threads=threads, **kw)
     return path
 
 
@@ -105,7 +108,7 @@ def test_process_mode_prepares_one_rank_kernel_and_names_its_errors(protocol, mo
 
     s = plan(collectives.all_reduce(2), "direct-push", count=2048, dtype="bfloat16")
     lay = layout(s, ll=protocol in ("ll", "fused-ll"), block_flags=protocol.startswith("fused"))
-    path = _path()
+    path = _path(monkeypatch)
     p = path.prepare(s, 0, lay, protocol=protocol)
     k = p.kernel
     assert k.ranks == [0] and k.control == [p.control] and p.error() is None
@@ -114,8 +117,6 @@ def test_process_mode_prepares_one_rank_kernel_and_names_its_errors(protocol, mo
     assert (k.counters != 0) == fused  # the fused kernel's call counters
     if fused:  # flags have their slots in the layout's area
         assert p.flags.slots == {q: path.ptrs[q] + lay.block_flags for q in range(2)}
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device=None: types.SimpleNamespace(cuda_stream=9))
     p.launch()
     assert k.launcher.calls == [(k.desc, 9, p.timeout_ns, k.counters)]
     # rank 1 never notified rank 0's flag from it
@@ -138,11 +139,9 @@ def test_process_mode_ends_a_program_with_the_norm_on_the_same_launch(protocol, 
 
     s = plan(collectives.all_reduce(2), "direct-push", count=4096, dtype="bfloat16")
     lay = layout(s, ll=protocol == "fused-ll", block_flags=True)
-    p = _path().prepare(s, 0, lay, protocol=protocol, row_bytes=2048)
+    p = _path(monkeypatch).prepare(s, 0, lay, protocol=protocol, row_bytes=2048)
     norm = (torch.zeros(4096, dtype=torch.bfloat16), torch.ones(1024, dtype=torch.bfloat16), 1e-5)
     assert p.norm_problem(None, None, norm) is None and p.epilogues() == 1
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device=None: types.SimpleNamespace(cuda_stream=9))
     p.launch(norm=norm)
     (launcher,) = {v[1] for v in p._moved.values()}
     assert launcher.config["kernel"].startswith(kernel) and p.kernel.launcher.calls == []

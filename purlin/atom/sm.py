@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from purlin.atom.sm_kernel import Flags, RankKernel, describe, fused_unit_or_refuse, pack
+from purlin.atom.sm_kernel import Flags, RankKernel, describe, fused_unit_or_refuse
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
 from purlin.kernels import isa
 from purlin.snac.planner import Capabilities
@@ -397,22 +397,15 @@ class SmBound:
     def _launch_tables(self, groups, blobs) -> None:
         """The executor per device: a lone rank launches on its block and prefetches it; a
         virtual cluster packs its ranks into one launch with a table of their descriptors."""
-        from purlin.atom.lowering import HEAD_WORDS
-        from purlin.kernels.launch import Launcher
-
-        torch = self.torch
         for d, ranks in groups.items():
-            if len(ranks) == 1:
-                table, head = blobs[ranks[0]], HEAD_WORDS
-            else:
-                table = torch.stack([blobs[r][:isa.DESC_WIDTH] for r in ranks]).contiguous()
-                head = 0
-            self._keep.append(table)
-            launcher = Launcher(device=d, nranks_in_launch=len(ranks),
-                                nlanes=self.schedule.lanes, blocks_per_lane=self.blocks_per_lane,
-                                threads=self.threads, head_words=head, pdl=self.pdl)
-            self.launches.append(RankKernel(d, ranks, launcher, table.data_ptr(), 0,
-                                            [self.control[r] for r in ranks]))
+            k = RankKernel.interpreter(self.torch, self.torch.device("cuda", d), ranks,
+                                       [blobs[r] for r in ranks],
+                                       [self.control[r] for r in ranks],
+                                       lanes=self.schedule.lanes,
+                                       blocks_per_lane=self.blocks_per_lane,
+                                       threads=self.threads, pdl=self.pdl)
+            self._keep += k.keep
+            self.launches.append(k)
 
     def _launch_fused(self, groups, blocks, wish, threads) -> None:
         """One fused program per rank (purlin.atom.fused), packed per device at a common
@@ -420,7 +413,6 @@ class SmBound:
         record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
         ``wish``: a tuning table's (cut to what fits)."""
         from purlin.atom.fused_rows import cluster_programs
-        from purlin.kernels.launch import Launcher
 
         # LL transfers go one 8-byte unit per thread (twice the threads polling at once, as
         # the hand-written LL floor kernel does), or half of one where rows are 4-byte
@@ -437,16 +429,13 @@ class SmBound:
             self.gpu, size, per_launch, unit, blocks=blocks, wish=wish, threads=threads,
             kind=self.cluster.kind)
         for d, ranks in groups.items():
-            table, stride, counters = pack(self.torch, self.torch.device("cuda", d),
-                                           [progs[r].words for r in ranks])
-            self._keep += [table, counters]
-            traced = self._fused_trace_buffer(ranks, progs, d)
-            launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
-                                blocks_per_lane=self.blocks_per_lane, threads=self.threads,
-                                pdl=self.pdl, stride_words=stride, **traced)
-            self.launches.append(RankKernel(d, ranks, launcher, table.data_ptr(),
-                                            counters.data_ptr(),
-                                            [self.control[r] for r in ranks]))
+            k = RankKernel.fused(self.torch, self.torch.device("cuda", d), ranks,
+                                 [progs[r].words for r in ranks],
+                                 [self.control[r] for r in ranks], blocks=self.blocks_per_lane,
+                                 threads=self.threads, pdl=self.pdl,
+                                 **self._fused_trace_buffer(ranks, progs, d))
+            self._keep += k.keep
+            self.launches.append(k)
 
     def _slots_per_block(self) -> None:
         """The fused kernel's flag slots, one per block of every flag (zeroed), in

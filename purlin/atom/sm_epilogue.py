@@ -13,9 +13,8 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
     from purlin.atom.epilogue import per_rank
     from purlin.atom.fused import fused_unit, oneshot_problem, program, row_sums_bytes
     from purlin.atom.sm import fused_launch
-    from purlin.atom.sm_kernel import RankKernel, pack
+    from purlin.atom.sm_kernel import RankKernel
     from purlin.kernels.epilogue import kernel_name
-    from purlin.kernels.launch import Launcher
 
     torch = bound.torch
     epis = per_rank(epilogue, bound.schedule)
@@ -60,11 +59,9 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
         if len({names[r] for r in ranks}) != 1:
             raise SpecError(f"the ranks on GPU {d} share a launch: give them epilogues of the "
                             "same functions, dtypes and extras' shapes")
-        table, stride, counters = pack(torch, torch.device("cuda", d),
-                                       [progs[r].words for r in ranks])
-        bound._keep += [table, counters, epis]
-        launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
-                            blocks_per_lane=bound.blocks_per_lane, threads=bound.threads,
-                            pdl=bound.pdl, kernel=names[ranks[0]], stride_words=stride)
-        bound.launches.append(RankKernel(d, ranks, launcher, table.data_ptr(),
-                                         counters.data_ptr(), [bound.control[r] for r in ranks]))
+        k = RankKernel.fused(torch, torch.device("cuda", d), ranks,
+                             [progs[r].words for r in ranks], [bound.control[r] for r in ranks],
+                             blocks=bound.blocks_per_lane, threads=bound.threads, pdl=bound.pdl,
+                             kernel=names[ranks[0]])
+        bound._keep += k.keep + [epis]
+        bound.launches.append(k)

@@ -127,6 +127,38 @@ class RankKernel:
         self.desc, self.counters, self.control = int(desc), int(counters), list(control)
         self.keep = [t for t in keep if t is not None]
 
+    @classmethod
+    def interpreter(cls, torch, device, ranks, blobs, control, *, lanes: int,
+                    blocks_per_lane: int, threads: int, pdl: bool = False, cache=None):
+        """The executor over ``ranks`` on ``device`` (a torch device), their blocks ``blobs``
+        (:func:`purlin.atom.sm.rank_blob`): a lone rank launches on its block and prefetches
+        it; several share a launch through a table of their descriptors."""
+        from purlin.atom.lowering import HEAD_WORDS
+
+        if len(ranks) == 1:
+            table, head = blobs[0], HEAD_WORDS
+        else:
+            table, head = torch.stack([b[:isa.DESC_WIDTH] for b in blobs]).contiguous(), 0
+        run = launcher(cache, device=device.index, nranks_in_launch=len(ranks), nlanes=lanes,
+                       blocks_per_lane=blocks_per_lane, threads=threads, head_words=head,
+                       pdl=pdl)
+        return cls(device.index, ranks, run, table.data_ptr(), 0, control, keep=[table])
+
+    @classmethod
+    def fused(cls, torch, device, ranks, programs, control, *, blocks: int, threads: int,
+              pdl: bool = False, kernel: str = "fused", stride: int = 0, cache=None,
+              **trace):
+        """``kernel`` (the fused kernel, with the NORM op, an epilogue's one-shot kernel, a
+        traced one with ``trace``'s Launcher options) over ``ranks`` on ``device``: their
+        programs (word arrays) packed at one stride of at least ``stride`` words, ``blocks``
+        blocks of ``threads`` each per rank."""
+        table, stride, counters = pack(torch, device, programs, stride)
+        run = launcher(cache, device=device.index, nranks_in_launch=len(ranks), nlanes=1,
+                       blocks_per_lane=blocks, threads=threads, pdl=pdl, kernel=kernel,
+                       stride_words=stride, **trace)
+        return cls(device.index, ranks, run, table.data_ptr(), counters.data_ptr(), control,
+                   keep=[table, counters])
+
     def launch(self, stream: int, timeout_ns: int, desc: int | None = None,
                launcher=None) -> None:
         """One call on ``stream``; ``desc`` / ``launcher``: another program of the same ranks
@@ -140,6 +172,19 @@ class RankKernel:
 
     def __repr__(self) -> str:
         return f"RankKernel(device={self.device}, ranks={self.ranks}, {self.launcher!r})"
+
+
+def launcher(cache=None, **config):
+    """A :class:`purlin.kernels.launch.Launcher` of ``config`` (its arguments), made once per
+    configuration in the dict ``cache`` where one is given."""
+    from purlin.kernels.launch import Launcher
+
+    if cache is None:
+        return Launcher(**config)
+    key = tuple(sorted(config.items()))
+    if key not in cache:
+        cache[key] = Launcher(**config)
+    return cache[key]
 
 
 def pack(torch, device, programs, stride: int = 0):

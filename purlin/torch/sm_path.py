@@ -105,13 +105,15 @@ class SmPrepared:
             self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
             counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
             desc, items = self._program(low)
-            launcher = self._fused_launcher(items, blocks_per_lane, rows)
-        else:
+            self.kernel = RankKernel(dev.index, [rank],
+                                     self._fused_launcher(items, blocks_per_lane, rows),
+                                     desc.data_ptr(), counters.data_ptr(), [self.control],
+                                     keep=[desc, counters])
+        else:  # (without PDL: process mode launches the interpreter plainly)
             desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
-            counters, launcher = None, path.launcher(lanes, bpl, threads)
-        self.kernel = RankKernel(dev.index, [rank], launcher, desc.data_ptr(),
-                                 0 if counters is None else counters.data_ptr(), [self.control],
-                                 keep=[desc, counters])
+            self.kernel = RankKernel.interpreter(torch, dev, [rank], [desc], [self.control],
+                                                 lanes=lanes, blocks_per_lane=bpl,
+                                                 threads=threads, cache=path._launchers)
         self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
         self.output = path.view(offset + lay.offset(rank, "output"), sizing.output_count(rank),
                                 tdt)
@@ -190,8 +192,12 @@ class SmPrepared:
     def _grid_launcher(self, kernel: str):
         """A launcher of fused ``kernel`` ("fused", "fused-norm" or an epilogue's one-shot
         kernel) on this collective's grid, reading programs of this collective's length."""
-        return self.path.launcher(1, self.blocks_per_lane, self.threads, kernel=kernel,
-                                  stride_words=self.program_words, pdl=self.pdl)
+        from purlin.atom.sm_kernel import launcher
+
+        return launcher(self.path._launchers, device=self.path.device.index,
+                        nranks_in_launch=1, nlanes=1, blocks_per_lane=self.blocks_per_lane,
+                        threads=self.threads, kernel=kernel, stride_words=self.program_words,
+                        pdl=self.pdl)
 
     MAX_MOVED = 128  # relocated tables kept outside graph captures (least recently used go)
 
@@ -372,21 +378,6 @@ class SmPath:
     def view(self, offset: int, count: int, dtype) -> torch.Tensor:
         item = torch.empty((), dtype=dtype).element_size()
         return self.buf[offset: offset + count * item].view(dtype)
-
-    def launcher(self, lanes: int, bpl: int, threads: int | None = None, *,
-                 kernel: str = "executor", stride_words: int = 0, pdl: bool = False):
-        """A launcher of ``kernel`` for one rank (made once per configuration)."""
-        from purlin.atom.lowering import HEAD_WORDS
-        from purlin.kernels.launch import Launcher
-
-        threads = threads or self.threads
-        key = (lanes, bpl, threads, kernel, stride_words, pdl)
-        if key not in self._launchers:
-            self._launchers[key] = Launcher(
-                device=self.device.index, nranks_in_launch=1, nlanes=lanes,
-                blocks_per_lane=bpl, threads=threads, head_words=HEAD_WORDS, pdl=pdl,
-                kernel=kernel, stride_words=stride_words)
-        return self._launchers[key]
 
     def prepare(self, schedule, offset: int, lay, blocks_per_lane=None, *,
                 protocol: str = "simple", pdl: bool = False,
