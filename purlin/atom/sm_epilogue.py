@@ -11,10 +11,9 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
     """Fill ``bound.launches`` (an ``SmBound`` of a fused-ll all-reduce) with one launch per
     device of the programs ending with ``epilogue`` (one per rank, or one for every rank)."""
     from purlin.atom.epilogue import per_rank
-    from purlin.atom.fused import fused_unit, oneshot_problem, program, row_sums_bytes
+    from purlin.atom.fused import fused_unit, program, row_sums_bytes
     from purlin.atom.sm import fused_launch
-    from purlin.atom.sm_kernel import RankKernel
-    from purlin.kernels.epilogue import kernel_name
+    from purlin.atom.sm_kernel import RankKernel, one_shot_kernel
 
     torch = bound.torch
     epis = per_rank(epilogue, bound.schedule)
@@ -38,7 +37,6 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
         out = bound.outputs[r][:sizing.output_count(r)]
         e = epis[r]
         hidden = e.check(out)["hidden"]
-        names.append(kernel_name(e.form(out)))
         sums = torch.zeros(row_sums_bytes(out.numel() * out.element_size(), 8, bound.threads)
                            // 8, dtype=torch.int64, device=out.device)
         bound.epilogue_sums.append(sums)
@@ -50,10 +48,11 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
         except CapabilityError as exc:
             raise CapabilityError(f"epilogue {e.name!r} on {bound.threads} threads per block: "
                                   f"{exc}") from None
-        why = oneshot_problem(prog.words)
+        name, why = one_shot_kernel(e, out, prog.words)
         if why:
             raise CapabilityError(f"epilogue {e.name!r} runs on the one-shot kernel, which "
                                   f"cannot run this program: {why}")
+        names.append(name)
         progs.append(prog)
     for d, ranks in groups.items():
         if len({names[r] for r in ranks}) != 1:

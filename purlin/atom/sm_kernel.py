@@ -200,6 +200,19 @@ def pack(torch, device, programs, stride: int = 0):
     return table, stride, counters
 
 
+def one_shot_kernel(epilogue, out, words) -> tuple[str | None, str | None]:
+    """(the name of the one-shot kernel :mod:`purlin.kernels.epilogue` builds for user
+    ``epilogue`` after ``out``'s all-reduce, None) where it runs the fused program ``words``
+    (:func:`purlin.atom.fused.oneshot_problem`); else (None, why it cannot)."""
+    from purlin.atom.fused import oneshot_problem
+    from purlin.kernels.epilogue import kernel_name
+
+    why = oneshot_problem(np.asarray(words))
+    if why:
+        return None, why
+    return kernel_name(epilogue.form(out, epilogue.hidden)), None
+
+
 def fused_unit_or_refuse(lowered, protocol: str, title: str) -> int:
     """The unit of the fused programs of ``lowered`` (:func:`purlin.atom.fused.fused_unit`),
     or CapabilityError saying why ``protocol`` cannot run the schedule ``title``."""

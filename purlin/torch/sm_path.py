@@ -172,22 +172,22 @@ class SmPrepared:
         the fused kernel with the NORM op."""
         from purlin.atom.epilogue import rms_norm
         from purlin.atom.fused import oneshot_problem
-        from purlin.kernels.epilogue import kernel_name
+        from purlin.atom.sm_kernel import one_shot_kernel
 
-        why = oneshot_problem(words.cpu().numpy())
         user = hasattr(norm, "form")
-        if why and user:
-            return (f"a user epilogue runs on the one-shot kernel, which cannot run it: {why}",
-                    None, None)
-        if why or (self.epilogue_kernel == "fused" and not user):
+        if not user and (self.epilogue_kernel == "fused"
+                         or oneshot_problem(words.cpu().numpy())):
             self.norm_kernel = "fused-norm"
             return None, words, self._grid_launcher("fused-norm")
         if not user:  # (its program also holds the addresses the generic kernel reads)
             norm = rms_norm(*norm)
             words, _ = self._program(low, self._epilogue(dst, norm))
+        name, why = one_shot_kernel(norm, self.output, words.cpu().numpy())
+        if why:
+            return (f"a user epilogue runs on the one-shot kernel, which cannot run it: {why}",
+                    None, None)
         self.norm_kernel = "generic"
-        return None, words, self._grid_launcher(kernel_name(norm.form(self.output,
-                                                                      norm.hidden)))
+        return None, words, self._grid_launcher(name)
 
     def _grid_launcher(self, kernel: str):
         """A launcher of fused ``kernel`` ("fused", "fused-norm" or an epilogue's one-shot
