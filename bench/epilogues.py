@@ -11,7 +11,10 @@ Two tables, at hidden 4096 and 8192, batch 1 to 64 (bfloat16):
   ``same_bits``: both leave the same outputs and residuals;
 * ``user`` -- add + RMSNorm + FP8 (e4m3, a float32 scale per token) and bias + GELU fused
   into the all-reduce (``fused_us``) against the same all-reduce and then the same in
-  separate PyTorch ops (``unfused_us``).
+  separate PyTorch ops (``unfused_us``);
+* ``wire`` -- FP8 on the wire: the prologue ``x / scale`` sent as e4m3fn or e5m2 and
+  ``v * scale`` after the float32 sum (``wire_us``), against the same epilogue with bfloat16
+  on the wire (``plain_us``); ``wire_err``: its largest error against the exact sum.
 
 Each time: a CUDA graph of ``--ops`` calls, per call, median of ``--replays``.
 """
@@ -83,6 +86,14 @@ def gelu_setup(hidden: int):
     return setup
 
 
+def wire_records(hiddens, batches, timing) -> list[dict]:
+    """:func:`purlin.bench.epilogues.fp8_wire` for both FP8 wires on every shape."""
+    from purlin.bench.epilogues import fp8_wire
+
+    return [fp8_wire(hidden=h, batch=b, wire=w, **timing)
+            for w in ("float8_e4m3fn", "float8_e5m2") for h in hiddens for b in batches]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="JSON file or folder (default outputs/)")
@@ -111,8 +122,12 @@ def main(argv=None) -> int:
                           "same_bits"]))
     print("\nuser epilogues fused vs the all-reduce + PyTorch ops (us per call)")
     print(table(user, ["epilogue", "hidden", "batch", "fused_us", "unfused_us", "speedup"]))
+    wire = wire_records(args.hidden, args.batch, timing)
+    print("\nFP8 on the wire vs bfloat16 on the wire, all-reduce + epilogue (us per call)")
+    print(table(wire, ["wire", "hidden", "batch", "wire_us", "plain_us", "speedup", "wire_err",
+                       "rel_err"]))
     path = write_json(output(args.out, "epilogues.json"), {
-        "builtin": builtin, "user": user,
+        "builtin": builtin, "user": user, "wire": wire,
         "info": run_info("sm", time.monotonic() - started, kind="virtual", ranks=2,
                          hidden=args.hidden, batch=args.batch, dtype="bfloat16", **timing)})
     print(f"\nwrote {path}")

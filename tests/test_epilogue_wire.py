@@ -146,6 +146,17 @@ def test_what_a_wire_cannot_do_is_refused_naming_the_epilogue():
                epilogue=[wire_epilogue(torch.ones(8), w) for w in WIRES])
 
 
+def test_the_bench_record_times_both_wires_and_bounds_the_error():
+    from purlin.bench.epilogues import fp8_wire
+
+    for wire, half_step in zip(WIRES, (2.0 ** -4, 2.0 ** -3)):
+        r = fp8_wire(hidden=64, batch=2, wire=wire, dtype="float32", cluster=Cluster.cpu(2),
+                     replays=3)
+        assert r["where"] == "cpu" and r["wire_us"] > 0 and r["plain_us"] > 0
+        assert r["plain_err"] < 1e-5 < r["wire_err"]  # float32 on the wire: one rounding
+        assert r["rel_err"] <= 2 * half_step, r
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("wire", WIRES)
 def test_the_wire_kernel_compiles_for_sm90_without_spills(wire, dtype):

@@ -15,7 +15,7 @@ import numpy as np
 
 from purlin.bench.metrics import Timing
 
-__all__ = ["builtin_vs_generic", "fp8_norm", "fused_vs_unfused"]
+__all__ = ["builtin_vs_generic", "fp8_norm", "fp8_wire", "fused_vs_unfused", "wire_functions"]
 
 
 def fp8_norm(hidden: int, eps: float):
@@ -168,6 +168,72 @@ def builtin_vs_generic(*, hidden: int, batch: int, nranks: int = 2, eps: float =
     (a, ra), (b, rb) = results["builtin"], results["generic"]
     record["same_bits"] = all(torch.equal(x, y) for x, y in zip(a + ra, b + rb))
     record["ratio"] = record["generic_us"] / record["builtin_us"]
+    return record
+
+
+FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+_WIRE_FUNCTIONS: list = []
+
+
+def wire_functions():
+    """(quantise, dequantise): the prologue ``x / scale`` and the epilogue ``v * scale`` of
+    an all-reduce with FP8 on the wire, ``scale`` a per-column extra (one pair per process:
+    ranks that share a launch share the functions)."""
+    if not _WIRE_FUNCTIONS:
+        from numba import cuda
+
+        @cuda.jit(device=True)
+        def quantise(x, scale):
+            return x / scale
+
+        @cuda.jit(device=True)
+        def dequantise(v, scale):
+            return v * scale
+
+        _WIRE_FUNCTIONS.extend((quantise, dequantise))
+    return tuple(_WIRE_FUNCTIONS)
+
+
+def fp8_wire(*, hidden: int, batch: int, wire: str = "float8_e4m3fn", dtype: str = "bfloat16",
+             nranks: int = 2, cluster=None, ops: int = 20, replays: int = 30) -> dict:
+    """One record: the all-reduce of ``batch`` rows of ``hidden`` with the prologue
+    ``x / scale`` sent as FP8 ``wire`` and the epilogue ``v * scale`` (``wire_us``), against
+    the same with ``dtype`` on the wire and a scale of 1 (``plain_us``); ``scale`` is each
+    column's largest ``|x|`` over the ranks over the FP8 maximum. ``wire_err`` and
+    ``plain_err``: the largest ``|output - exact sum|`` (float64), ``rel_err`` the wire's
+    over the largest exact value."""
+    import torch
+
+    from purlin.atom.epilogue import Epilogue
+
+    cluster = _cluster(nranks, cluster)
+    gpu = cluster.kind != "cpu"
+    count = batch * hidden
+    device = torch.device("cuda", cluster.devices[0]) if gpu else torch.device("cpu")
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator(device=device).manual_seed(3)
+    xs = [torch.randn(count, generator=gen, device=device).to(tdt) for _ in range(cluster.nranks)]
+    exact = sum(x.double() for x in xs)
+    peak = torch.stack([x.view(batch, hidden).float().abs().amax(dim=0) for x in xs]).amax(0)
+    scale = (peak / FP8_MAX[wire]).clamp(min=1e-12).to(tdt)
+    quantise, dequantise = wire_functions()
+    record = {"wire": wire, "hidden": hidden, "batch": batch, "ranks": cluster.nranks,
+              "dtype": dtype, "where": "gpu" if gpu else "cpu"}
+    for key, on_wire, s in (("wire", wire, scale), ("plain", None, torch.ones_like(scale))):
+        epis = [Epilogue(dequantise, extras=(s,), prologue=quantise, wire=on_wire,
+                         hidden=hidden, name="scaled") for _ in range(cluster.nranks)]
+        bound = _bind(cluster, count, dtype, epis)
+        out = bound([x.clone() for x in xs])
+        record[f"{key}_err"] = max(float((o.double() - exact).abs().max()) for o in out)
+        if gpu:
+            for r, x in enumerate(xs):
+                bound.inputs[r][:count].copy_(x)
+            record[f"{key}_us"] = _time(torch, bound.launch, ops, replays, True).median_us
+            bound.check()
+        else:
+            record[f"{key}_us"] = _time(torch, lambda: bound(xs), ops, replays, False).median_us
+    record["speedup"] = record["plain_us"] / record["wire_us"]
+    record["rel_err"] = record["wire_err"] / max(float(exact.abs().max()), 1e-30)
     return record
 
 
