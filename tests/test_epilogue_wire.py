@@ -119,6 +119,18 @@ def test_a_wire_leaves_the_input_and_a_residual_takes_the_float32_sum():
                        .reshape(-1))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_wire_prologue_in_place_leaves_the_decoded_fp8_exactly(dtype):
+    """Where an all-reduce of the element type stands in for the kernel (the communicator's
+    fallback), the input becomes what the rank sends: FP8 values, exact in 16 bits."""
+    x = _inputs(1, 32, dtype)[0]
+    for wire in WIRES:
+        e = wire_epilogue(_scale(8, dtype), wire)
+        sent = e.reference_wire(x)
+        y = e.reference_prologue(x.clone())
+        assert torch.equal(y.float().reshape(-1), sent) and not torch.equal(y, x)
+
+
 def test_what_a_wire_cannot_do_is_refused_naming_the_epilogue():
     scale = torch.ones(8)
     with pytest.raises(SpecError, match=r"epilogue 'dequantise': wire='bfloat16' is not an "

@@ -192,12 +192,17 @@ class Epilogue:
     # ---- the same in PyTorch (the cpu datapath, and the reference the tests compare with)
     def reference_prologue(self, tensor, hidden: int | None = None):
         """The prologue on a rank's input ``tensor`` on the host, in place (rounded to its
-        dtype), as the kernel does before sending it; returns ``tensor``."""
+        dtype), as the kernel does before sending it; returns ``tensor``. With a wire: the
+        FP8 values it sends, decoded (:meth:`reference_wire`; exact in the element type),
+        where an all-reduce of the element type stands in for the kernel."""
         import torch
 
         if self.prologue is None:
             return tensor
-        y = torch.from_numpy(self._host_prologue(tensor, hidden))
+        if self.wire is not None:
+            y = self.reference_wire(tensor, hidden)
+        else:
+            y = torch.from_numpy(self._host_prologue(tensor, hidden))
         tensor.copy_(y.to(tensor.device).to(tensor.dtype).reshape(tensor.shape))
         return tensor
 
