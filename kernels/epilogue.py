@@ -47,10 +47,11 @@ from purlin.kernels.intrinsics import (SIMULATOR, bits_to_f32, device, f32_to_bi
                                        griddep_launch_dependents, load_i64, load_u32,
                                        store_i64, store_u32, store_u8, store_volatile_v4_u32)
 from purlin.kernels.isa import (BF16, F16, F32, F_ABORT, F_DIVISOR, F_DTYPE, F_HEAD, F_NOPS,
-                                F_RANK, F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES,
-                                SOURCE_ADDR, SOURCE_LL, NORM_CHUNKS, NORM_HIDDEN, NORM_PARAMS,
+                                F_REDOP, MAX_THREADS, NORM_CHUNKS, NORM_HIDDEN, NORM_PARAMS,
                                 NORM_RESIDUAL, NORM_ROW_CHUNKS, NORM_SUMS, OP_WIDTH, PUT_DST,
                                 PUT_SRC, SOURCE_PEER, SOURCE_STEP, SOURCE_WIDTH)
+from purlin.kernels.isa import (F_RANK, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES,  # the wire's
+                                SOURCE_ADDR, SOURCE_LL)
 
 EXTRA_OUT, EXTRA_ROW_OUT, EXTRA_FIRST = 0, 1, 2  # words after the NORM parameter entry
 E4M3_MAX = 448.0
