@@ -47,8 +47,9 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue, kernel="gene
     sizing = bound.schedule.sizing
     count = sizing.output_count(0)
     per_launch = max(len(r) for r in groups.values())
+    size = 1 if epis[0].wire else bound.outputs[0].element_size()  # FP8 on the wire: a byte
     bound.blocks_per_lane, bound.threads = fused_launch(
-        bound.gpu, -(-count * bound.outputs[0].element_size() // 8), per_launch, 8,
+        bound.gpu, -(-count * size // 8), per_launch, 8,
         blocks=blocks, wish=wish, threads=threads, kind=bound.cluster.kind)
     names, progs, bound.epilogue_sums = [], [], []
     for r, low in enumerate(bound.lowered):
