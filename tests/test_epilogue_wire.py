@@ -198,7 +198,8 @@ def _bits(t):
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def _sim_wire(n, dtype, wire, hidden, count, blocks, threads, calls=2, residual=False):
+def _sim_wire(n, dtype, wire, hidden, count, blocks, threads, calls=2, residual=False,
+              fp8_out=False):
     """Every rank in turn on the simulated wire kernel, the peers' units written from the host
     reference (as their kernels would send them). Checks each call: the units the rank put
     to each peer are its reference wire bytes, and its outputs are the host reference's, bit
@@ -221,8 +222,11 @@ def _sim_wire(n, dtype, wire, hidden, count, blocks, threads, calls=2, residual=
         t.copy_(v)  # the program's input buffers
     raw = [t.clone() for t in inputs]
     starts = [torch.randn(count).to(tdt) for _ in range(n)]
-    epis = [wire_epilogue(scale.clone(), wire,
-                          residual=starts[r].clone() if residual else None) for r in range(n)]
+    def codes():
+        return torch.empty(count, dtype=torch.float8_e4m3fn) if fp8_out else None
+
+    epis = [wire_epilogue(scale.clone(), wire, residual=starts[r].clone() if residual else None,
+                          out=codes()) for r in range(n)]
     wire_bytes = [fp8_encode(e._host_prologue(x, None).reshape(-1), wire)
                   for e, x in zip(epis, raw)]
     outputs = [torch.from_numpy(o.view(np.int16)).view(tdt) if dtype == "bfloat16"
@@ -233,10 +237,11 @@ def _sim_wire(n, dtype, wire, hidden, count, blocks, threads, calls=2, residual=
         sums = wire_sums(epis, raw)
         want = []
         for r, e in enumerate(epis):
-            ref = wire_epilogue(scale, wire, residual=host_res[r] if residual else None)
+            ref = wire_epilogue(scale, wire, residual=host_res[r] if residual else None,
+                                out=codes())
             y = torch.empty(count, dtype=tdt)
             ref.reference(y, sums=sums)
-            want.append(y)
+            want.append(y if ref.out is None else ref.out)
         got = []
         for to in range(n):
             for low in lowered:  # the peers' units of this call
@@ -269,10 +274,14 @@ def _sim_wire(n, dtype, wire, hidden, count, blocks, threads, calls=2, residual=
                     data = np.ascontiguousarray(sent[:, [0, 2]]).view(np.uint8).reshape(-1)
                     assert np.array_equal(data, wire_bytes[to]), (to, peer, data, wire_bytes[to])
             assert torch.equal(inputs[to], raw[to]), "the input was rewritten"
-            assert torch.equal(_bits(outputs[to]), _bits(want[to])), (to, outputs[to], want[to])
+            if fp8_out:
+                assert torch.equal(e.out.view(torch.uint8), want[to].view(torch.uint8)), to
+            else:
+                assert torch.equal(_bits(outputs[to]), _bits(want[to])), (to, outputs[to],
+                                                                          want[to])
             if residual:
                 assert torch.equal(_bits(e.residual), _bits(host_res[to])), to
-            got.append(outputs[to].clone())
+            got.append((e.out if fp8_out else outputs[to]).clone())
     return got, raw, scale
 
 
@@ -290,9 +299,11 @@ def sim_wire_kernel_matches_the_host_reference_bit_for_bit():
 
 
 @case
-def sim_wire_kernel_with_a_residual_matches_the_host_reference():
+def sim_wire_kernel_with_a_residual_or_fp8_out_matches_the_host_reference():
     for wire in WIRES:
         _sim_wire(2, "bfloat16", wire, 16, 96, 2, threads=4, residual=True)
+        _sim_wire(2, "bfloat16", wire, 16, 96, 1, threads=4, fp8_out=True)
+        _sim_wire(4, "float32", wire, 8, 64, 2, threads=4, residual=True, fp8_out=True)
 
 
 @case
