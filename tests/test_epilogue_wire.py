@@ -343,15 +343,16 @@ def test_gpu_wire_all_reduce_matches_the_host_computation(wire, hidden, rows):
     for _ in range(3):  # both LL parities, and a call after
         out = [o.clone() for o in b(xs)]
     b.check()
-    q = []
+    q = []  # on the host
     for x in xs:
-        y = x.float().reshape(rows, hidden) / scale.float()
+        y = x.cpu().float().reshape(rows, hidden) / scale.cpu().float()
         if wire == "float8_e4m3fn":
             y = y.clamp(-448, 448)
         q.append(y.to(getattr(torch, wire)).float())
-    want = ((q[0] + q[1]) * scale.float()).bfloat16().reshape(-1)
+    want = ((q[0] + q[1]) * scale.cpu().float()).bfloat16().reshape(-1)
     for r in range(2):
-        assert torch.equal(out[r], want), (r, (out[r].float() - want.float()).abs().max())
+        assert torch.equal(out[r].cpu(), want), (r, (out[r].cpu().float() - want.float())
+                                                 .abs().max())
     half_step = 2.0 ** -4 if wire == "float8_e4m3fn" else 2.0 ** -3  # FP8's relative rounding
     err = (out[0].float() - total.float()).abs()
     bound = half_step * (xs[0].float().abs() + xs[1].float().abs()) * 1.01 \
