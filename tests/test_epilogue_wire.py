@@ -355,8 +355,8 @@ def test_gpu_wire_all_reduce_matches_the_host_computation(wire, hidden, rows):
                                                  .abs().max())
     half_step = 2.0 ** -4 if wire == "float8_e4m3fn" else 2.0 ** -3  # FP8's relative rounding
     err = (out[0].float() - total.float()).abs()
-    bound = half_step * (xs[0].float().abs() + xs[1].float().abs()) * 1.01 \
-        + 2.0 ** -7 * total.float().abs() + 1e-3
+    bound = half_step * (xs[0].float().abs() + xs[1].float().abs()) * 1.05 \
+        + 2.0 ** -6 * total.float().abs() + 2e-3  # (and two bfloat16 roundings)
     assert bool((err <= bound).all()), float((err - bound).max())
 
 
