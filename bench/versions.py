@@ -6,11 +6,12 @@
 The same measurement runs once per version in a fresh process whose ``PYTHONPATH`` is that
 version's source tree, the versions alternating per rank count, so both see the same GPU,
 clocks and loan. Per (ranks, collective, size): ``strategy="auto"`` and direct-push with the
-fused-ll, fused and simple protocols, bfloat16, CUDA-graph replay per op (median of 10 replays of 20 ops), each bind
-checked once against ``purlin.reference`` (0 wrong or the row says how many). Only the public
-bind API is used, so any version that has ``Cluster.virtual`` can be compared. Prints, per
-ranks and size, the geomean over the six collectives of now / before for ``auto`` and for the
-best bind, with the worst collective; writes every row as JSON. About 3 minutes on one H200.
+fused-ll, fused and simple protocols, bfloat16, CUDA-graph replay per op (median of 10
+replays of 20 ops), each bind checked once against ``purlin.reference`` (0 wrong or the row
+says how many). Only the public bind API is used, so any version that has
+``Cluster.virtual`` can be compared. Prints, per ranks and size, the geomean over the six
+collectives of now / before for ``auto`` and for the best bind, with the worst collective;
+writes every row as JSON. About 3 minutes on one H200.
 """
 
 from __future__ import annotations
