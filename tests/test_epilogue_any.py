@@ -178,6 +178,139 @@ def sim_rows_of_a_partial_unit_are_refused_with_what_would_run():
         raise AssertionError("rows of 12 bytes were not refused")
 
 
+# --------------------------------------------------------------------------- cpu datapath
+
+
+def test_a_cpu_cluster_runs_an_epilogue_at_a_size_beyond_the_one_shot_kernel():
+    """1 MiB of float32 per rank (past any LL size): the cpu datapath's host reference."""
+    hidden, rows = 1024, 256
+    gen = torch.Generator().manual_seed(7)
+    xs = [torch.randn(rows * hidden, generator=gen) for _ in range(2)]
+    bias = torch.randn(hidden, generator=gen)
+    out = Cluster.cpu(2).bind(collectives.all_reduce(2), count=rows * hidden, dtype="float32",
+                              epilogue=Epilogue(bias_gelu, extras=(bias,), hidden=hidden))(xs)
+    want = torch_gelu((xs[0] + xs[1]).reshape(rows, hidden), bias).reshape(-1)
+    for o in out:
+        assert torch.allclose(torch.as_tensor(o).float(), want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ GPU: virtual ranks
+
+BIG = 16 << 20  # bytes per rank: far past the one-shot kernel's LL sizes
+
+
+def _parts(n, count, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(count, generator=gen, device="cuda").bfloat16() for _ in range(n)], gen
+
+
+def _replayed(bound, xs, reset=lambda: None):
+    """The outputs of one graph replay of ``bound`` on inputs ``xs`` (outputs zeroed first,
+    ``reset()`` restoring what the eager call changed)."""
+    graph = bound.capture(1)
+    for x, buf in zip(xs, bound.inputs):
+        buf[:x.numel()].copy_(x)
+    for o in bound.outputs:
+        o.zero_()
+    reset()
+    torch.cuda.synchronize()
+    graph.replay()
+    bound.check()
+    return [o[:xs[0].numel()].clone() for o in bound.outputs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("strategy", ["direct-push", "auto"])
+def test_gpu_bias_gelu_at_16_mib_is_the_all_reduce_then_torch(n, strategy):
+    hidden = 8192
+    count = BIG // 2
+    xs, gen = _parts(n, count, seed=n)
+    bias = torch.randn(hidden, generator=gen, device="cuda").bfloat16()
+    c = Cluster.virtual(n)
+    ar = collectives.all_reduce(n)
+    b = c.bind(ar, strategy, count=count, dtype="bfloat16",
+               epilogue=Epilogue(bias_gelu, extras=(bias,), hidden=hidden))
+    assert b.kernel.endswith(" then epilogue kernel"), b.kernel
+    total = c.bind(ar, strategy, count=count, dtype="bfloat16")(xs)[0].clone()
+    want = torch_gelu(total.reshape(-1, hidden), bias).reshape(-1)
+    for got in ([o.clone() for o in b(xs)], _replayed(b, xs)):
+        for r, o in enumerate(got):
+            assert torch.allclose(o.float(), want, rtol=1e-2, atol=1e-2), (strategy, n, r)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("strategy", ["direct-push", "auto"])
+def test_gpu_add_rms_norm_fp8_at_16_mib_is_the_all_reduce_then_torch(n, strategy):
+    hidden = 8192
+    count = BIG // 2
+    rows = count // hidden
+    xs, gen = _parts(n, count, seed=10 + n)
+    weight = (torch.rand(hidden, generator=gen, device="cuda") + 0.5).bfloat16()
+    starts = [torch.randn(count, generator=gen, device="cuda").bfloat16() for _ in range(n)]
+    functions = fp8_norm(hidden, EPS)  # one launch for the ranks of a GPU: the same functions
+    epis = [fp8_epilogue(s.clone(), weight, torch.empty(count, device="cuda",
+                                                        dtype=torch.float8_e4m3fn),
+                         torch.empty(rows, device="cuda"), functions) for s in starts]
+    c = Cluster.virtual(n)
+    ar = collectives.all_reduce(n)
+    b = c.bind(ar, strategy, count=count, dtype="bfloat16", epilogue=epis)
+    assert b.kernel.endswith(" then epilogue kernel"), b.kernel
+    total = c.bind(ar, strategy, count=count, dtype="bfloat16")(xs)[0].clone()
+    b(xs)
+    torch.cuda.synchronize()
+
+    def reset():
+        for e, s in zip(epis, starts):
+            e.residual.copy_(s)
+            e.out.view(torch.uint8).zero_()
+
+    for call in ("eager", "graph"):
+        if call == "graph":
+            _replayed(b, xs, reset)
+        for r, e in enumerate(epis):
+            check_fp8(e.out, e.row_out, e.residual, total, starts[r], weight)
+
+
+@pytest.mark.gpu
+def test_gpu_a_prologue_runs_before_the_all_reduce_beyond_the_one_shot_kernel():
+    hidden, n = 8192, 2
+    count = BIG // 2
+    xs, gen = _parts(n, count, seed=20)
+    w = (torch.rand(hidden, generator=gen, device="cuda") * 2).bfloat16()
+    e = Epilogue(bias_gelu, extras=(w,), prologue=clip_scale, hidden=hidden)
+    b = Cluster.virtual(n).bind(collectives.all_reduce(n), count=count, dtype="bfloat16",
+                                epilogue=e)
+    assert b.kernel.startswith("prologue kernel then "), b.kernel
+    pre = [(x.float().reshape(-1, hidden) * w.float()).clamp(-4, 4).bfloat16() for x in xs]
+    want = torch_gelu((pre[0].float() + pre[1].float()).bfloat16(), w).reshape(-1)
+    for o in b([x.clone() for x in xs]):
+        assert torch.allclose(o.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_an_ll_size_keeps_the_one_shot_kernel_and_fused_ll_elsewhere_is_refused():
+    from purlin.errors import CapabilityError
+
+    hidden = 4096
+    c = Cluster.virtual(2)
+    ar = collectives.all_reduce(2)
+    bias = torch.zeros(hidden, device="cuda").bfloat16()
+    e = Epilogue(bias_gelu, extras=(bias,), hidden=hidden)
+    for strategy in ("direct-push", "auto"):
+        assert c.bind(ar, strategy, count=8 * hidden, dtype="bfloat16",
+                      epilogue=e).kernel == "fused-ll kernel with epilogue"
+    assert c.bind(ar, count=8 * hidden, dtype="bfloat16", protocol="fused",
+                  epilogue=e).kernel == "fused-ll kernel with epilogue"  # (any protocol)
+    ring = c.bind(ar, "ring", count=8 * hidden, dtype="bfloat16", epilogue=e)
+    assert ring.kernel == "interpreter then epilogue kernel", ring.kernel
+    with pytest.raises(CapabilityError, match=r"bind without protocol= \(or with "
+                                              r"strategy='auto'\) to run"):
+        c.bind(ar, "ring", count=8 * hidden, dtype="bfloat16", protocol="fused-ll",
+               epilogue=e)
+
+
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
     return simulator_verdicts(__file__, tmp_path_factory)
