@@ -649,7 +649,7 @@ def _apply_run(desc_ptr, nranks_in_launch, blocks_per_rank, stride_words):
     if not ROW:
         i = block * nthreads + tid
         while i < items:
-            e = _extras_items(head, i, i % row_items)
+            e = _extras_items(head, i, np.int64(np.uint32(i) % np.uint32(row_items)))
             _store_item(out, i, _apply4(_summed(target, residual, i), np.float32(0),
                                         np.float32(0), e))
             i += blocks_per_rank * nthreads
@@ -699,7 +699,7 @@ def _prologue_run(desc_ptr, nranks_in_launch, blocks_per_rank, stride_words):
     while i < items:
         at = target + i * LL_ITEM
         y = _prologue4(_floats(load_u32(at), load_u32(at + 4), DT),
-                       _extras_items(head, i, i % row_items))
+                       _extras_items(head, i, np.int64(np.uint32(i) % np.uint32(row_items))))
         n0, n1 = _words(y, DT)
         store_u32(at, n0)
         store_u32(at + 4, n1)

@@ -178,6 +178,38 @@ def sim_rows_of_a_partial_unit_are_refused_with_what_would_run():
         raise AssertionError("rows of 12 bytes were not refused")
 
 
+# ----------------------------------------------------------------------------- the PTX
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", ["bias_gelu", "swiglu", "fp8", "prologue"])
+def test_the_standalone_kernels_compile_for_sm90_without_spills(name, dtype):
+    """Every form's epilogue kernel (and a prologue's kernel), plain and PDL, types and
+    compiles for sm_90 (the simulator runs Python, not Numba's typing) with no local
+    memory; the row's reductions only in the per-row form, its maximum only where asked."""
+    pytest.importorskip("numba.cuda.cudadrv.nvvm")
+    from purlin.kernels import epilogue as ep, executor
+    from purlin.kernels.compat import compile_ptx
+
+    h = 64
+    x = torch.empty(4 * h, dtype=dtype)
+    col, el = torch.ones(h, dtype=dtype), torch.ones(4 * h, dtype=dtype)
+    e = {"bias_gelu": lambda: Epilogue(bias_gelu, extras=(col,), hidden=h),
+         "swiglu": lambda: Epilogue(swiglu, extras=(col, el), hidden=h),
+         "fp8": lambda: fp8_epilogue(torch.zeros_like(el), col, torch.empty(
+             4 * h, dtype=torch.float8_e4m3fn), torch.empty(4)),
+         "prologue": lambda: Epilogue(bias_gelu, extras=(col,), prologue=clip_scale,
+                                      hidden=h)}[name]()
+    for prologue in ((False, True) if name == "prologue" else (False,)):
+        plain, pdl, sig = ep.apply_kernels(e.form(x), prologue)
+        for k in (plain, pdl):
+            ptx = compile_ptx(k.py_func, sig, cc=(9, 0), launch_bounds=executor.MAX_THREADS)
+            assert ".local" not in ptx
+            assert ("griddepcontrol.wait" in ptx) == (k is pdl)
+            assert ("max.f32" in ptx) == (name == "fp8" or prologue)
+            assert ("shfl.sync" in ptx) == (name == "fp8")  # a row's sum: the row form's
+
+
 # --------------------------------------------------------------------------- cpu datapath
 
 
