@@ -1,8 +1,15 @@
 """A bound all-reduce on the sm datapath that ends with user epilogues
-(:mod:`purlin.atom.epilogue`): one program per rank ending with the epilogue's NORM op, run by
-the one-shot kernel :mod:`purlin.kernels.epilogue` builds for the epilogue (or, for
-:func:`purlin.atom.epilogue.rms_norm`, by the built-in ``oneshot_norm`` on the same programs:
-``epilogue_kernel="builtin"``, what the benchmarks compare)."""
+(:mod:`purlin.atom.epilogue`), at any size (:func:`bind_epilogue` picks):
+
+* :func:`launch_epilogue`: one program per rank ending with the epilogue's NORM op, run by the
+  one-shot kernel :mod:`purlin.kernels.epilogue` builds for the epilogue (or, for
+  :func:`purlin.atom.epilogue.rms_norm`, by the built-in ``oneshot_norm`` on the same
+  programs: ``epilogue_kernel="builtin"``, what the benchmarks compare);
+* :func:`add_device_epilogue`: elsewhere, the all-reduce bound as without an epilogue and then
+  the epilogue kernel built from the same device functions on each rank's output (and the
+  prologue kernel on its input before), one launch per device;
+* :class:`DeviceEpilogue`: those two kernels on one tensor, for a process-mode communicator.
+"""
 
 from __future__ import annotations
 
