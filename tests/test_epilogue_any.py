@@ -210,6 +210,58 @@ def test_the_standalone_kernels_compile_for_sm90_without_spills(name, dtype):
             assert ("shfl.sync" in ptx) == (name == "fp8")  # a row's sum: the row form's
 
 
+# ------------------------------------------------------------- which path a bind takes
+
+
+def test_sm_bind_routes_an_epilogue_to_the_one_shot_kernel_or_the_epilogue_kernel(monkeypatch):
+    """``purlin.atom.sm.bind(..., epilogue=)`` without a GPU: the one-shot kernel is tried at
+    LL sizes whatever the protocol, else (or where it refuses) the plain bind on the asked
+    protocol gets the epilogue kernel; an explicit ``fused-ll`` that cannot run is refused
+    saying what would."""
+    import types
+
+    from purlin.atom import sm, sm_epilogue
+    from purlin.errors import CapabilityError
+    from purlin.snac import plan
+
+    made = []
+
+    def fake_bound(cluster, schedule, *, protocol, epilogue=None, **kw):
+        made.append((protocol, epilogue is not None))
+        if epilogue is not None and schedule.strategy != "direct-push":
+            raise CapabilityError("rank 0: its program is not PUTs, one MOVE and the NORM "
+                                  "epilogue")
+        return types.SimpleNamespace(kernel=f"{protocol} kernel with epilogue" if epilogue
+                                     else "interpreter")
+
+    def fake_add(bound, epis):
+        bound.kernel += " then epilogue kernel"
+
+    monkeypatch.setattr(sm, "SmBound", fake_bound)
+    monkeypatch.setattr(sm_epilogue, "add_device_epilogue", fake_add)
+    e = Epilogue(bias_gelu, extras=(torch.zeros(4096, dtype=torch.bfloat16),), hidden=4096)
+
+    def bind(strategy, count, **kw):
+        made.clear()
+        schedule = plan(collectives.all_reduce(2), strategy, count=count, dtype="bfloat16")
+        return sm.bind(None, schedule, epilogue=e, **kw).kernel
+
+    small, big = 8 * 4096, 2048 * 4096
+    assert bind("direct-push", small) == "fused-ll kernel with epilogue"
+    assert bind("direct-push", small, protocol="simple") == "fused-ll kernel with epilogue"
+    assert bind("direct-push", big) == "interpreter then epilogue kernel"
+    assert made == [("simple", False)]  # (no one-shot attempt past LL sizes)
+    assert bind("ring", small, protocol="ll") == "interpreter then epilogue kernel"
+    assert made == [("fused-ll", True), ("ll", False)]
+    assert bind("direct-push", big, protocol="fused", fallback=True) == \
+        "interpreter then epilogue kernel"
+    assert made == [("fused", False)]
+    with pytest.raises(CapabilityError, match=r"not PUTs, one MOVE and the NORM epilogue; "
+                                              r"protocol='fused-ll' asks for the one-shot "
+                                              r"kernel .* bind without protocol="):
+        bind("ring", small, protocol="fused-ll")
+
+
 # --------------------------------------------------------------------------- cpu datapath
 
 

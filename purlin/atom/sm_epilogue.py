@@ -126,14 +126,17 @@ def bind_epilogue(cluster, schedule, *, protocol, fallback, epilogue, epilogue_k
                 f"{exc}; protocol='fused-ll' asks for the one-shot kernel with the epilogue "
                 f"inside -- bind without protocol= (or with strategy='auto') to run "
                 f"{schedule.title()} on its own path and then the epilogue kernel") from None
-    if epilogue_kernel == "builtin":
-        raise SpecError("epilogue_kernel='builtin' is the one-shot kernel's: pass "
-                        "protocol='fused-ll'")
     if schedule.sizing.message_bytes <= sm.LL_MAX_BYTES:
         try:
             return sm.SmBound(cluster, schedule, **oneshot)
         except CapabilityError:
-            pass  # not one shot (a strategy, rows or a grid it cannot run): the path below
+            if epilogue_kernel == "builtin":
+                raise
+            # not one shot (a strategy, rows or a grid it cannot run): the path below
+    if epilogue_kernel == "builtin":
+        raise SpecError(f"epilogue_kernel='builtin' runs on the one-shot kernel, which takes "
+                        f"LL sizes (up to {sm.LL_MAX_BYTES} bytes), not "
+                        f"{schedule.sizing.message_bytes}; use epilogue_kernel='generic'")
     bound = sm.bind(cluster, schedule, protocol=protocol or "simple", fallback=fallback,
                     blocks_per_lane=blocks_per_lane, threads=threads, **options)
     add_device_epilogue(bound, epis)
