@@ -163,6 +163,54 @@ def sim_the_prologue_kernel_rewrites_the_input_as_the_reference():
 
 
 @case
+def sim_a_bound_all_reduce_gets_the_prologue_and_epilogue_launches_around_its_own():
+    """``add_device_epilogue`` on a stand-in for an ``SmBound`` of two virtual ranks (host
+    tensors; "cuda" tables made on the host): the prologue launch first, the bound's own,
+    the epilogue launch last, each one launch for both rank slots, and ``kernel`` saying so;
+    run in that order they give the prologue, the sum, then the epilogue."""
+    import types
+
+    from purlin.atom.epilogue import per_rank
+    from purlin.atom.sm import Gpu
+    from purlin.atom.sm_epilogue import add_device_epilogue
+    from purlin.snac import plan
+
+    class HostTorch:  # torch, with every device the host
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def device(*_):
+            return torch.device("cpu")
+
+    hidden, rows = 16, 4
+    s = plan(collectives.all_reduce(2), "direct-push", count=rows * hidden, dtype="float32")
+    xs = [torch.randn(rows * hidden) * 3 for _ in range(2)]
+    bound = types.SimpleNamespace(
+        torch=HostTorch(), schedule=s, devices=(0, 0), gpu=Gpu(0, 2), pdl=False, _keep=[],
+        kernel="interpreter", launches=[("own",)], inputs=[x.clone() for x in xs],
+        outputs=[torch.zeros(rows * hidden) for _ in range(2)])
+    w = torch.rand(hidden) * 2
+    add_device_epilogue(bound, per_rank(Epilogue(bias_gelu, extras=(w,), prologue=clip_scale,
+                                                 hidden=hidden), s))
+    assert bound.kernel == "prologue kernel then interpreter then epilogue kernel"
+    before, own, after = bound.launches
+    assert own == ("own",) and before[3] == after[3] == [0, 1]
+    assert before[1].nranks_in_launch == after[1].nranks_in_launch == 2
+    before[1](before[2], counters=before[4])
+    pre = [(x.reshape(-1, hidden) * w).clamp(-4, 4).reshape(-1) for x in xs]
+    for got, want in zip(bound.inputs, pre):
+        assert torch.allclose(got, want)
+    total = bound.inputs[0] + bound.inputs[1]
+    for o in bound.outputs:
+        o.copy_(total)
+    after[1](after[2], counters=after[4])
+    want = torch_gelu(total.reshape(-1, hidden), w).reshape(-1)
+    for o in bound.outputs:
+        assert torch.allclose(o, want, rtol=1e-5, atol=1e-5)
+
+
+@case
 def sim_rows_of_a_partial_unit_are_refused_with_what_would_run():
     from purlin.atom.sm_epilogue import apply_words
     from purlin.errors import CapabilityError
