@@ -261,7 +261,9 @@ def _communicator_worker(rank, n, datapath):
     bad = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for rows, hidden in ((1, 4096), (4, 4096), (2, 8192)):
+        # on sm, 16 MiB too: past the one-shot kernel, the all-reduce then the epilogue kernel
+        for rows, hidden in ((1, 4096), (4, 4096), (2, 8192)) + (
+                ((1024, 8192),) if datapath == "sm" else ()):
             gen = torch.Generator(device=device).manual_seed(rows + hidden)
             parts = [torch.randn(rows, hidden, generator=gen, device=device).to(dt)
                      for _ in range(n)]
@@ -296,7 +298,9 @@ def _communicator_worker(rank, n, datapath):
             generic.all_reduce_add_rms_norm(t3, r3, weight, EPS)  # through all_reduce_epilogue
             if not (torch.equal(t1, t3) and torch.equal(r1, r3)):
                 bad.append(f"rms_norm {rows}x{hidden}: epilogue_kernel='generic' differs")
-            if datapath == "sm" and not (torch.equal(t1, t2) and torch.equal(r1, r2)):
+            oneshot = rows * hidden * t1.element_size() <= 256 << 10
+            if datapath == "sm" and oneshot and not (torch.equal(t1, t2)
+                                                     and torch.equal(r1, r2)):
                 bad.append(f"rms_norm {rows}x{hidden}: not the built-in's bits")
             if not (torch.allclose(t1.float(), t2.float(), rtol=1e-2, atol=1e-2)
                     and torch.equal(r1, r2)):
@@ -457,15 +461,6 @@ def test_gpu_builtin_rms_norm_through_the_generic_kernel_is_bitwise_the_hand_ker
         want_r, want = torch_norm(total, starts[r], epis[r].extras[0])
         assert torch.equal(epis[r].residual, want_r)
         assert torch.allclose(out[r].float(), want, rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.gpu
-def test_gpu_an_epilogue_off_the_one_shot_kernel_is_refused():
-    from purlin.errors import CapabilityError
-
-    with pytest.raises(CapabilityError, match="protocol='fused-ll'"):
-        Cluster.virtual(2).bind(collectives.all_reduce(2), count=4096, dtype="bfloat16",
-                                protocol="fused", epilogue=Epilogue(lambda v: v, hidden=4096))
 
 
 # ------------------------------------------------------------------------ the simulator
