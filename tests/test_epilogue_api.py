@@ -250,8 +250,8 @@ def _communicator_worker(rank, n, datapath):
     import warnings
 
     device = "cuda" if datapath == "sm" else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(rank)
+    if device == "cuda":  # (every rank on GPU 0 where there is one)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     from purlin.torch import CommOptions, Communicator
 
     comm = Communicator(timeout=10.0, datapath=datapath)
@@ -316,13 +316,17 @@ def test_communicator_all_reduce_with_an_epilogue_on_the_cpu_datapath():
 
 
 @pytest.mark.gpu
-def test_gpu_communicator_all_reduce_with_an_epilogue_on_the_fused_kernel():
-    """Process mode on two GPUs (nccl): the epilogues on the one-shot kernel."""
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_gpu_communicator_all_reduce_with_an_epilogue_on_the_fused_kernel(backend):
+    """Process mode on the sm datapath: the epilogues on the one-shot kernel and past it.
+    nccl: two GPUs; gloo: both processes on one GPU (staging mapped by CUDA IPC)."""
     from purlin.torch.testing import raise_for, run_processes
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("process mode needs 2 GPUs")
-    for bad in raise_for(run_processes(_communicator_worker, 2, "sm", backend="nccl",
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("process mode on nccl needs 2 GPUs")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    for bad in raise_for(run_processes(_communicator_worker, 2, "sm", backend=backend,
                                        timeout=300)):
         assert bad == []
 
