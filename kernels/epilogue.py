@@ -46,6 +46,7 @@ from purlin.kernels.fused import (LL_ITEM, META, SIGNATURE, _begin, _kernel, _no
 from purlin.kernels.intrinsics import (SIMULATOR, bits_to_f32, device, f32_to_bits,
                                        griddep_launch_dependents, load_i64, load_u32,
                                        store_i64, store_u32, store_u8, store_volatile_v4_u32)
+from purlin.kernels.intrinsics import griddep_wait
 from purlin.kernels.isa import (BF16, F16, F32, F_ABORT, F_DIVISOR, F_DTYPE, F_HEAD, F_NOPS,
                                 F_REDOP, MAX_THREADS, NORM_CHUNKS, NORM_HIDDEN, NORM_PARAMS,
                                 NORM_RESIDUAL, NORM_ROW_CHUNKS, NORM_SUMS, OP_WIDTH, PUT_DST,
@@ -273,8 +274,16 @@ def _finish(total, peak):
 def _store_out(meta, head, prm, target, c, y):
     """The item's results: into the target, or as e4m3 bytes into the output tensor."""
     i = c * cuda.blockDim.x + cuda.threadIdx.x
+    out = target
     if OUT_FP8:
         out = _word(meta, head, prm + SOURCE_WIDTH + EXTRA_OUT)
+    _store_item(out, i, y)
+
+
+@device
+def _store_item(out, i, y):
+    """Item ``i``'s results ``y`` at ``out``: as e4m3 bytes (``OUT_FP8``) or the element type."""
+    if OUT_FP8:
         n = 2 if DT == F32 else 4
         if n == 4:
             store_u32(out + i * 4, f32_to_e4m3(y[0]) | (f32_to_e4m3(y[1]) << 8)
@@ -284,7 +293,7 @@ def _store_out(meta, head, prm, target, c, y):
             store_u8(out + i * 2 + 1, f32_to_e4m3(y[1]))
     else:
         w0, w1 = _words(y, DT)
-        dst = target + i * LL_ITEM
+        dst = out + i * LL_ITEM
         store_u32(dst, w0)
         store_u32(dst + 4, w1)
 
@@ -574,23 +583,6 @@ def _item_of(v, j):
 
 
 @device
-def _store_item(meta, head, prm, target, t, y):
-    """Item ``t``'s results: into the target, or as e4m3 bytes into the output tensor."""
-    if OUT_FP8:
-        out = _word(meta, head, prm + SOURCE_WIDTH + EXTRA_OUT)
-        if WIDTH == 4:
-            store_u32(out + t * 4, f32_to_e4m3(y[0]) | (f32_to_e4m3(y[1]) << 8)
-                      | (f32_to_e4m3(y[2]) << 16) | (f32_to_e4m3(y[3]) << 24))
-        else:
-            store_u8(out + t * 2, f32_to_e4m3(y[0]))
-            store_u8(out + t * 2 + 1, f32_to_e4m3(y[1]))
-    else:
-        w0, w1 = _words(y, DT)
-        store_u32(target + t * LL_ITEM, w0)
-        store_u32(target + t * LL_ITEM + 4, w1)
-
-
-@device
 def _run_wire(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
               pdl):
     slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
@@ -625,7 +617,9 @@ def _run_wire(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_wo
         u += stride
     rank = meta[F_RANK]
     abort = meta[F_ABORT]
-    target = _word(meta, head, norm + 1 + odd)
+    out = _word(meta, head, norm + 1 + odd)  # the target, or the e4m3 output tensor
+    if OUT_FP8:
+        out = _word(meta, head, prm + SOURCE_WIDTH + EXTRA_OUT)
     nsrc = _word(meta, head, move + MOVE_NSRC)
     first = _word(meta, head, move + MOVE_SOURCES)
     u = g
@@ -659,9 +653,8 @@ def _run_wire(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_wo
                 store_u32(at, n0)
                 store_u32(at + 4, n1)
                 x = _floats(n0, n1, DT)
-            _store_item(meta, head, prm, target, t,
-                        _apply4(x, np.float32(0), np.float32(0),
-                                _extras_item(meta, head, prm, t, hidden)))
+            _store_item(out, t, _apply4(x, np.float32(0), np.float32(0),
+                                        _extras_item(meta, head, prm, t, hidden)))
         u += stride
     cuda.syncthreads()
     if tid == 0:
@@ -786,5 +779,205 @@ def by_name(name: str) -> tuple:
     return _BY_NAME[name][:3]
 
 
-__all__ = ["E4M3_MAX", "Form", "by_name", "f32_to_e4m3", "kernel_name", "kernels"]
+# ---- the standalone kernels: the same form on a tensor another kernel has already reduced
+#
+# Where the one-shot kernel does not run (a size beyond LL, a strategy that is not one shot,
+# rows that are not whole chunks), the all-reduce runs on its own path and then one launch per
+# device applies the form to each rank's output (``epilogue_apply``), or, before it, the
+# prologue to each rank's input (``prologue_apply``). Rank slot ``s`` of a launch reads its
+# table -- the words ``A_*`` -- at ``desc_ptr + s * stride_words * 8``. A row is one block's:
+# pass 1 adds the residual and sums ``stat`` over the row's items, pass 2 reads them back and
+# stores ``fn``'s results; per element, a grid-stride loop over the items.
+
+A_TARGET = 0  # the values: the all-reduce's output (the prologue's: the rank's input)
+A_RESIDUAL = 1  # residual address (or 0)
+A_OUT = 2  # where y goes: the target, an output tensor, or e4m3 bytes (OUT_FP8)
+A_ROW_OUT = 3  # float32 per row (or 0)
+A_ITEMS = 4  # 8-byte items of the tensor
+A_ROW_ITEMS = 5  # items per row
+A_EXTRAS = 6  # then one address per extra tensor
+APPLY_WORDS = A_EXTRAS  # + the extras
+
+
+def _item_source(form: Form) -> str:
+    """``_extras_items(head, i, j)``: the extras' items for item ``i`` (column item ``j``)."""
+    load = "\n".join(
+        f"    u{k} = load_i64(head + (A_EXTRAS + {k}) * 8) + {'j' if col else 'i'} * LL_ITEM\n"
+        f"    e{k} = _floats(load_u32(u{k}), load_u32(u{k} + 4), DT)"
+        for k, col in enumerate(form.per_column)) or "    pass"
+    names = "".join(f"e{k}, " for k in range(len(form.per_column)))
+    return f"""
+@device
+def _extras_items(head, i, j):
+{load}
+    return ({names})
+"""
+
+
+_APPLY = '''
+@device
+def _summed(target, residual, i):
+    """Item ``i``'s values: the target's, plus the residual's (rounded and stored back)."""
+    at = target + i * LL_ITEM
+    v = _floats(load_u32(at), load_u32(at + 4), DT)
+    if RESIDUAL:
+        at = residual + i * LL_ITEM
+        r = _floats(load_u32(at), load_u32(at + 4), DT)
+        n0, n1 = _words((v[0] + r[0], v[1] + r[1], v[2] + r[2], v[3] + r[3]), DT)
+        store_u32(at, n0)
+        store_u32(at + 4, n1)
+        v = _floats(n0, n1, DT)
+    return v
+
+
+@device
+def _apply_run(desc_ptr, nranks_in_launch, blocks_per_rank, stride_words):
+    slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
+    if slot >= nranks_in_launch:
+        return
+    block = cuda.blockIdx.x - slot * blocks_per_rank
+    head = desc_ptr + slot * stride_words * 8
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    target = load_i64(head + A_TARGET * 8)
+    residual = load_i64(head + A_RESIDUAL * 8)
+    out = load_i64(head + A_OUT * 8)
+    items = load_i64(head + A_ITEMS * 8)
+    row_items = load_i64(head + A_ROW_ITEMS * 8)
+    if not ROW:
+        i = block * nthreads + tid
+        while i < items:
+            e = _extras_items(head, i, np.int64(np.uint32(i) % np.uint32(row_items)))
+            _store_item(out, i, _apply4(_summed(target, residual, i), np.float32(0),
+                                        np.float32(0), e))
+            i += blocks_per_rank * nthreads
+        return
+    row = np.int64(block)
+    rows = items // row_items
+    while row < rows:
+        first = row * row_items
+        s = np.float32(0)
+        m = np.float32(-math.inf)
+        j = np.int64(tid)
+        while j < row_items:
+            t, u = _stat4(_summed(target, residual, first + j),
+                          _extras_items(head, first + j, j))
+            s += t
+            m = max(m, u)
+            j += nthreads
+        total = _sum_block(s, tid, nthreads)
+        peak = total
+        if STATS == 2:
+            peak = _max_block(m, tid, nthreads)
+        p, q = _finish(total, peak)
+        if ROW_OUT and tid == 0:
+            store_u32(load_i64(head + A_ROW_OUT * 8) + row * 4, f32_to_bits(q))
+        values = residual if RESIDUAL else target
+        j = np.int64(tid)
+        while j < row_items:
+            i = first + j
+            at = values + i * LL_ITEM
+            _store_item(out, i, _apply4(_floats(load_u32(at), load_u32(at + 4), DT), p, q,
+                                        _extras_items(head, i, j)))
+            j += nthreads
+        row += blocks_per_rank
+
+
+@device
+def _prologue_run(desc_ptr, nranks_in_launch, blocks_per_rank, stride_words):
+    slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
+    if slot >= nranks_in_launch:
+        return
+    block = cuda.blockIdx.x - slot * blocks_per_rank
+    head = desc_ptr + slot * stride_words * 8
+    target = load_i64(head + A_TARGET * 8)
+    items = load_i64(head + A_ITEMS * 8)
+    row_items = load_i64(head + A_ROW_ITEMS * 8)
+    i = block * cuda.blockDim.x + cuda.threadIdx.x
+    while i < items:
+        at = target + i * LL_ITEM
+        y = _prologue4(_floats(load_u32(at), load_u32(at + 4), DT),
+                       _extras_items(head, i, np.int64(np.uint32(i) % np.uint32(row_items))))
+        n0, n1 = _words(y, DT)
+        store_u32(at, n0)
+        store_u32(at + 4, n1)
+        i += blocks_per_rank * cuda.blockDim.x
+'''
+
+# (desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters): the
+# fused kernels' signature, so one Launcher launches them; timeout and counters unused. PDL:
+# the values are the kernel before's output, so the wait comes before any read.
+_APPLY_KERNELS = '''
+@_kernel
+def epilogue_apply(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                   counters):
+    with _helpers(cuda):
+        _apply_run(desc_ptr, nranks_in_launch, blocks_per_rank, stride_words)
+
+
+@_kernel
+def epilogue_apply_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                       counters):
+    griddep_launch_dependents()
+    griddep_wait()
+    with _helpers(cuda):
+        _apply_run(desc_ptr, nranks_in_launch, blocks_per_rank, stride_words)
+
+
+@_kernel
+def prologue_apply(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                   counters):
+    with _helpers(cuda):
+        _prologue_run(desc_ptr, nranks_in_launch, blocks_per_rank, stride_words)
+
+
+@_kernel
+def prologue_apply_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                       counters):
+    griddep_launch_dependents()
+    griddep_wait()
+    with _helpers(cuda):
+        _prologue_run(desc_ptr, nranks_in_launch, blocks_per_rank, stride_words)
+'''
+
+
+def _build_apply(form: Form) -> dict:
+    """The standalone kernels of ``form``: name -> (kernel, PDL kernel)."""
+    space = dict(globals(), DT=form.dtype, FN=form.fn, STAT=form.stat, FINISH=form.finish,
+                 RESIDUAL=form.residual, ROW=form.stat is not None, STATS=form.stats,
+                 OUT_FP8=form.out_fp8, ROW_OUT=form.row_out, PRO=form.prologue,
+                 PROLOGUE=form.prologue is not None)
+    source = _APPLY_KERNELS
+    if not SIMULATOR:  # (the ``with`` is the simulator's: see _simulated_helpers)
+        source = source.replace("    with _helpers(cuda):\n        ", "    ")
+    space["_helpers"] = _simulated_helpers
+    exec(compile(_source(form) + _item_source(form) + _RUN + _APPLY + source,
+                 f"<epilogue apply {getattr(form.fn, '__name__', 'fn')}>", "exec"), space)
+    return {"apply": (space["epilogue_apply"], space["epilogue_apply_pdl"]),
+            "prologue": (space["prologue_apply"], space["prologue_apply_pdl"])}
+
+
+_APPLIED: dict = {}  # form key -> {"apply": ..., "prologue": ...}
+
+
+def apply_kernels(form: Form, prologue: bool = False) -> tuple:
+    """(kernel, PDL kernel, signature) of ``form``'s standalone epilogue (``prologue``: its
+    prologue) on an already reduced tensor, built once per form."""
+    key = _key(form)
+    if key not in _APPLIED:
+        _APPLIED[key] = _build_apply(form)
+    return (*_APPLIED[key]["prologue" if prologue else "apply"], SIGNATURE)
+
+
+def apply_kernel_name(form: Form, prologue: bool = False) -> str:
+    """The Launcher name of :func:`apply_kernels` (``by_name`` finds it)."""
+    name = f"{kernel_name(form)}-{'prologue' if prologue else 'apply'}"
+    if name not in _BY_NAME:
+        _BY_NAME[name] = (*apply_kernels(form, prologue), name, form)
+    return name
+
+
+__all__ = ["A_EXTRAS", "A_ITEMS", "A_OUT", "A_RESIDUAL", "A_ROW_ITEMS", "A_ROW_OUT", "A_TARGET",
+           "E4M3_MAX", "Form", "apply_kernel_name", "apply_kernels", "by_name", "f32_to_e4m3",
+           "kernel_name", "kernels"]
 _codes = (BF16, F16, F_DTYPE, NORM_HIDDEN)  # (isa codes the forms' dtypes are)

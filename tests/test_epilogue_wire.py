@@ -158,6 +158,44 @@ def test_what_a_wire_cannot_do_is_refused_naming_the_epilogue():
                epilogue=[wire_epilogue(torch.ones(8), w) for w in WIRES])
 
 
+def test_a_wire_past_the_one_shot_kernel_is_refused_saying_where_it_runs(monkeypatch):
+    """``sm.bind`` without a GPU (``SmBound`` faked, as in test_epilogue_any.py): a wire
+    never silently becomes the element type on the all-reduce's own path -- past LL sizes it
+    is refused, and where the one-shot kernel refuses at an LL size its reason comes back;
+    the standalone kernel (a process-mode communicator's) refuses it too, so the
+    communicator falls back to the host reference."""
+    import types
+
+    from purlin.atom import sm
+    from purlin.atom.sm_epilogue import apply_table
+    from purlin.errors import CapabilityError
+    from purlin.snac import plan
+
+    def fake_bound(cluster, schedule, *, protocol, epilogue=None, **kw):
+        if epilogue is not None and schedule.strategy != "direct-push":
+            raise CapabilityError("rank 0: its program is not PUTs, one MOVE and the NORM "
+                                  "epilogue")
+        return types.SimpleNamespace(kernel=f"{protocol} kernel")
+
+    monkeypatch.setattr(sm, "SmBound", fake_bound)
+    e = wire_epilogue(torch.ones(4096, dtype=torch.bfloat16), "float8_e4m3fn")
+
+    def bind(strategy, count):
+        schedule = plan(collectives.all_reduce(2), strategy, count=count, dtype="bfloat16")
+        return sm.bind(None, schedule, epilogue=e).kernel
+
+    assert bind("direct-push", 8 * 4096) == "fused-ll kernel"
+    with pytest.raises(CapabilityError, match=r"epilogue 'dequantise': wire='float8_e4m3fn' "
+                                              r"runs inside the one-shot kernel \(direct-push, "
+                                              r"LL sizes up to 262144 bytes\), not after an "
+                                              r"all-reduce of 16777216 bytes"):
+        bind("direct-push", 2048 * 4096)
+    with pytest.raises(CapabilityError, match=r"not PUTs, one MOVE and the NORM epilogue"):
+        bind("ring", 8 * 4096)
+    with pytest.raises(CapabilityError, match=r"wire='float8_e4m3fn' runs inside the one-shot"):
+        apply_table([e], [torch.zeros(8 * 4096, dtype=torch.bfloat16)], sms=1)
+
+
 def test_the_bench_record_times_both_wires_and_bounds_the_error():
     from purlin.bench.epilogues import fp8_wire
 

@@ -1,6 +1,7 @@
 """User-written fused epilogues: a Numba CUDA device function run inside the all-reduce's
-kernel on the reduced values before they are written (:mod:`purlin.kernels.epilogue` builds the
-kernel; ARCHITECTURE.md, "Add a fused epilogue").
+kernel on the reduced values before they are written -- or, where that one-shot kernel does not
+run (larger sizes, other strategies), by the epilogue kernel right after the all-reduce
+(:mod:`purlin.kernels.epilogue` builds both; ARCHITECTURE.md, "Add a fused epilogue").
 
 Two forms. Per element, ``fn(v, *e) -> y``: ``v`` the reduced value, ``e`` the extra tensors'
 elements at the same place (float32 each). Per row, with ``stat``: ``stat(v, *e)`` per element

@@ -55,13 +55,18 @@ def _cluster(nranks: int, cluster=None):
     return Cluster.virtual(nranks) if gpu_count() else Cluster.cpu(nranks)
 
 
-def _bind(cluster, count, dtype, epilogue=None, kernel="generic"):
+def _bind(cluster, count, dtype, epilogue=None, kernel="generic", strategy=None):
+    """The all-reduce (with ``epilogue``): on the one-shot kernel (direct-push, fused-ll), or
+    with ``strategy`` as a user binds it -- the one-shot kernel where it runs, else the
+    all-reduce's own path and then the epilogue kernel."""
     from purlin.spec import collectives
 
     ar = collectives.all_reduce(cluster.nranks)
     if cluster.kind == "cpu":
         return cluster.bind(ar, count=count, dtype=dtype, epilogue=epilogue)
     extra = {} if epilogue is None else {"epilogue": epilogue, "epilogue_kernel": kernel}
+    if strategy is not None:
+        return cluster.bind(ar, strategy, count=count, dtype=dtype, **extra)
     return cluster.bind(ar, "direct-push", count=count, dtype=dtype, protocol="fused-ll",
                         **extra)
 
@@ -89,10 +94,13 @@ def _time(torch, fn, ops: int, replays: int, gpu: bool) -> Timing:
 
 
 def fused_vs_unfused(name: str, setup, *, hidden: int, batch: int, dtype: str = "bfloat16",
-                     nranks: int = 2, cluster=None, ops: int = 20, replays: int = 30) -> dict:
+                     nranks: int = 2, cluster=None, ops: int = 20, replays: int = 30,
+                     strategy: str | None = None) -> dict:
     """One record: ``setup(rank, count, device)`` returns (the rank's epilogue, a function
     applying the same to the all-reduce's output with separate PyTorch ops); the epilogue
-    fused into the all-reduce against the all-reduce and then those ops."""
+    fused into the all-reduce against the all-reduce and then those ops. ``strategy``
+    (e.g. ``"auto"``, for sizes past the one-shot kernel): both all-reduces bound with it,
+    the epilogue's as the bind chooses (``kernel`` in the record says what ran)."""
     import torch
 
     cluster = _cluster(nranks, cluster)
@@ -103,8 +111,8 @@ def fused_vs_unfused(name: str, setup, *, hidden: int, batch: int, dtype: str = 
     gen = torch.Generator(device=device).manual_seed(1)
     xs = [torch.randn(count, generator=gen, device=device).to(tdt) for _ in range(cluster.nranks)]
     pairs = [setup(r, count, device) for r in range(cluster.nranks)]
-    fused = _bind(cluster, count, dtype, [p[0] for p in pairs])
-    plain = _bind(cluster, count, dtype)
+    fused = _bind(cluster, count, dtype, [p[0] for p in pairs], strategy=strategy)
+    plain = _bind(cluster, count, dtype, strategy=strategy)
     if gpu:
         for r, x in enumerate(xs):
             fused.inputs[r][:count].copy_(x)
@@ -133,7 +141,9 @@ def fused_vs_unfused(name: str, setup, *, hidden: int, batch: int, dtype: str = 
         plain.check()
     return {"epilogue": name, "hidden": hidden, "batch": batch, "ranks": cluster.nranks,
             "where": "gpu" if gpu else "cpu", "fused_us": f.median_us,
-            "unfused_us": u.median_us, "speedup": u.median_us / f.median_us}
+            "unfused_us": u.median_us, "speedup": u.median_us / f.median_us,
+            "strategy": strategy or "direct-push",
+            "kernel": getattr(fused, "kernel", "host reference")}
 
 
 def builtin_vs_generic(*, hidden: int, batch: int, nranks: int = 2, eps: float = 1e-6,
