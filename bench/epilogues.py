@@ -2,9 +2,18 @@
 
     python3 bench/epilogues.py [--out outputs/epilogues.json]      # 1 GPU, a few minutes
 
-One table, at hidden 4096 and 8192, batch 1 to 64 (bfloat16): add + RMSNorm + FP8 (e4m3, a
-float32 scale per token) and bias + GELU fused into the all-reduce (``fused_us``) against the
-same all-reduce and then the same in separate PyTorch ops (``unfused_us``).
+Three tables, at hidden 4096 and 8192, batch 1 to 64 (bfloat16), and hidden 8192 at batch
+256 and 1024 (4 and 16 MiB: past the one-shot kernel) for the user epilogues:
+
+* ``user`` -- add + RMSNorm + FP8 (e4m3, a float32 scale per token) and bias + GELU fused
+  into the all-reduce (``fused_us``) against the same all-reduce and then the same in
+  separate PyTorch ops (``unfused_us``); ``kernel`` says what ran: the one-shot kernel with
+  the epilogue inside, or (the large batches, bound with ``strategy="auto"``) the
+  all-reduce's own kernel and then the epilogue kernel;
+* ``wire`` -- FP8 on the wire: the prologue ``x / scale`` sent as e4m3fn or e5m2 and
+  ``v * scale`` after the float32 sum (``wire_us``), against the same epilogue with bfloat16
+  on the wire (``plain_us``), on the one-shot kernel; ``wire_err``: its largest error against
+  the exact sum.
 
 Each time: a CUDA graph of ``--ops`` calls, per call, median of ``--replays``.
 """
@@ -76,11 +85,21 @@ def gelu_setup(hidden: int):
     return setup
 
 
+def wire_records(hiddens, batches, timing) -> list[dict]:
+    """:func:`purlin.bench.epilogues.fp8_wire` for both FP8 wires on every shape."""
+    from purlin.bench.epilogues import fp8_wire
+
+    return [fp8_wire(hidden=h, batch=b, wire=w, **timing)
+            for w in ("float8_e4m3fn", "float8_e5m2") for h in hiddens for b in batches]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="JSON file or folder (default outputs/)")
     p.add_argument("--hidden", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--large-batch", type=int, nargs="*", default=[256, 1024],
+                   help="batches at hidden 8192 bound with strategy='auto' (user epilogues)")
     p.add_argument("--ops", type=int, default=20)
     p.add_argument("--replays", type=int, default=30)
     args = p.parse_args(argv)
@@ -98,12 +117,22 @@ def main(argv=None) -> int:
             for name, setup in (("add_rms_norm_fp8", fp8_setup), ("bias_gelu", gelu_setup)):
                 user.append(fused_vs_unfused(name, setup(hidden), hidden=hidden, batch=batch,
                                              **timing))
+    for batch in args.large_batch:
+        for name, setup in (("add_rms_norm_fp8", fp8_setup), ("bias_gelu", gelu_setup)):
+            user.append(fused_vs_unfused(name, setup(8192), hidden=8192, batch=batch,
+                                         strategy="auto", **timing))
     print("user epilogues fused vs the all-reduce + PyTorch ops (us per call)")
-    print(table(user, ["epilogue", "hidden", "batch", "fused_us", "unfused_us", "speedup"]))
+    print(table(user, ["epilogue", "hidden", "batch", "fused_us", "unfused_us", "speedup",
+                       "kernel"]))
+    wire = wire_records(args.hidden, args.batch, timing)
+    print("\nFP8 on the wire vs bfloat16 on the wire, all-reduce + epilogue (us per call)")
+    print(table(wire, ["wire", "hidden", "batch", "wire_us", "plain_us", "speedup", "wire_err",
+                       "rel_err"]))
     path = write_json(output(args.out, "epilogues.json"), {
-        "user": user,
+        "user": user, "wire": wire,
         "info": run_info("sm", time.monotonic() - started, kind="virtual", ranks=2,
-                         hidden=args.hidden, batch=args.batch, dtype="bfloat16", **timing)})
+                         hidden=args.hidden, batch=args.batch, large_batch=args.large_batch,
+                         dtype="bfloat16", **timing)})
     print(f"\nwrote {path}")
     return 0
 

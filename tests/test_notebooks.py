@@ -148,6 +148,9 @@ def test_notebook_07_your_own_epilogue(tmp_path):
     assert len(figures) == 1 and "NOT GPU numbers" in figures[0]["layout"]["title"]["text"]
     names = {t["name"] for t in figures[0]["data"]}
     assert any("add_rms_norm_fp8" in n for n in names) and any("bias_gelu" in n for n in names)
+    assert "float8_e4m3fn on the wire" in text and "ranks agree: True" in text  # section 6
+    assert "wire='float8_e4m3fn' needs a prologue" in text
+    assert "FP8 on the wire vs torch.float16 on the wire" in text and "float8_e5m2" in text
 
 
 def _recorded(folder):

@@ -126,7 +126,7 @@ FUSED_MAX_BYTES = 16 << 20  # where the fused kernel is tried (tuning candidates
 
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
-         threads: int | None = None, trace_rows: int = 0, protocol: str = "simple",
+         threads: int | None = None, trace_rows: int = 0, protocol: str | None = None,
          pdl: bool = False, fallback: bool = False, fit: bool = False, epilogue=None):
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
@@ -152,16 +152,22 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     ``fit=True`` (``strategy="auto"``: a tuning table's blocks, measured on another cluster)
     ``blocks_per_lane`` is only a wish, cut down to what fits.
 
-    ``epilogue`` (an all-reduce on ``"fused-ll"``): a :class:`purlin.atom.epilogue.Epilogue`
-    per rank (or one for all) that the kernel runs on the sums before writing them
-    (:mod:`purlin.atom.sm_epilogue`)."""
-    if protocol not in PROTOCOLS:
+    ``epilogue`` (an all-reduce): a :class:`purlin.atom.epilogue.Epilogue` per rank (or one
+    for all) run on the sums -- inside the one-shot kernel where it runs (asked for with
+    ``"fused-ll"``, else tried at an LL size), otherwise by the epilogue kernel after the
+    all-reduce's own launch on ``protocol`` (:func:`purlin.atom.sm_epilogue.bind_epilogue`);
+    ``kernel`` on the result says which. ``protocol`` not given: ``"simple"``."""
+    if protocol is not None and protocol not in PROTOCOLS:
         raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                               f"{protocol!r}")
     options = dict(timeout=timeout, trace_rows=trace_rows, pdl=pdl, fit=fit)
-    if epilogue is not None:  # the one-shot kernel or nothing: no fallback
-        return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
-                       protocol=protocol, epilogue=epilogue, **options)
+    if epilogue is not None:
+        from purlin.atom.sm_epilogue import bind_epilogue
+
+        return bind_epilogue(cluster, schedule, protocol=protocol, fallback=fallback,
+                             epilogue=epilogue, blocks_per_lane=blocks_per_lane,
+                             threads=threads, **options)
+    protocol = protocol or "simple"
     try:
         return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
                        protocol=protocol, **options)
@@ -494,8 +500,8 @@ class SmBound:
         torch = self.torch
         graphs = []
         self.synchronize()
-        for k in self.launches:
-            d = k.device
+        for d in dict.fromkeys(k.device for k in self.launches):
+            mine = [k for k in self.launches if k.device == d]  # in call order
             with torch.cuda.device(d):
                 graph = torch.cuda.CUDAGraph()
                 # a capture stream of this device: torch's default capture stream is shared by
@@ -504,7 +510,8 @@ class SmBound:
                 with torch.cuda.graph(graph, stream=capture_stream):
                     stream = capture_stream.cuda_stream
                     for _ in range(ops):
-                        k.launch(stream, self.timeout_ns)
+                        for k in mine:
+                            k.launch(stream, self.timeout_ns)
             graphs.append((d, graph))
         return GraphSet(self, graphs, ops)
 

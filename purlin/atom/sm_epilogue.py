@@ -1,10 +1,20 @@
 """A bound all-reduce on the sm datapath that ends with user epilogues
-(:mod:`purlin.atom.epilogue`): one program per rank ending with the epilogue's NORM op, run by
-the one-shot kernel :mod:`purlin.kernels.epilogue` builds for the epilogue."""
+(:mod:`purlin.atom.epilogue`), at any size (:func:`bind_epilogue` picks):
+
+* :func:`launch_epilogue`: one program per rank ending with the epilogue's NORM op, run by the
+  one-shot kernel :mod:`purlin.kernels.epilogue` builds for the epilogue;
+* :func:`add_device_epilogue`: elsewhere, the all-reduce bound as without an epilogue and then
+  the epilogue kernel built from the same device functions on each rank's output (and the
+  prologue kernel on its input before), one launch per device;
+* :class:`DeviceEpilogue`: those two kernels on one tensor, for a process-mode communicator.
+"""
 
 from __future__ import annotations
 
+import numpy as np
+
 from purlin.errors import CapabilityError, SpecError
+from purlin.kernels import isa
 
 
 def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
@@ -29,8 +39,9 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
     sizing = bound.schedule.sizing
     count = sizing.output_count(0)
     per_launch = max(len(r) for r in groups.values())
+    size = 1 if epis[0].wire else bound.outputs[0].element_size()  # FP8 on the wire: a byte
     bound.blocks_per_lane, bound.threads = fused_launch(
-        bound.gpu, -(-count * bound.outputs[0].element_size() // 8), per_launch, 8,
+        bound.gpu, -(-count * size // 8), per_launch, 8,
         blocks=blocks, wish=wish, threads=threads, kind=bound.cluster.kind)
     names, progs, bound.epilogue_sums = [], [], []
     for r, low in enumerate(bound.lowered):
@@ -64,3 +75,223 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
                              kernel=names[ranks[0]])
         bound._keep += k.keep + [epis]
         bound.launches.append(k)
+
+
+# ---- the epilogue kernel after the all-reduce's own path (kernels.epilogue.apply_kernels)
+
+def bind_epilogue(cluster, schedule, *, protocol, fallback, epilogue, blocks_per_lane,
+                  threads, **options):
+    """``purlin.atom.sm.bind`` with ``epilogue``: the one-shot kernel with the epilogue inside
+    where it runs -- asked for (``protocol="fused-ll"``: that or a refusal), or tried at an
+    LL size whatever the protocol (``strategy="auto"``'s included) -- else the all-reduce
+    bound as without an epilogue, on its protocol, then one epilogue launch per device on the
+    outputs (and a prologue launch on the inputs before it): :func:`add_device_epilogue`."""
+    from purlin.atom import sm
+    from purlin.atom.epilogue import per_rank
+
+    epis = per_rank(epilogue, schedule)
+    oneshot = dict(blocks_per_lane=blocks_per_lane, threads=threads, protocol="fused-ll",
+                   epilogue=epilogue, **options)
+    if protocol == "fused-ll" and not fallback:
+        try:
+            return sm.SmBound(cluster, schedule, **oneshot)
+        except CapabilityError as exc:
+            raise CapabilityError(
+                f"{exc}; protocol='fused-ll' asks for the one-shot kernel with the epilogue "
+                f"inside -- bind without protocol= (or with strategy='auto') to run "
+                f"{schedule.title()} on its own path and then the epilogue kernel") from None
+    if schedule.sizing.message_bytes <= sm.LL_MAX_BYTES:
+        try:
+            return sm.SmBound(cluster, schedule, **oneshot)
+        except CapabilityError:
+            if epis[0].wire:
+                raise
+            # not one shot (a strategy, rows or a grid it cannot run): the path below
+    if epis[0].wire:
+        raise CapabilityError(wire_refusal(epis[0], schedule.sizing.message_bytes))
+    bound = sm.bind(cluster, schedule, protocol=protocol or "simple", fallback=fallback,
+                    blocks_per_lane=blocks_per_lane, threads=threads, **options)
+    add_device_epilogue(bound, epis)
+    return bound
+
+
+def add_device_epilogue(bound, epis) -> None:
+    """Wrap ``bound``'s launches (any protocol) with the epilogue kernel on each rank's
+    output after them, and the prologue kernel on each rank's input before them (where the
+    epilogues have one), one launch per device each; ``launch`` and ``capture`` run them in
+    that order on each device's stream."""
+    torch = bound.torch
+    sizing = bound.schedule.sizing
+    groups: dict[int, list[int]] = {}
+    for r, d in enumerate(bound.devices):
+        groups.setdefault(d, []).append(r)
+    outputs = [bound.outputs[r][:sizing.output_count(r)] for r in range(len(epis))]
+    inputs = [bound.inputs[r][:sizing.input_count(r)] for r in range(len(epis))]
+    before, after = [], []
+    for d, ranks in groups.items():
+        if any(epis[r].prologue is not None for r in ranks):
+            before.append(_device_launch(torch, bound, d, ranks, epis, inputs, True))
+        after.append(_device_launch(torch, bound, d, ranks, epis, outputs, False))
+    runs = bound.kernel
+    bound.launches = before + bound.launches + after
+    bound.kernel = f"{'prologue kernel then ' if before else ''}{runs} then epilogue kernel"
+    bound.epilogues = epis
+
+
+def _device_launch(torch, bound, device, ranks, epis, tensors, prologue):
+    """One launch of the standalone kernel on ``device`` (a ``RankKernel`` without error
+    records: nothing in it waits)."""
+    from purlin.atom.sm_kernel import RankKernel, launcher
+
+    words, stride, name, blocks, threads = apply_table(
+        [epis[r] for r in ranks], [tensors[r] for r in ranks], bound.gpu.sms, prologue)
+    table = torch.from_numpy(words).to(torch.device("cuda", device))
+    unused = torch.zeros(1, dtype=torch.int64, device=table.device)  # (the call counters')
+    bound._keep += [table, unused, epis]
+    run = launcher(device=device, nranks_in_launch=len(ranks), nlanes=1, blocks_per_lane=blocks,
+                   threads=threads, pdl=bound.pdl, kernel=name, stride_words=stride)
+    return RankKernel(device, ranks, run, table.data_ptr(), unused.data_ptr(), [])
+
+
+def apply_words(epilogue, tensor, prologue: bool = False) -> np.ndarray:
+    """The standalone kernel's table for one rank (``kernels.epilogue``'s ``A_*`` words):
+    ``epilogue`` on ``tensor`` (a flat, contiguous all-reduce output; ``prologue``: the
+    rank's input). Refused where a row is not whole 8-byte units (the kernel's item)."""
+    from purlin.kernels import epilogue as ep
+
+    info = epilogue.check(tensor, epilogue.hidden)
+    hidden, size = info["hidden"], tensor.element_size()
+    count = tensor.numel()
+    by_row = epilogue.stat is not None or any(info["per_column"])
+    if (hidden * size if by_row else count * size) % 8:
+        what = (f"rows of {hidden} {tensor.dtype} elements ({hidden * size} bytes)" if by_row
+                else f"{count} {tensor.dtype} elements ({count * size} bytes)")
+        raise CapabilityError(f"epilogue {epilogue.name!r}: the epilogue kernel takes whole "
+                              f"8-byte units, and {what} are not; use rows of a multiple of "
+                              f"{8 // size} elements")
+    items = count * size // 8
+    row_items = hidden * size // 8 if hidden * size % 8 == 0 else items
+    ptr = (lambda t: 0 if t is None else t.data_ptr())
+    out = epilogue.out if epilogue.out is not None and not prologue else tensor
+    words = np.zeros(ep.APPLY_WORDS + len(epilogue.extras), dtype=np.int64)
+    words[ep.A_TARGET] = tensor.data_ptr()
+    words[ep.A_RESIDUAL] = 0 if prologue else ptr(epilogue.residual)
+    words[ep.A_OUT] = out.data_ptr()
+    words[ep.A_ROW_OUT] = 0 if prologue else ptr(epilogue.row_out)
+    words[ep.A_ITEMS] = items
+    words[ep.A_ROW_ITEMS] = max(row_items, 1)
+    words[ep.APPLY_WORDS:] = [t.data_ptr() for t in epilogue.extras]
+    return words
+
+
+def wire_refusal(epilogue, nbytes: int) -> str:
+    """Why ``epilogue``'s FP8 wire cannot follow an all-reduce of ``nbytes`` on its own path."""
+    from purlin.atom import sm
+
+    return (f"epilogue {epilogue.name!r}: wire={epilogue.wire!r} runs inside the one-shot "
+            f"kernel (direct-push, LL sizes up to {sm.LL_MAX_BYTES} bytes), not after an "
+            f"all-reduce of {nbytes} bytes on its own path, which sends the element type; "
+            "leave wire out there")
+
+
+def apply_table(epis, tensors, sms: int, prologue: bool = False) -> tuple:
+    """(words, stride, kernel name, blocks per rank, threads) of one launch of the standalone
+    kernel over ``epis[k]`` on ``tensors[k]`` (the ranks of one device, slot by slot): a row
+    a block (threads: the row's items, up to ``isa.MAX_THREADS``), or per element a
+    grid-stride loop; at most 16 blocks per SM of the launch (nothing waits across blocks,
+    so they need not all be resident). Refused for an FP8 wire (the one-shot kernel's)."""
+    from purlin.kernels.epilogue import apply_kernel_name
+
+    if epis[0].wire:
+        raise CapabilityError(wire_refusal(epis[0], tensors[0].numel()
+                                           * tensors[0].element_size()))
+    names = []
+    tables = []
+    for e, t in zip(epis, tensors):
+        names.append(apply_kernel_name(e.form(t, e.hidden), prologue))
+        tables.append(apply_words(e, t, prologue))
+    if len(set(names)) != 1:
+        raise SpecError("the ranks on one GPU share a launch: give them epilogues of the same "
+                        "functions, dtypes and extras' shapes")
+    from purlin.kernels import epilogue as ep
+
+    per_row = epis[0].stat is not None and not prologue
+    work = max(int(w[ep.A_ROW_ITEMS] if per_row else w[ep.A_ITEMS]) for w in tables)
+    threads = min(isa.MAX_THREADS, max(32, -(-work // 32) * 32))
+    wanted = max(int(w[ep.A_ITEMS] // w[ep.A_ROW_ITEMS]) for w in tables) if per_row else \
+        -(-work // threads)
+    blocks = max(1, min(wanted, 16 * sms // len(epis)))
+    stride = max(w.size for w in tables)
+    words = np.zeros(stride * len(tables), dtype=np.int64)
+    for k, w in enumerate(tables):
+        words[k * stride: k * stride + w.size] = w
+    return words, stride, names[0], blocks, threads
+
+
+class DeviceEpilogue:
+    """``epilogue`` on one GPU tensor by the standalone kernels, for a caller that runs the
+    all-reduce itself (a process-mode communicator): :meth:`prologue` before it,
+    :meth:`apply` after, each one launch on the tensor's current stream (capturable)."""
+
+    def __init__(self, tensor, epilogue):
+        import torch
+
+        from purlin.kernels.launch import Launcher
+
+        self.epilogue, self.tensor = epilogue, tensor.reshape(-1)
+        device = tensor.device.index if tensor.device.index is not None else \
+            torch.cuda.current_device()
+        self.device, self._keep, self._launchers = device, [epilogue], {}
+        self.pinned = False  # a captured graph launches it: never dropped
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        for prologue in ((False, True) if epilogue.prologue is not None else (False,)):
+            words, stride, name, blocks, threads = apply_table([epilogue], [self.tensor], sms,
+                                                               prologue)
+            table = torch.from_numpy(words).to(tensor.device)
+            unused = torch.zeros(1, dtype=torch.int64, device=tensor.device)
+            self._keep += [table, unused]
+            self._launchers[prologue] = (Launcher(device=device, blocks_per_lane=blocks,
+                                                  threads=threads, kernel=name,
+                                                  stride_words=stride),
+                                         table.data_ptr(), unused.data_ptr())
+
+    def _run(self, prologue: bool) -> None:
+        import torch
+
+        if prologue not in self._launchers:
+            return
+        launcher, table, unused = self._launchers[prologue]
+        launcher(table, torch.cuda.current_stream(self.device).cuda_stream, counters=unused)
+
+    def prologue(self) -> None:
+        """The prologue on the tensor, in place (nothing where the epilogue has none)."""
+        self._run(True)
+
+    def apply(self) -> None:
+        """The epilogue on the tensor (holding the all-reduce's sum)."""
+        self._run(False)
+
+
+_DEVICE_EPILOGUES: dict = {}
+_MAX_KEPT = 64
+
+
+def device_epilogue(tensor, epilogue, capturing: bool = False) -> DeviceEpilogue:
+    """The :class:`DeviceEpilogue` of ``epilogue`` on ``tensor``, made once per tensor
+    address and epilogue (the last ``_MAX_KEPT``; those a capture used are kept for good).
+    While capturing a CUDA graph none can be made (its table is copied to the GPU and its
+    kernel loaded): call once outside the capture first."""
+    key = (tensor.data_ptr(), tensor.numel(), str(tensor.dtype), *epilogue.key())
+    found = _DEVICE_EPILOGUES.pop(key, None)
+    if found is None:
+        if capturing:
+            raise CapabilityError(f"epilogue {epilogue.name!r} on these tensors is not set up "
+                                  "and a CUDA graph is being captured: run the call once "
+                                  "outside the capture first (it prepares the epilogue kernel)")
+        found = DeviceEpilogue(tensor, epilogue)
+        unpinned = [k for k, v in _DEVICE_EPILOGUES.items() if not v.pinned]
+        if len(unpinned) >= _MAX_KEPT:
+            del _DEVICE_EPILOGUES[unpinned[0]]
+    found.pinned = found.pinned or capturing
+    _DEVICE_EPILOGUES[key] = found  # (last used last)
+    return found

@@ -235,9 +235,12 @@ class Communicator:
         checked here: a bad device function or dtype is a SpecError naming it) on it, rows of
         ``epilogue.hidden`` or of the tensor's last dimension. On the fused kernel (sm
         datapath, an LL size) it is one launch: the one-shot kernel built for the epilogue,
-        on the all-reduce :meth:`all_reduce_add_rms_norm` prepares for those rows.
-        Elsewhere: :meth:`all_reduce`, then the epilogue's host reference, with a one-time
-        warning saying why. Returns ``tensor``."""
+        on the all-reduce :meth:`all_reduce_add_rms_norm` prepares for those rows. Other
+        sizes on the sm datapath: :meth:`all_reduce`, then the epilogue kernel on the tensor
+        (and the prologue kernel before it; ``purlin.atom.sm_epilogue.DeviceEpilogue``).
+        Elsewhere (the cpu datapath, a group across nodes, a strided tensor): the all-reduce,
+        then the epilogue's host reference, with a one-time warning saying why. Returns
+        ``tensor``."""
         import copy
 
         fn = "all_reduce_epilogue"
@@ -256,6 +259,21 @@ class Communicator:
                 call = self._next(fn, tensor, tensor.numel(), "sum", "sum")
                 why = self._call(_norm_key(tensor.numel(), tensor.dtype, hidden), tensor,
                                  tensor, norm=epilogue, call=call)
+        if why and self.hierarchy is None and self.datapath == "sm" and tensor.is_cuda \
+                and tensor.is_contiguous():
+            from purlin.atom.sm_epilogue import device_epilogue
+
+            try:
+                kernels = device_epilogue(tensor, epilogue, _capturing())
+            except CapabilityError as exc:
+                if _capturing():  # (the host reference cannot run in a graph either)
+                    raise
+                why = str(exc)
+            else:
+                kernels.prologue()
+                self.all_reduce(tensor)
+                kernels.apply()
+                return tensor
         if why:
             self._warn_once(fn, why, f"runs as all_reduce and then the epilogue's host "
                                      f"reference: {why}")

@@ -2,7 +2,8 @@
 
 The staging area is one ``torch.distributed._symmetric_memory`` allocation per rank,
 rendezvoused once at construction (before any graph capture); the handle's ``buffer_ptrs`` give
-every peer's address of it. A prepared collective is a slice of that area: the schedule is
+every peer's address of it. Ranks sharing one GPU (a process each, a gloo group: for tests on
+one GPU) map each other's buffers by CUDA IPC instead, which symmetric memory refuses. A prepared collective is a slice of that area: the schedule is
 lowered with every rank's addresses (:func:`purlin.atom.lowering.lower`), and only this rank's
 table goes to the device, behind a descriptor built like :mod:`purlin.atom.sm` builds it -- or,
 with a fused protocol, as this rank's fused program (:mod:`purlin.atom.fused`: flag slots per
@@ -14,6 +15,7 @@ all asynchronous and capturable. Waits that time out leave an error record that
 
 from __future__ import annotations
 
+import socket
 import warnings
 from collections import OrderedDict
 
@@ -361,17 +363,22 @@ class SmPath:
 
         self.gpu = gpu_of(torch, self.device.index)  # what launches are sized for
         self.sms = self.gpu.sms
-        self.buf = symm_mem.empty(int(nbytes), dtype=torch.uint8, device=self.device)
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before PyTorch 2.9, a deprecated no-op after
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(group.group_name)
-        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
-        # buffer_ptrs point at the tensor on newer PyTorch, at its allocation on older ones:
-        # peers hold the tensor at the same offset either way
-        shift = self.buf.data_ptr() - int(self.handle.buffer_ptrs[rank])
-        self.ptrs = [int(p) + shift for p in self.handle.buffer_ptrs]
+        self.handle, self._peer_bufs = None, []
+        if _share_a_gpu(group, self.device):
+            self.buf, self.ptrs, self._peer_bufs = _ipc_rendezvous(group, rank, nbytes,
+                                                                   self.device)
+        else:
+            self.buf = symm_mem.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:  # needed before PyTorch 2.9, a deprecated no-op after
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    enable(group.group_name)
+            self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+            # buffer_ptrs point at the tensor on newer PyTorch, at its allocation on older
+            # ones: peers hold the tensor at the same offset either way
+            shift = self.buf.data_ptr() - int(self.handle.buffer_ptrs[rank])
+            self.ptrs = [int(p) + shift for p in self.handle.buffer_ptrs]
         self._launchers: dict = {}
         self.prepared: list[SmPrepared] = []
 
@@ -443,3 +450,29 @@ class SmPath:
     def close(self) -> None:
         self.prepared = []
         self._launchers = {}
+        self._peer_bufs = []
+
+
+def _share_a_gpu(group, device) -> bool:
+    """Do two ranks of ``group`` run on the same GPU (one GPU, a process per rank)? PyTorch's
+    symmetric memory refuses such a group; :func:`_ipc_rendezvous` maps it instead."""
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return len(set(every)) < len(every)
+
+
+def _ipc_rendezvous(group, rank: int, nbytes: int, device):
+    """This rank's staging buffer and every rank's address of its peers' (CUDA IPC through
+    the group: ``torch.multiprocessing``'s sharing of CUDA tensors between processes). For
+    ranks sharing one GPU; each peer's mapping is kept until the path closes."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    buf = torch.zeros(int(nbytes), dtype=torch.uint8, device=device)
+    torch.cuda.synchronize(device)
+    rebuild, args = reduce_tensor(buf)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, args, group=group)
+    peers = [buf if r == rank else rebuild(*a) for r, a in enumerate(every)]
+    dist.barrier(group=group)  # every rank holds its peers' mappings before any is used
+    return buf, [int(p.data_ptr()) for p in peers], peers
