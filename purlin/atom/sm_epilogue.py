@@ -139,18 +139,27 @@ def add_device_epilogue(bound, epis) -> None:
 
 
 def _device_launch(torch, bound, device, ranks, epis, tensors, prologue):
-    """One launch of the standalone kernel on ``device`` (a ``RankKernel`` without error
-    records: nothing in it waits)."""
+    """One launch of the standalone kernel over ``ranks`` on ``device`` (:func:`apply_launch`),
+    kept alive by ``bound``."""
+    k = apply_launch(torch, device, [epis[r] for r in ranks], [tensors[r] for r in ranks],
+                     bound.gpu.sms, prologue, ranks=ranks, pdl=bound.pdl)
+    bound._keep += k.keep + [epis]
+    return k
+
+
+def apply_launch(torch, device: int, epis, tensors, sms: int, prologue: bool = False, *,
+                 ranks=None, pdl: bool = False):
+    """The standalone kernel over ``epis[k]`` on ``tensors[k]`` (:func:`apply_table`) as one
+    launch on GPU ``device``: a ``RankKernel`` without error records (nothing in it waits)."""
     from purlin.atom.sm_kernel import RankKernel, launcher
 
-    words, stride, name, blocks, threads = apply_table(
-        [epis[r] for r in ranks], [tensors[r] for r in ranks], bound.gpu.sms, prologue)
+    words, stride, name, blocks, threads = apply_table(epis, tensors, sms, prologue)
     table = torch.from_numpy(words).to(torch.device("cuda", device))
     unused = torch.zeros(1, dtype=torch.int64, device=table.device)  # (the call counters')
-    bound._keep += [table, unused, epis]
-    run = launcher(device=device, nranks_in_launch=len(ranks), nlanes=1, blocks_per_lane=blocks,
-                   threads=threads, pdl=bound.pdl, kernel=name, stride_words=stride)
-    return RankKernel(device, ranks, run, table.data_ptr(), unused.data_ptr(), [])
+    run = launcher(device=device, nranks_in_launch=len(epis), nlanes=1, blocks_per_lane=blocks,
+                   threads=threads, pdl=pdl, kernel=name, stride_words=stride)
+    return RankKernel(device, ranks if ranks is not None else range(len(epis)), run,
+                      table.data_ptr(), unused.data_ptr(), [], keep=[table, unused])
 
 
 def apply_words(epilogue, tensor, prologue: bool = False) -> np.ndarray:
@@ -236,32 +245,25 @@ class DeviceEpilogue:
     def __init__(self, tensor, epilogue):
         import torch
 
-        from purlin.kernels.launch import Launcher
-
         self.epilogue, self.tensor = epilogue, tensor.reshape(-1)
         device = tensor.device.index if tensor.device.index is not None else \
             torch.cuda.current_device()
-        self.device, self._keep, self._launchers = device, [epilogue], {}
+        self.device, self._keep, self._launches = device, [epilogue], {}
         self.pinned = False  # a captured graph launches it: never dropped
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         for prologue in ((False, True) if epilogue.prologue is not None else (False,)):
-            words, stride, name, blocks, threads = apply_table([epilogue], [self.tensor], sms,
-                                                               prologue)
-            table = torch.from_numpy(words).to(tensor.device)
-            unused = torch.zeros(1, dtype=torch.int64, device=tensor.device)
-            self._keep += [table, unused]
-            self._launchers[prologue] = (Launcher(device=device, blocks_per_lane=blocks,
-                                                  threads=threads, kernel=name,
-                                                  stride_words=stride),
-                                         table.data_ptr(), unused.data_ptr())
+            k = apply_launch(torch, device, [epilogue], [self.tensor], sms, prologue)
+            self._keep += k.keep
+            self._launches[prologue] = k
 
     def _run(self, prologue: bool) -> None:
         import torch
 
-        if prologue not in self._launchers:
-            return
-        launcher, table, unused = self._launchers[prologue]
-        launcher(table, torch.cuda.current_stream(self.device).cuda_stream, counters=unused)
+        from purlin.kernels.launch import DEFAULT_TIMEOUT_NS
+
+        if prologue in self._launches:  # (timeout and counters unused: nothing waits)
+            self._launches[prologue].launch(torch.cuda.current_stream(self.device).cuda_stream,
+                                            DEFAULT_TIMEOUT_NS)
 
     def prologue(self) -> None:
         """The prologue on the tensor, in place (nothing where the epilogue has none)."""
