@@ -89,12 +89,17 @@ def _epilogue_worker(rank, n):
     return found, fused
 
 
-def test_epilogue_equals_nccl_then_pytorch():
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_epilogue_equals_nccl_then_pytorch(backend):
+    """nccl: two GPUs; gloo: both processes on one GPU (staging mapped by CUDA IPC), the
+    reference all-reduce on gloo."""
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    results = raise_for(run_processes(_epilogue_worker, 2, backend="nccl", timeout=240,
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("process mode on nccl needs 2 GPUs")
+    results = raise_for(run_processes(_epilogue_worker, 2, backend=backend, timeout=240,
                                       pg_timeout=120))
     for rank, (found, fused) in enumerate(results):
         bad = [f for f in found if f["residual_wrong"] or f["norm_wrong"]
