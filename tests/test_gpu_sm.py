@@ -206,11 +206,13 @@ def test_graph_replays_10000(torch):
     assert _wrong_over_replays(torch, bound, 10_000) == 0
 
 
-def test_broken_schedule_times_out(torch):
-    """A schedule with a Notify removed raises PurlinTimeoutError within the limit."""
+@pytest.mark.parametrize("kind", ["local", "virtual"])
+def test_broken_schedule_times_out(torch, kind):
+    """A schedule with a Notify removed raises PurlinTimeoutError within the limit, naming
+    the flag rank 0 waited on and its sender (virtual ranks: one launch for both)."""
     from purlin.atom import sm
 
-    cluster = _cluster("local", 2)
+    cluster = _cluster(kind, 2)
     good = plan(standard("all-reduce", 2), "direct-push", count=1024, dtype="float32")
     steps = list(good.steps)
     drop = next(i for i, s in enumerate(steps[1]) if isinstance(s, Notify))
@@ -218,7 +220,8 @@ def test_broken_schedule_times_out(torch):
     broken = dataclasses.replace(good, steps=tuple(steps))
     bound = sm.bind(cluster, broken, timeout=0.5)
     t0 = time.perf_counter()
-    with pytest.raises(PurlinTimeoutError, match=r"rank 0 step \d+ .*timed out"):
+    with pytest.raises(PurlinTimeoutError, match=r"rank 0 step \d+ .*timed out .*waiting on "
+                                                 r"flag\(r0<-r1\.l0\) from rank 1: expected"):
         bound([None, None])
     assert time.perf_counter() - t0 < 5.0
 
