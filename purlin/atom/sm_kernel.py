@@ -187,16 +187,17 @@ def launcher(cache=None, **config):
     return cache[key]
 
 
-def pack(torch, device, programs, stride: int = 0):
+def pack(torch, device, programs, stride: int = 0, counted: bool = True):
     """``programs`` (int64 word arrays, one per rank of a launch) at one stride of at least
     ``stride`` words, zero-padded, on ``device``: (the table, the stride, its call counters:
-    ``isa.F_MAX_BLOCKS`` zeroed words per rank)."""
+    ``isa.F_MAX_BLOCKS`` zeroed words per rank; None unless ``counted``)."""
     stride = max([stride] + [p.size for p in programs])
     words = np.zeros(stride * len(programs), dtype=np.int64)
     for k, p in enumerate(programs):
         words[k * stride: k * stride + p.size] = p
     table = torch.from_numpy(words).to(device)
-    counters = torch.zeros(len(programs) * isa.F_MAX_BLOCKS, dtype=torch.int64, device=device)
+    counters = torch.zeros(len(programs) * isa.F_MAX_BLOCKS, dtype=torch.int64,
+                           device=device) if counted else None
     return table, stride, counters
 
 

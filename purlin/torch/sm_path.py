@@ -150,7 +150,8 @@ class SmPrepared:
         if self.program_words is None:
             self.program_words = prog.words.size + isa.OP_WIDTH + isa.SOURCE_WIDTH
         # (a user epilogue's extra words may run past it: the kernel reads those from memory)
-        return pack(torch, self.path.device, [prog.words], self.program_words)[0], prog.items
+        table, _, _ = pack(torch, self.path.device, [prog.words], self.program_words, False)
+        return table, prog.items
 
     def _fused_launcher(self, items: int, blocks_per_lane, rows=None):
         """The fused kernel's launcher: ``rows`` = (blocks, threads) where given (an
