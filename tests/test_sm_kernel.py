@@ -67,9 +67,15 @@ def test_a_launch_packs_its_ranks_programs_at_one_stride_and_counts_calls():
     k.launch(7, 100, desc=123, launcher=lambda *a: calls.append(("other",) + a))
     assert calls == [(table.data_ptr(), 7, 100, counters.data_ptr()),
                      ("other", 123, 7, 100, counters.data_ptr())]
-    control[2 + isa.E_CODE] = isa.ERR_TIMEOUT
+    assert k.errors(FLAGS, 2.0) == []
+    control[2 + isa.E_CODE], control[2 + isa.E_FLAG], control[2 + isa.E_PEER] = \
+        isa.ERR_TIMEOUT, 2000, 0
     [(rank, rec)] = k.records()
     assert rank == 3 and rec[isa.E_CODE] == isa.ERR_TIMEOUT and len(k.keep) == 2
+    [(rank, code, why)] = k.errors(FLAGS, 2.0)
+    assert (rank, code) == (3, isa.ERR_TIMEOUT)
+    assert why.startswith("rank 3 step 0 (lane 0, block 0) timed out after 2 s waiting on "
+                          "flag(r1<-r0.l0) from rank 0")
 
 
 class _Launcher:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from purlin.atom.sm_kernel import Flags, RankKernel, describe, fused_unit_or_refuse
+from purlin.atom.sm_kernel import Flags, RankKernel, fused_unit_or_refuse
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
 from purlin.kernels import isa
 from purlin.snac.planner import Capabilities
@@ -524,16 +524,12 @@ class SmBound:
         first timeout's sentence (:func:`purlin.atom.sm_kernel.describe`), else the first
         rank that gave up."""
         self.synchronize()
-        failed = [(r, rec) for k in self.launches for r, rec in k.records()
-                  if rec[isa.E_CODE] != isa.ERR_NONE]
-        if not failed:
-            return
-        r, rec = min(failed, key=lambda f: (f[1][isa.E_CODE] != isa.ERR_TIMEOUT, f[0]))
-        adds = 1 if self.protocol.startswith("fused") else self.blocks_per_lane  # per notify
-        sums = getattr(self, "epilogue_sums", None)  # (an epilogue's row sums, per rank)
-        sums = None if sums is None else (sums[r].data_ptr(), sums[r].numel() * 8)
-        raise PurlinTimeoutError(describe(rec, r, self.flag_map, self.timeout, adds, sums)
-                                 + "; the bound collective must be bound again")
+        sums = {r: (s.data_ptr(), s.numel() * 8)  # an epilogue's row sums, per rank
+                for r, s in enumerate(getattr(self, "epilogue_sums", ()))}
+        failed = [e for k in self.launches for e in k.errors(self.flag_map, self.timeout, sums)]
+        if failed:
+            _, _, why = min(failed, key=lambda e: (e[1] != isa.ERR_TIMEOUT, e[0]))
+            raise PurlinTimeoutError(f"{why}; the bound collective must be bound again")
 
     def __call__(self, inputs=None, out=None, trace: bool = False):
         """Copy ``inputs`` (tensors, one per rank) in, run once, wait, check and return the

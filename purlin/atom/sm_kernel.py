@@ -119,13 +119,14 @@ class RankKernel:
     of ``ranks``, at one address) with the call counters at ``counters`` (0: the
     interpreter's, in its control words); ``control[k]``: rank ``ranks[k]``'s control words
     (epoch, done counter, then the error record); ``keep``: the tensors behind the
-    addresses."""
+    addresses; ``adds``: what one notify adds to a flag (the interpreter's blocks per lane; 1
+    on the fused kernel, a slot per block)."""
 
     def __init__(self, device: int, ranks, launcher, desc: int, counters: int, control,
-                 keep=()):
+                 keep=(), adds: int = 1):
         self.device, self.ranks, self.launcher = int(device), list(ranks), launcher
         self.desc, self.counters, self.control = int(desc), int(counters), list(control)
-        self.keep = [t for t in keep if t is not None]
+        self.keep, self.adds = [t for t in keep if t is not None], int(adds)
 
     @classmethod
     def interpreter(cls, torch, device, ranks, blobs, control, *, lanes: int,
@@ -142,7 +143,8 @@ class RankKernel:
         run = launcher(cache, device=device.index, nranks_in_launch=len(ranks), nlanes=lanes,
                        blocks_per_lane=blocks_per_lane, threads=threads, head_words=head,
                        pdl=pdl)
-        return cls(device.index, ranks, run, table.data_ptr(), 0, control, keep=[table])
+        return cls(device.index, ranks, run, table.data_ptr(), 0, control, keep=[table],
+                   adds=blocks_per_lane)
 
     @classmethod
     def fused(cls, torch, device, ranks, programs, control, *, blocks: int, threads: int,
@@ -169,6 +171,14 @@ class RankKernel:
     def records(self) -> list[tuple[int, np.ndarray]]:
         """(rank, error record) of each rank of the launch (synchronize first)."""
         return [(r, c[2:].cpu().numpy()) for r, c in zip(self.ranks, self.control)]
+
+    def errors(self, flags: Flags, timeout: float, sums=None, ask: bool = False) -> list:
+        """(rank, error code, sentence) of each rank of the launch that recorded an error
+        (synchronize first; :func:`describe`); ``sums``: rank -> (address, bytes) of its
+        epilogue's row sums."""
+        return [(r, int(rec[isa.E_CODE]),
+                 describe(rec, r, flags, timeout, self.adds, (sums or {}).get(r), ask))
+                for r, rec in self.records() if rec[isa.E_CODE] != isa.ERR_NONE]
 
     def __repr__(self) -> str:
         return f"RankKernel(device={self.device}, ranks={self.ranks}, {self.launcher!r})"

@@ -330,12 +330,10 @@ class SmPrepared:
 
     def error(self) -> str | None:
         """The error this rank's executor recorded, as a sentence (call after a synchronize)."""
-        from purlin.atom.sm_kernel import describe
-
-        [(rank, rec)] = self.kernel.records()
-        sums = None if self.sums is None else (self.sums.data_ptr(), self.sums.numel() * 8)
-        return describe(rec, rank, self.flags, self.path.timeout,
-                        1 if self.fused else self.blocks_per_lane, sums, ask=True)
+        sums = {} if self.sums is None else {
+            self.path.rank: (self.sums.data_ptr(), self.sums.numel() * 8)}
+        found = self.kernel.errors(self.flags, self.path.timeout, sums, ask=True)
+        return found[0][2] if found else None
 
     def release(self) -> None:
         self._keep = ()
