@@ -198,7 +198,7 @@ for stage in "${stages[@]}"; do
             TAIL=20 step imports 180 bash -c imports
             ;;
         vtests)  # on one GPU the local-cluster tests skip with their reason
-            pytest_gpu gpu_tests_virtual 420 300 --maxfail 10 -m gpu tests
+            pytest_gpu gpu_tests_virtual 540 300 --maxfail 10 -m gpu tests
             ;;
         cli1)
             run_gpu="--datapath sm"  # the run command's GPU switch, whichever this tree has
