@@ -31,12 +31,14 @@ def _epilogue_worker(rank, n):
 
     warnings.simplefilter("ignore")
     device = torch.device("cuda", torch.cuda.current_device())
-    comm = Communicator(timeout=10.0, options=CommOptions(staging_bytes=64 << 20, zero_copy=True))
+    # (datapath="sm": on gloo, as with every process on one GPU, "auto" is the cpu datapath)
+    comm = Communicator(datapath="sm", timeout=10.0,
+                        options=CommOptions(staging_bytes=64 << 20, zero_copy=True))
     # blocks that own whole rows: no row sums traded between blocks
-    comm_rows = Communicator(timeout=10.0, options=CommOptions(
+    comm_rows = Communicator(datapath="sm", timeout=10.0, options=CommOptions(
         staging_bytes=16 << 20, zero_copy=True, epilogue_grid="rows"))
     # the fused kernel with the NORM op where the one-shot kernel would run
-    comm_fused = Communicator(timeout=10.0, options=CommOptions(
+    comm_fused = Communicator(datapath="sm", timeout=10.0, options=CommOptions(
         staging_bytes=16 << 20, zero_copy=True, epilogue_kernel="fused"))
     comms = {"auto": comm, "rows": comm_rows, "fused": comm_fused}
     found = []

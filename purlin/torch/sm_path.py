@@ -22,7 +22,7 @@ from collections import OrderedDict
 import torch
 import torch.distributed as dist
 
-from purlin.errors import CapabilityError
+from purlin.errors import CapabilityError, ExecutionError
 from purlin.kernels import isa
 from purlin.torch.common import overlap
 
@@ -149,7 +149,8 @@ class SmPrepared:
         # (relocated, with an epilogue: one op and one source entry more) is that long
         if self.program_words is None:
             self.program_words = prog.words.size + isa.OP_WIDTH + isa.SOURCE_WIDTH
-        # (a user epilogue's extra words may run past it: the kernel reads those from memory)
+        # (a user epilogue's extra words may run past it: its launcher reads more,
+        # _grid_launcher)
         table, _, _ = pack(torch, self.path.device, [prog.words], self.program_words, False)
         return table, prog.items
 
@@ -190,17 +191,19 @@ class SmPrepared:
             return (f"a user epilogue runs on the one-shot kernel, which cannot run it: {why}",
                     None, None)
         self.norm_kernel = "generic"
-        return None, words, self._grid_launcher(name)
+        return None, words, self._grid_launcher(name, words.numel())
 
-    def _grid_launcher(self, kernel: str):
+    def _grid_launcher(self, kernel: str, words: int = 0):
         """A launcher of fused ``kernel`` ("fused", "fused-norm" or an epilogue's one-shot
-        kernel) on this collective's grid, reading programs of this collective's length."""
+        kernel) on this collective's grid, reading programs of this collective's length or
+        of ``words`` where longer (a user epilogue's extras: a block loads its program's
+        first words into shared memory, and reads them there)."""
         from purlin.atom.sm_kernel import launcher
 
         return launcher(self.path._launchers, device=self.path.device.index,
                         nranks_in_launch=1, nlanes=1, blocks_per_lane=self.blocks_per_lane,
-                        threads=self.threads, kernel=kernel, stride_words=self.program_words,
-                        pdl=self.pdl)
+                        threads=self.threads, kernel=kernel,
+                        stride_words=max(self.program_words, int(words)), pdl=self.pdl)
 
     MAX_MOVED = 128  # relocated tables kept outside graph captures (least recently used go)
 
@@ -316,6 +319,11 @@ class SmPrepared:
             else:  # the relocated block counts calls in this one's control words: one epoch
                 found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
                                      self.schedule.lanes, control=self.control.data_ptr())
+            run = launcher or self.kernel.launcher
+            if self.fused and found.numel() > run.head_words:  # its words past them: garbage
+                raise ExecutionError(f"rank {self.path.rank}: a fused program of "
+                                     f"{found.numel()} words under a launcher reading "
+                                     f"{run.head_words} (a bug: please report it)")
             found = self._moved[key] = (found, launcher)
             if len(self._moved) > self.MAX_MOVED + len(self._pinned):
                 # a launch still queued may read the oldest table: let it finish (rare)
