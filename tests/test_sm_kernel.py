@@ -81,6 +81,8 @@ def test_a_launch_packs_its_ranks_programs_at_one_stride_and_counts_calls():
 class _Launcher:
     def __init__(self, **config):
         self.config, self.calls = config, []
+        # the words of a program a block loads into shared memory (as Launcher's)
+        self.head_words = config.get("stride_words", 0)
 
     def __call__(self, *args):
         self.calls.append(args)
@@ -153,3 +155,8 @@ def test_process_mode_ends_a_program_with_the_norm_on_the_same_launch(protocol, 
     assert launcher.config["kernel"].startswith(kernel) and p.kernel.launcher.calls == []
     [(desc, stream, _, counters)] = launcher.calls
     assert desc != p.kernel.desc and counters == p.kernel.counters != 0
+    # the launcher loads the whole program, the epilogue's extra words too
+    (program,) = {v[0] for v in p._moved.values()}
+    assert launcher.config["stride_words"] >= program.numel()
+    if kernel == "epilogue-":  # (longer than the collective's programs: the case that broke)
+        assert program.numel() > p.program_words
