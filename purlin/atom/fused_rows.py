@@ -27,10 +27,11 @@ fused kernel".
 
 from __future__ import annotations
 
-from purlin.atom.fused import _Refused, _accesses, _check_rank, program, rank_ops
+from purlin.atom.fused import (Segments, _Refused, _accesses, _check_rank, _clash, _meets,
+                               program, rank_ops)
 
 __all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "ll_pieces", "regroup",
-           "regrouped", "rotations"]
+           "regrouped", "rotations", "segmented"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -207,15 +208,211 @@ def regrouped(lowered, unit: int = 16) -> tuple[list[list[tuple]], list[dict]]:
 
 
 def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
-                     regroup: bool = True) -> list:
+                     regroup: bool = True, segments: bool = True) -> list:
     """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the
-    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address);
-    ``regroup=False``: on :func:`purlin.atom.fused.rank_ops`'s, an op per table row (what a
-    trace of the fused kernel names, ``purlin.atom.fused_trace.op_rows``)."""
+    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address), with one
+    peer's rows gathered into segmented ops where :func:`segmented` can (``segments=False``:
+    never -- the rotated rows instead); ``regroup=False``: on
+    :func:`purlin.atom.fused.rank_ops`'s, an op per table row (what a trace of the fused
+    kernel names, ``purlin.atom.fused_trace.op_rows``)."""
     if regroup:
         ops, rot = regrouped(lowered, unit)
+        if segments and any(rot):  # (only where rows were merged or rotated: not the standard
+            seg = segmented(ops, unit, ll_pieces(ops))  # collectives' programs)
+            if seg is not None:
+                ops, rot = seg, [{} for _ in lowered]
     else:
         ops, rot = [rank_ops(low, unit) for low in lowered], [{} for _ in lowered]
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
                     rotation=rot[i]) for i, low in enumerate(lowered)]
 
+
+
+# ---------------------------------------------------------------- segmented ops
+
+def _plain_move(op) -> bool:
+    return op.kind == "move" and not any(s.is_ll for s in op.sources)
+
+
+def _conflict(a, b) -> bool:
+    """Do data ops ``a`` and ``b`` touch a byte in common that one of them writes?"""
+    wa, ra = _accesses(a)
+    wb, rb = _accesses(b)
+    return any(_meets(wa, x) for x in (wb, *rb)) or any(_meets(wb, x) for x in ra)
+
+
+def _partners(ops_by_rank: list[list[tuple]]) -> dict:
+    """{(rank, op index): the other ranks that touch a byte of the op's where one of the two
+    writes} for every data op (what tells one peer's plain rows from another's)."""
+    spans: dict = {}
+    for r, ops in enumerate(ops_by_rank):
+        for k, op in enumerate(ops):
+            if op.kind in ("put", "move"):
+                w, reads = _accesses(op)
+                spans.setdefault(w, []).append((r, k, True))
+                for x in reads:
+                    spans.setdefault(x, []).append((r, k, False))
+    out: dict = {}
+    for who in spans.values():
+        for r, k, writes in who:
+            out.setdefault((r, k), set()).update(
+                r2 for r2, _, w2 in who if r2 != r and (writes or w2))
+    return {row: frozenset(v) for row, v in out.items()}
+
+
+def _key(op, partners) -> tuple:
+    """Rows of one key may share a segmented op: PUTs to one peer; moves reading LL units
+    of the same peers; plain moves meeting the same other ranks (one peer's pushes or its
+    arrivals; the rank's own copies meet none)."""
+    if op.kind == "put":
+        return ("put", op.peer)
+    lls = tuple(sorted(s.peer for s in op.sources if s.is_ll))
+    return ("move", lls, len(op.sources), op.how, op.dtype, partners if not lls else None)
+
+
+def _gather(ops: list[tuple], keys: list) -> tuple[list, list]:
+    """Plain moves moved next to a row of their key across flag operations where that only
+    adds ordering: later past waits (a row waits longer), earlier past notifies (a peer
+    learns later), never past a row they conflict with. Returns (ops, keys) reordered."""
+    ops, keys = list(ops), list(keys)
+    moved = True
+    while moved:
+        moved = False
+        for i in range(len(ops)):
+            if not _plain_move(ops[i]):
+                continue
+            j = _partner_index(ops, keys, i, -1) if i else None
+            if j is None:
+                j = _partner_index(ops, keys, i, 1)
+            if j is None:
+                continue
+            op, key = ops.pop(i), keys.pop(i)
+            at = j + 1 if j < i else j - 1  # after the earlier partner, before the later
+            ops.insert(at, op)
+            keys.insert(at, key)
+            moved = True
+            break
+    return ops, keys
+
+
+def _partner_index(ops, keys, i, step) -> int | None:
+    """The nearest row of ``ops[i]``'s key in direction ``step`` that it may join, past at
+    least one flag operation (waits going later, notifies going earlier), else None."""
+    crossed, j = False, i + step
+    allowed = "wait" if step > 0 else "notify"
+    while 0 <= j < len(ops):
+        op = ops[j]
+        if op.kind in ("wait", "notify", "norm"):
+            if op.kind != allowed:
+                return None
+            crossed = True
+        elif keys[j] == keys[i]:
+            return j if crossed else None
+        elif _conflict(op, ops[i]):
+            return None
+        j += step
+    return None
+
+
+def _merge_segment(rows: list, keys: list) -> list:
+    """One segment's data rows (between two flag operations) as groups of one key each,
+    in the order of their first rows; a row joins its key's last group where it may pass
+    the rows of the groups after it (no conflict; an LL move never passes a PUT: a poll
+    must not come before a send)."""
+    groups: list = []  # [key, rows]
+    for op, key in zip(rows, keys):
+        for g in range(len(groups) - 1, -1, -1):
+            if groups[g][0] != key:
+                continue
+            passed = [a for _, later in groups[g + 1:] for a in later]
+            blocking = op.kind == "move" and any(s.is_ll for s in op.sources)
+            if all(not _conflict(a, op) and not (blocking and a.kind == "put")
+                   for a in passed):
+                groups[g][1].append(op)
+                break
+            groups.append([key, [op]])
+            break
+        else:
+            groups.append([key, [op]])
+    return [rows[0] if len(rows) == 1 else Segments(rows[0].kind + "s", tuple(rows))
+            for _, rows in groups]
+
+
+def segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> list | None:
+    """Each rank's ops with one peer's rows of a step gathered into segmented ops
+    (:class:`purlin.atom.fused.Segments`): a GQA all-gather's q, k and v to a peer in one
+    PUT or MOVE, as many ops as its standard twin. Rows move only where that adds ordering
+    (:func:`_gather`) or inside a segment between flag operations, past rows they share no
+    written byte with; every row's first item in its union (its effective rotation) must be
+    the same as that of every row touching its bytes on any rank (LL units excepted where
+    ``ll``: polled by their tag), so a block still meets only its own items. None where
+    nothing gathers or a check fails (then the rotated rows, :func:`rotations`)."""
+    partners = _partners(ops_by_rank)
+    out, flat_by_rank = [], []
+    for r, ops in enumerate(ops_by_rank):
+        keys = [_key(op, partners.get((r, k))) if op.kind in ("put", "move") else None
+                for k, op in enumerate(ops)]
+        flat, keys = _gather(ops, keys)
+        if not _segment_rule(flat):
+            return None
+        merged, rows, row_keys = [], [], []
+        for op, key in zip(flat + [None], keys + [None]):
+            if op is not None and op.kind in ("put", "move"):
+                rows.append(op)
+                row_keys.append(key)
+                continue
+            if rows:
+                merged += _merge_segment(rows, row_keys)
+            rows, row_keys = [], []
+            if op is not None:
+                merged.append(op)
+        out.append(merged)
+        flat_by_rank.append(flat)
+    if all(len(a) == len(b) for a, b in zip(out, ops_by_rank)):
+        return None
+    return out if _matched(out, unit, ll) else None
+
+
+def _segment_rule(ops: list[tuple]) -> bool:
+    """The soundness rule that moving rows across flag operations can break (the others
+    hold as they did: the same rows, PUTs and LL moves where they were): rows between two
+    flag operations that touch the same bytes touch the same span."""
+    segment: list = []
+    for op in ops + [None]:
+        if op is None or op.kind in ("wait", "notify", "norm"):
+            for i, (w, reads) in enumerate(segment):
+                for w2, reads2 in segment[i + 1:]:
+                    if any(_clash(w, x) for x in (w2, *reads2)) or \
+                            any(_clash(w2, x) for x in reads):
+                        return False
+            segment = []
+        else:
+            segment.append(_accesses(op))
+    return True
+
+
+def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> bool:
+    """Does every span written by some row meet only rows with the same first item in their
+    union (0 outside segmented ops)? LL spans (a PUT's units, an LL move's source) are free
+    where ``ll``."""
+    firsts: dict = {}  # span -> {first item}
+    written: set = set()
+    for ops in ops_by_rank:
+        for op in ops:
+            parts = op.parts if op.kind in ("puts", "moves") else (op,)
+            if op.kind not in ("puts", "moves", "put", "move"):
+                continue
+            start = 0
+            for part in parts:
+                w, reads = _accesses(part)
+                if part.kind == "put":
+                    spans = [(reads[0], False)] + ([] if ll else [(w, True)])
+                else:
+                    spans = [(w, True)] + [(x, False) for x, src in zip(reads, part.sources)
+                                           if not (ll and src.is_ll)]
+                for span, writes in spans:
+                    firsts.setdefault(span, set()).add(start)
+                    if writes:
+                        written.add(span)
+                start += -(-part.nbytes // unit)
+    return all(len(firsts[span]) == 1 for span in written)
