@@ -30,6 +30,7 @@ from purlin.kernels.intrinsics import SIMULATOR
 # address each call passes (``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank);
 # ``kernel="fused-norm"`` is the same kernel compiled with the NORM op (programs that end with
 # an epilogue; the plain one leaves that code and its registers out), and
+# ``kernel="fused-seg"`` the one that also runs segmented ops (``isa.F_OP_PUTS``, ``F_OP_MOVES``),
 # ``kernel="fused-norm-oneshot"`` ``fused.oneshot_norm`` (the programs of one such shape,
 # ``purlin.atom.fused.oneshot_problem``). ``kernel="fused-trace"`` (``"fused-norm-trace"``) is
 # ``"fused"`` (``"fused-norm"``) with thread 0 of every block stamping each op into the
@@ -42,6 +43,7 @@ from purlin.kernels.intrinsics import SIMULATOR
 KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
            "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE),
            "fused-norm": (fused.fused_norm, fused.fused_norm_pdl, fused.SIGNATURE),
+           "fused-seg": (fused.fused_seg, fused.fused_seg_pdl, fused.SIGNATURE),
            "fused-norm-oneshot": (fused.oneshot_norm, fused.oneshot_norm_pdl, fused.SIGNATURE),
            "fused-trace": (fused.fused_trace, fused.fused_trace_pdl, fused.TRACE_SIGNATURE),
            "fused-norm-trace": (fused.fused_norm_trace, fused.fused_norm_trace_pdl,

@@ -381,3 +381,50 @@ def test_custom_copy_layouts_borrow_their_twins_table_entry():
     small = select(two_root, cluster, chunk_sizes={"a": 4096, "b": 4096}, dtype="bfloat16",
                    table=table)
     assert "twin" not in small.source, small  # small sizes keep the fast path
+
+
+# ---------------------------------------------------------------- segmented ops: the kernels
+
+# the segmented-op hook in kernels/fused.py's op loop, exactly as written there
+SEG_HOOK = (("norm, segs=False, trace=0", "norm, trace=0"),
+            ("        elif segs and (kind == F_OP_PUTS or kind == F_OP_MOVES):  # (the fused_seg "
+             "kernels)\n            _segments(meta, head, at, kind, status, block, g, stride, "
+             "odd, tag, dt, redop,\n                      divisor, unit_bytes, shift, "
+             "timeout_ns, abort)\n", ""))
+
+
+def test_the_standard_fused_kernels_compile_as_if_segments_were_not_there(tmp_path):
+    """kernels/fused.py with the segmented-op hook cut out of ``_run`` compiles ``fused``,
+    ``fused_pdl`` and ``fused_norm_pdl`` to the same PTX bodies (symbol names aside): only the
+    ``fused_seg`` kernels carry the segments' code, so the standard collectives' programs run
+    the kernel they ran before."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    cuda = pytest.importorskip("numba.cuda", reason="numba-cuda compiles the kernels")
+    if cuda.config.ENABLE_CUDASIM:
+        pytest.skip("NUMBA_ENABLE_CUDASIM=1 is set: PTX needs the compiler")
+    from purlin.kernels import fused
+    from purlin.kernels.compat import compile_ptx
+    from purlin.kernels.executor import MAX_THREADS
+
+    text = (Path(__file__).resolve().parents[1] / "kernels" / "fused.py").read_text()
+    for piece, instead in SEG_HOOK:
+        assert text.count(piece) == 1, f"the segments hook changed: update SEG_HOOK ({piece!r})"
+        text = text.replace(piece, instead)
+    path = tmp_path / "fused_without_segments.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("fused_without_segments", path)
+    bare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bare)
+
+    def body(module, name):
+        ptx = compile_ptx(getattr(module, name).py_func, fused.SIGNATURE, cc=(9, 0),
+                          launch_bounds=MAX_THREADS)
+        return re.sub(r"_ZN\w+|_cudapy_smem_\d+", "SYM", ptx[ptx.index(".visible .entry"):])
+
+    for name in ("fused", "fused_pdl", "fused_norm_pdl"):
+        assert body(fused, name) == body(bare, name), name
+    seg = body(fused, "fused_seg")
+    assert seg != body(fused, "fused") and len(seg) > len(body(fused, "fused"))

@@ -461,8 +461,8 @@ class SmBound:
         """With ``trace_rows``: the traced fused kernel's Launcher options and its records for
         the ranks of one launch (every op of every block: ``trace_rows`` only switches it
         on), kept in ``self._fused_traces``; without, the untraced kernel."""
-        if not self.trace_rows:
-            return {"kernel": "fused"}
+        if not self.trace_rows:  # (segmented ops: the kernel compiled with them)
+            return {"kernel": "fused-seg" if any(progs[r].segments for r in ranks) else "fused"}
         from purlin.atom.fused_trace import traced_kernel
 
         ops = max(progs[r].ops for r in ranks)
