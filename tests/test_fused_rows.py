@@ -428,3 +428,108 @@ def test_the_standard_fused_kernels_compile_as_if_segments_were_not_there(tmp_pa
         assert body(fused, name) == body(bare, name), name
     seg = body(fused, "fused_seg")
     assert seg != body(fused, "fused") and len(seg) > len(body(fused, "fused"))
+
+
+# ---------------------------------------------------------------- segmented ops: the programs
+
+def _programs(coll, sizes, strategy, protocol, dtype="bfloat16", segments=True):
+    """(the sm datapath's fused programs on host buffers, the buffers, the schedule), or
+    None where the plan does not fuse."""
+    from purlin.atom.fused_rows import cluster_programs
+
+    s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+    bufs = HostBuffers(s, ll=protocol == "fused-ll")
+    low = bufs.lower()
+    unit, problem = fused_unit(low, protocol)
+    if problem is not None:
+        return None
+    return cluster_programs(low, lambda r: 0, 0, int, unit, segments=segments), bufs, s
+
+
+def _twin(n, sizes):
+    """The all-gather moving the GQA layout's bytes: each rank's q + k + v as one piece."""
+    from purlin.spec import collectives
+
+    ag = collectives.all_gather(n)
+    return ag, {r: sum(sizes[(r, t)] for t in "qkv") for r in ag.input.names()}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+def test_gqa_program_has_its_twins_op_count(n, protocol):
+    """Segmented PUTs and MOVEs (a peer's q, k and v in one op): the GQA all-gather's
+    direct-push program has exactly the ops of its standard twin's (4 ranks, LL: 7 against
+    21 rows; flags: 13 against 27), with every segmented op on every rank; the twin holds
+    none (it runs the ``fused`` kernel, as before)."""
+    for unit, extra in ((8, 0), (64, 0), (40, 3)):
+        sizes = gqa_sizes(n, unit, extra)
+        got = _programs(gqa(n), sizes, "direct-push", protocol)
+        rows = _programs(gqa(n), sizes, "direct-push", protocol, segments=False)
+        twin = _programs(*_twin(n, sizes), "direct-push", protocol)
+        assert got is not None and twin is not None
+        for p, t, q in zip(got[0], twin[0], rows[0]):
+            assert p.ops == t.ops, (unit, extra, p.ops, t.ops)
+            assert p.segments > 0 and t.segments == 0 and q.segments == 0
+            assert q.ops == (3 * t.ops if protocol == "fused-ll" else 2 * t.ops + 1)
+        if n == 4:
+            assert [p.ops for p in got[0]] == [7 if protocol == "fused-ll" else 13] * 4
+
+
+def _segmented_on_host(coll, sizes, dtype, strategy, protocol, blocks, threads, seed,
+                       delay=0.0):
+    """Run the programs on host threads (``delay``: rank 0's last block late before every
+    move) against the reference; did they hold segmented ops?"""
+    got = _programs(coll, sizes, strategy, protocol, dtype)
+    if got is None:
+        return False
+    progs, bufs, s = got
+    low = bufs.lower()
+    unit = fused_unit(low, protocol)[0]
+    programs = fused_programs(low, bufs, unit)
+    xs = _inputs(s.sizing, np.random.default_rng(seed), calls=3)
+    outs = run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads,
+                           slow_block_delay=delay)
+    _compare(s.sizing, outs, xs, f"{coll.name} {strategy} {protocol} {dtype} segmented")
+    return any(p.segments for p in progs)
+
+
+def test_segmented_gqa_is_right_on_host():
+    """The GQA all-gather's segmented programs, three calls, 2..8 ranks, both protocols,
+    odd sizes, four dtypes, grids of 1..3 blocks, a late block: the reference."""
+    ran = 0
+    for k, (n, dtype, m, extra, protocol, blocks, threads, delay) in enumerate((
+            (2, "bfloat16", 1, 0, "fused-ll", 2, 3, 0.0),
+            (3, "float32", 3, 1, "fused", 3, 2, 0.0),
+            (4, "float16", 2, 0, "fused", 2, 4, 0.002),
+            (4, "bfloat16", 5, 3, "fused-ll", 3, 3, 0.0),
+            (5, "int32", 1, 2, "fused-ll", 2, 4, 0.0), (8, "bfloat16", 1, 0, "fused", 2, 3, 0.001),
+            (8, "float32", 2, 1, "fused-ll", 1, 5, 0.0))):
+        e = 16 // ITEM[dtype]
+        ran += _segmented_on_host(gqa(n), gqa_sizes(n, e * m, extra), dtype, "direct-push",
+                                  protocol, blocks, threads, k, delay)
+    assert ran == 7, ran
+
+
+def test_segmented_random_layouts_are_right_on_host():
+    """Seeded random layouts x strategies x protocols x dtypes: every program runs right;
+    enough of them hold segmented ops."""
+    from purlin.errors import PurlinError
+
+    rng = np.random.default_rng(4242)
+    ran = segmented = 0
+    for case in range(80):
+        n = int(rng.integers(2, 9))
+        dtype = str(rng.choice(list(ITEM)))
+        coll, sizes = random_layout(rng, n, dtype)
+        strategy = str(rng.choice(["direct-push", "direct-pull", "ring"]))
+        protocol = str(rng.choice(["fused", "fused-ll"]))
+        try:
+            segmented += _segmented_on_host(coll, sizes, dtype, strategy, protocol,
+                                            int(rng.integers(1, 4)), int(rng.integers(1, 5)),
+                                            case, 0.001 if case % 7 == 0 else 0.0)
+        except PurlinError as exc:
+            if "cannot plan" in str(exc):
+                continue
+            raise
+        ran += 1
+    assert ran >= 50 and segmented >= 8, (ran, segmented)
