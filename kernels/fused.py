@@ -883,7 +883,8 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
               unit_bytes, shift, timeout_ns, abort):
     """A segmented PUT or MOVE (``isa.F_OP_PUTS``, ``F_OP_MOVES``): this thread's items of
     the union of its segments, in order (item u is thread (u + rotation) mod ``stride``'s),
-    each done as its segment's row would do it. Sets ``status`` when a poll gave up."""
+    each done as its segment's row would do it -- a plain 16-byte copy's whole items four in
+    flight, as a MOVE's (``copy_v16``). Sets ``status`` when a poll gave up."""
     total = _word(meta, head, at + SEG_ITEMS)
     rec = _word(meta, head, at + SEG_TABLE)
     first_word = PUT_ROTATE if kind == F_OP_PUTS else MOVE_ROTATE
@@ -899,6 +900,18 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
             nbytes = _word(meta, head, rec + bytes_word)
             end = start + ((nbytes + unit_bytes - 1) >> shift)
         j = i - start
+        if kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes):
+            whole = nbytes >> shift
+            first = _word(meta, head, rec + MOVE_SOURCES)
+            copy_v16(_word(meta, head, rec + MOVE_DST + odd),
+                     _word(meta, head, first + SOURCE_ADDR + odd), whole, j, stride)
+            while i < end:  # past the segment: this thread's first item of the next
+                i += stride
+            last = i - stride - start
+            if last == whole:  # a partial last item (a scalar tail) is this thread's
+                _move_item(meta, head, rec, last, odd, tag, dt, redop, divisor, timeout_ns,
+                           abort, nbytes - (last << shift))
+            continue
         if kind == F_OP_PUTS:
             _put_item(_word(meta, head, rec + PUT_SRC), _word(meta, head, rec + PUT_DST + odd),
                       j, unit_bytes, tag)
@@ -919,6 +932,14 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
                 status[0] = 1
                 return
         i += stride
+
+
+@device
+def _plain_copy(meta, head, rec, unit_bytes):
+    """Is the MOVE record at ``rec`` a copy of plain memory in 16-byte items?"""
+    if unit_bytes != 16 or _word(meta, head, rec + MOVE_NSRC) != 1:
+        return False
+    return _word(meta, head, _word(meta, head, rec + MOVE_SOURCES) + SOURCE_LL) == 0
 
 
 SIGNATURE = "void(int64, int64, int64, int64, int64, int64)"
