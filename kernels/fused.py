@@ -736,6 +736,8 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         else:
             w = load_v4_u32(src + gp * 16)
             p0, p1, p2, p3 = np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
+    if segs and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUTS:  # (fused_seg)
+        p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, unit_bytes, shift)
     # a NORM (last op): this thread's residual item of its block's first chunk, read now so
     # that its latency hides behind the all-reduce's
     # (``norm``: the fused_norm kernels; the others leave this code and its registers out)
@@ -773,7 +775,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                   timeout_ns, abort, res0)
         elif segs and (kind == F_OP_PUTS or kind == F_OP_MOVES):  # (the fused_seg kernels)
             _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redop,
-                      divisor, unit_bytes, shift, timeout_ns, abort)
+                      divisor, unit_bytes, shift, timeout_ns, abort, k == 0, p0, p1, p2, p3)
         elif kind == F_OP_PUT:
             src = _word(meta, head, at + PUT_SRC)
             dst = _word(meta, head, at + PUT_DST + odd)
@@ -879,12 +881,59 @@ def _put_item(src, dst, i, unit_bytes, tag):
 
 
 @device
+def _put_words(dst, i, unit_bytes, tag, p0, p1, p2, p3):
+    """Item ``i`` of a PUT, read before (``p0`` .. ``p3``: its words), as LL units."""
+    if unit_bytes == 4:
+        store_volatile_v2_u32(dst + i * 8, (p0, tag))
+    elif unit_bytes == 8:
+        store_volatile_v4_u32(dst + i * 16, (p0, tag, p1, tag))
+    else:
+        store_volatile_v4_u32(dst + i * 32, (p0, tag, p1, tag))
+        store_volatile_v4_u32(dst + i * 32 + 16, (p2, tag, p3, tag))
+
+
+@device
+def _segment_of(meta, head, at, i, unit_bytes, shift):
+    """(record word, first item) of the segment holding item ``i`` of segmented op ``at``'s
+    union (``i`` below its items)."""
+    rec = _word(meta, head, at + SEG_TABLE)
+    first_word = PUT_ROTATE if _word(meta, head, at + OP_KIND) == F_OP_PUTS else MOVE_ROTATE
+    bytes_word = PUT_BYTES if _word(meta, head, at + OP_KIND) == F_OP_PUTS else MOVE_BYTES
+    start = np.int64(0)
+    end = (_word(meta, head, rec + bytes_word) + unit_bytes - 1) >> shift
+    while i >= end:
+        rec += OP_WIDTH
+        start = _word(meta, head, rec + first_word)
+        end = start + ((_word(meta, head, rec + bytes_word) + unit_bytes - 1) >> shift)
+    return rec, start
+
+
+@device
+def _first_segment_item(meta, head, g, stride, unit_bytes, shift):
+    """A first segmented PUT's first item of thread ``g`` (four words; 0 where it has none),
+    read with the call counter as a first PUT's is."""
+    z = np.int64(0)
+    i = _rotated(g, meta[F_HEAD + SEG_ROTATE], stride)
+    if i >= meta[F_HEAD + SEG_ITEMS]:
+        return z, z, z, z
+    rec, start = _segment_of(meta, head, F_HEAD, i, unit_bytes, shift)
+    src = _word(meta, head, rec + PUT_SRC) + (i - start) * unit_bytes
+    if unit_bytes == 4:
+        return load_u32(src), z, z, z
+    if unit_bytes == 8:
+        return load_u32(src), load_u32(src + 4), z, z
+    w = load_v4_u32(src)
+    return np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
+
+
+@device
 def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redop, divisor,
-              unit_bytes, shift, timeout_ns, abort):
+              unit_bytes, shift, timeout_ns, abort, read, p0, p1, p2, p3):
     """A segmented PUT or MOVE (``isa.F_OP_PUTS``, ``F_OP_MOVES``): this thread's items of
     the union of its segments, in order (item u is thread (u + rotation) mod ``stride``'s),
     each done as its segment's row would do it -- a plain 16-byte copy's whole items four in
-    flight, as a MOVE's (``copy_v16``). Sets ``status`` when a poll gave up."""
+    flight, as a MOVE's (``copy_v16``); ``read``: this thread's first PUT item is ``p0`` ..
+    ``p3``, read at block start. Sets ``status`` when a poll gave up."""
     total = _word(meta, head, at + SEG_ITEMS)
     rec = _word(meta, head, at + SEG_TABLE)
     first_word = PUT_ROTATE if kind == F_OP_PUTS else MOVE_ROTATE
@@ -912,7 +961,11 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
                 _move_item(meta, head, rec, last, odd, tag, dt, redop, divisor, timeout_ns,
                            abort, nbytes - (last << shift))
             continue
-        if kind == F_OP_PUTS:
+        if kind == F_OP_PUTS and read:
+            _put_words(_word(meta, head, rec + PUT_DST + odd), j, unit_bytes, tag, p0, p1, p2,
+                       p3)
+            read = False
+        elif kind == F_OP_PUTS:
             _put_item(_word(meta, head, rec + PUT_SRC), _word(meta, head, rec + PUT_DST + odd),
                       j, unit_bytes, tag)
         else:

@@ -390,7 +390,10 @@ SEG_HOOK = (("norm, segs=False, trace=0", "norm, trace=0"),
             ("        elif segs and (kind == F_OP_PUTS or kind == F_OP_MOVES):  # (the fused_seg "
              "kernels)\n            _segments(meta, head, at, kind, status, block, g, stride, "
              "odd, tag, dt, redop,\n                      divisor, unit_bytes, shift, "
-             "timeout_ns, abort)\n", ""))
+             "timeout_ns, abort, k == 0, p0, p1, p2, p3)\n", ""),
+            ("    if segs and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUTS:  # "
+             "(fused_seg)\n        p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, "
+             "unit_bytes, shift)\n", ""))
 
 
 def test_the_standard_fused_kernels_compile_as_if_segments_were_not_there(tmp_path):
