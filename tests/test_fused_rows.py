@@ -260,7 +260,7 @@ def test_random_layouts_sizes_strategies_and_dtypes():
 
 # ---------------------------------------------------------------- the same on a GPU
 
-def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2):
+def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2, kernel=None):
     import torch
 
     from purlin.atom import sm
@@ -283,6 +283,8 @@ def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2):
     outs = [[o.double().cpu().numpy() for o in bound([torch.tensor(x).to(tdt) for x in call])]
             for call in xs]
     _compare(s.sizing, outs, xs, f"gpu {coll.name} {strategy} {protocol} {dtype}")
+    if kernel is not None:  # (the kernel the launches run: segmented ops or not)
+        assert {launcher.kernel for _, launcher, *_ in bound.launches} == {kernel}
     return True
 
 
@@ -298,6 +300,26 @@ def test_gpu_gqa_all_gather(n, protocol, nbytes):
     for extra in (0, 1):
         assert _gpu_check(gqa(n), gqa_sizes(n, unit, extra), "bfloat16", "direct-push",
                           protocol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+@pytest.mark.parametrize("nbytes", [8 << 10, 64 << 10, 1 << 20, 16 << 20])
+def test_gpu_gqa_runs_segmented_ops_and_its_twin_does_not(n, protocol, nbytes):
+    """The GQA all-gather's direct-push programs hold segmented ops and run on the
+    ``fused-seg`` kernel, right (three calls, an odd size too); its twin runs ``fused``."""
+    if protocol == "fused-ll" and nbytes > 256 << 10:
+        pytest.skip("LL runs up to 256 KiB")
+    e = 8
+    unit = max(e, nbytes // 2 // n // 6 // e * e)
+    for extra in (0, 1):
+        sizes = gqa_sizes(n, unit, extra)
+        assert _gpu_check(gqa(n), sizes, "bfloat16", "direct-push", protocol, calls=3,
+                          kernel="fused-seg")
+        if extra == 0:
+            assert _gpu_check(*_twin(n, sizes), "bfloat16", "direct-push", protocol,
+                              kernel="fused")
 
 
 @pytest.mark.gpu

@@ -7,8 +7,12 @@ most threads idle. :func:`regroup` merges a rank's notifies of one flag into the
 them and its waits of one flag into the first, where only data rows lie between (small
 ones: :data:`MERGE_BYTES`); :func:`rotations` then spreads the rows between two flag
 operations over different threads (``isa.MOVE_ROTATE``), the same rotation wherever two
-rows touch the same bytes, so a block still meets only its own items. ARCHITECTURE.md, "The
-fused kernel".
+rows touch the same bytes, so a block still meets only its own items. :func:`segmented`
+goes further: one peer's rows of a step become one segmented PUT or MOVE
+(``isa.F_OP_PUTS``, ``F_OP_MOVES``, run by the ``fused_seg`` kernels), its threads striding
+over the union of the rows' items, so the program has its standard twin's ops (the GQA
+all-gather on 4 ranks: 13 ops, or 7 on LL, against 27 and 21 a row each).
+ARCHITECTURE.md, "The fused kernel".
 
 >>> from purlin.spec import Collective
 >>> from purlin.snac import plan
@@ -23,6 +27,9 @@ fused kernel".
 >>> ops, rot = regrouped(low)
 >>> before.count("notify"), [op.kind for op in ops[0]].count("notify"), sorted(rot[0].values())
 (3, 1, [2, 2, 4, 4, 6, 8])
+>>> seg = segmented(ops, 16)
+>>> len(ops[0]), [op.kind for op in seg[0]]
+(9, ['moves', 'moves', 'notify', 'wait', 'moves'])
 """
 
 from __future__ import annotations
