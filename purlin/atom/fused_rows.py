@@ -29,7 +29,7 @@ ARCHITECTURE.md, "The fused kernel".
 (3, 1, [2, 2, 4, 4, 6, 8])
 >>> seg = segmented(ops, 16)
 >>> len(ops[0]), [op.kind for op in seg[0]]
-(9, ['moves', 'moves', 'notify', 'wait', 'moves'])
+(11, ['moves', 'moves', 'notify', 'wait', 'moves'])
 """
 
 from __future__ import annotations
