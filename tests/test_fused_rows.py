@@ -498,6 +498,12 @@ def test_gqa_program_has_its_twins_op_count(n, protocol):
             assert q.ops == (3 * t.ops if protocol == "fused-ll" else 2 * t.ops + 1)
         if n == 4:
             assert [p.ops for p in got[0]] == [7 if protocol == "fused-ll" else 13] * 4
+        # pulled (a ready flag and an acknowledgement per piece): merged across flags
+        # (fused_rows.merged_flags), at most the twin's ops
+        got = _programs(gqa(n), sizes, "direct-pull", protocol)
+        twin = _programs(*_twin(n, sizes), "direct-pull", protocol)
+        for p, t in zip(got[0], twin[0]):
+            assert p.ops <= t.ops and p.segments > 0 and t.segments == 0, (p.ops, t.ops)
 
 
 def _segmented_on_host(coll, sizes, dtype, strategy, protocol, blocks, threads, seed,
@@ -530,9 +536,34 @@ def test_segmented_gqa_is_right_on_host():
             (5, "int32", 1, 2, "fused-ll", 2, 4, 0.0), (8, "bfloat16", 1, 0, "fused", 2, 3, 0.001),
             (8, "float32", 2, 1, "fused-ll", 1, 5, 0.0))):
         e = 16 // ITEM[dtype]
-        ran += _segmented_on_host(gqa(n), gqa_sizes(n, e * m, extra), dtype, "direct-push",
-                                  protocol, blocks, threads, k, delay)
-    assert ran == 7, ran
+        for strategy in ("direct-push", "direct-pull"):
+            ran += _segmented_on_host(gqa(n), gqa_sizes(n, e * m, extra), dtype, strategy,
+                                      protocol, blocks, threads, k, delay)
+    assert ran == 14, ran
+
+
+def test_merged_flags_keep_progress():
+    """A notify merged into a later one past the wait it answers deadlocks: refused
+    (:func:`deadlock_free`); the merges made never lengthen the chain of waits
+    (:func:`rounds`), and the merged programs of the pulled GQA all-gather run."""
+    from purlin.atom.fused import Notify, Wait
+    from purlin.atom.fused_rows import deadlock_free, merged_flags, rounds
+
+    a, b = 0xA0, 0xB0  # (rank 1's flag a, rank 0's flag b)
+    ping = [Notify("notify", a, 1), Wait("wait", b, 2, 1, 0, 1, 1),
+            Notify("notify", a, 1), Wait("wait", b, 2, 2, 0, 1, 3)]
+    pong = [Wait("wait", a, 2, 1, 0, 0, 0), Notify("notify", b, 1),
+            Wait("wait", a, 2, 2, 0, 0, 2), Notify("notify", b, 1)]
+    assert deadlock_free([ping, pong]) and rounds([ping, pong], calls=1) == 5  # a hop each
+    late = [ping[1], Notify("notify", a, 2), ping[3]]  # the first notify merged past its wait
+    assert not deadlock_free([late, pong]) and rounds([late, pong]) is None
+    merged = merged_flags([ping, pong])
+    assert merged is None or rounds(merged) <= rounds([ping, pong])
+    s = plan(gqa(4), "direct-pull", chunk_sizes=gqa_sizes(4, 16), dtype="bfloat16")
+    ops = regrouped(HostBuffers(s, ll=False).lower(), 16)[0]
+    merged = merged_flags(ops)
+    assert merged is not None and rounds(merged) <= rounds(ops)
+    assert sum(map(len, merged)) < sum(map(len, ops))
 
 
 def test_segmented_random_layouts_are_right_on_host():

@@ -353,7 +353,20 @@ def segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> li
     written byte with; every row's first item in its union (its effective rotation) must be
     the same as that of every row touching its bytes on any rank (LL units excepted where
     ``ll``: polled by their tag), so a block still meets only its own items. None where
-    nothing gathers or a check fails (then the rotated rows, :func:`rotations`)."""
+    nothing gathers or a check fails (then the rotated rows, :func:`rotations`).
+
+    First tried on the ops with every rank's waits of one flag merged into the first and its
+    notifies into the next of their flag (:func:`merged_flags`: a pulled piece's ready flags
+    and acknowledgements, one per piece, as one per peer), where that cannot deadlock."""
+    merged = merged_flags(ops_by_rank)
+    if merged is not None:
+        got = _segmented(merged, unit, ll)
+        if got is not None:
+            return got
+    return _segmented(ops_by_rank, unit, ll)
+
+
+def _segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> list | None:
     partners = _partners(ops_by_rank)
     out, flat_by_rank = [], []
     for r, ops in enumerate(ops_by_rank):
@@ -423,3 +436,117 @@ def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> bool:
                         written.add(span)
                 start += -(-part.nbytes // unit)
     return all(len(firsts[span]) == 1 for span in written)
+
+
+# ---------------------------------------------------------------- flags merged across flags
+
+def merged_flags(ops_by_rank: list[list[tuple]], calls: int = 3) -> list | None:
+    """Each rank's ops with its waits of one flag (per call, epoch offset) merged into the
+    one before (the larger value) and its notifies into the next of their flag, one merge at
+    a time and each kept only where the ranks still run ``calls`` calls to the end in no
+    more :func:`rounds` than before (no deadlock, no rank made to wait for another's whole
+    work) -- or None where nothing merges.
+
+    Sound for the data: a wait moved earlier for a larger value only holds the rank longer,
+    and a notify merged into a later one only tells the peer later, so every execution of
+    the merged programs is one the original programs allow (a rank slow past a wait, a
+    notify's increment seen late); what it can break is progress, which each merge checks."""
+    cur = [list(ops) for ops in ops_by_rank]
+    if sum(len(ops) for ops in cur) > MERGE_OPS:
+        return None
+    most = rounds(cur, calls)  # (a merge that lengthens the chain of waits serialises ranks)
+    if most is None:
+        return None
+    changed = False
+    for kind in ("wait", "notify"):
+        for r in range(len(cur)):
+            i = 0
+            while i < len(cur[r]):
+                trial = _merged_at(cur[r], i) if cur[r][i].kind == kind else None
+                if trial is not None:
+                    got = rounds(cur[:r] + [trial] + cur[r + 1:], calls)
+                    if got is not None and got <= most:
+                        cur[r], changed = trial, True
+                        continue
+                i += 1
+    return cur if changed else None
+
+
+MERGE_OPS = 2000  # ops of a cluster past which merged_flags does not search (each merge it
+# tries runs every rank's calls once)
+
+
+def _merged_at(ops: list[tuple], i: int) -> list | None:
+    """``ops`` with the wait at ``i`` merged into the wait of its flag before it, or the
+    notify at ``i`` into the notify of its flag after it (none in between), else None."""
+    op = ops[i]
+    if op.kind == "wait":
+        key = (op.flag, op.per_call, op.epoch_offset)
+        for j in range(i - 1, -1, -1):
+            w = ops[j]
+            if w.kind == "norm":
+                return None
+            if w.kind == "wait" and (w.flag, w.per_call, w.epoch_offset) == key:
+                if op.value > w.value:
+                    w = w._replace(value=op.value, peer=op.peer, step=op.step)
+                return ops[:j] + [w] + ops[j + 1:i] + ops[i + 1:]
+        return None
+    for j in range(i + 1, len(ops)):
+        n = ops[j]
+        if n.kind == "norm":
+            return None
+        if n.kind == "notify" and n.flag == op.flag:
+            return ops[:i] + ops[i + 1:j] + [n._replace(value=n.value + op.value)] + ops[j + 1:]
+    return None
+
+
+def deadlock_free(ops_by_rank: list[list[tuple]], calls: int = 3) -> bool:
+    """Do the ranks' fused ops (rows, segmented ops, flag operations) run ``calls`` calls to
+    the end? Flags only grow and a wait or LL poll only needs a flag to reach a value or a
+    PUT to have run, so running every rank as far as it can, round after round, finds every
+    op that any interleaving can run: if that ends, no interleaving deadlocks. (One block
+    stands for each: block b waits only on block b's slots.)"""
+    return rounds(ops_by_rank, calls) is not None
+
+
+def rounds(ops_by_rank: list[list[tuple]], calls: int = 3) -> int | None:
+    """Rounds of :func:`deadlock_free`'s run (in each, every rank runs as far as the flags
+    and PUTs of the rounds before let it) until every rank ran ``calls`` calls -- the
+    longest chain of waits on peers, what a merge must not lengthen -- or None where some
+    rank never ends."""
+    counters: dict = {}
+    sent: set = set()  # (LL units' address this call, call) of the PUTs that ran
+    pcs = [0] * len(ops_by_rank)
+    total = [len(ops) * calls for ops in ops_by_rank]
+    count = 0
+    while pcs != total:
+        seen_counters, seen_sent = dict(counters), set(sent)
+        moved = False
+        for r, ops in enumerate(ops_by_rank):
+            while pcs[r] < total[r]:
+                call, op = pcs[r] // len(ops), ops[pcs[r] % len(ops)]
+                if not _runnable(op, call, seen_counters, seen_sent):
+                    break
+                if op.kind == "notify":
+                    counters[op.flag] = counters.get(op.flag, 0) + op.value
+                for part in op.parts if op.kind in ("puts", "moves") else (op,):
+                    if part.kind == "put":
+                        sent.add((part.dst_odd if call & 1 else part.dst_even, call))
+                pcs[r] += 1
+                moved = True
+        if not moved:
+            return None
+        count += 1
+    return count
+
+
+def _runnable(op, call: int, counters: dict, sent: set) -> bool:
+    if op.kind == "wait":
+        target = (call + op.epoch_offset) * op.per_call + op.value
+        return target <= 0 or counters.get(op.flag, 0) >= target
+    for part in op.parts if op.kind in ("puts", "moves") else (op,):
+        if part.kind == "move" and any(
+                (s.odd if call & 1 else s.even, call) not in sent for s in part.sources
+                if s.is_ll):
+            return False
+    return True
