@@ -271,7 +271,8 @@ def op_counts(coll, sizes, dtype) -> dict:
         low = HostBuffers(s, ll=protocol == "fused-ll").lower()
         unit, problem = fused_unit(low, protocol)
         out[protocol] = None if problem else tuple(
-            cluster_programs(low, lambda r: 0, 0, int, unit, segments=seg)[0].ops
+            cluster_programs(low, lambda r: 0, 0, int, unit,
+                             segments=seg and s.chunks == 1)[0].ops
             for seg in (True, False))
     return out
 

@@ -468,7 +468,8 @@ def _programs(coll, sizes, strategy, protocol, dtype="bfloat16", segments=True):
     unit, problem = fused_unit(low, protocol)
     if problem is not None:
         return None
-    return cluster_programs(low, lambda r: 0, 0, int, unit, segments=segments), bufs, s
+    return cluster_programs(low, lambda r: 0, 0, int, unit,
+                            segments=segments and s.chunks == 1), bufs, s
 
 
 def _twin(n, sizes):

@@ -436,7 +436,8 @@ class SmBound:
         # (several pieces per peer: one flag each and rows side by side, purlin.atom.fused_rows)
         progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
                                  self.abort.data_ptr(), flag_slot, unit,
-                                 regroup=not self.trace_rows)  # (a trace names table rows)
+                                 regroup=not self.trace_rows,  # (a trace names table rows)
+                                 segments=self.schedule.chunks == 1)  # (chunks keep flags)
         size = max(p.items for p in progs)
         per_launch = max(len(r) for r in groups.values())
         self.blocks_per_lane, self.threads = fused_launch(
