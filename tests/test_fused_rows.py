@@ -590,3 +590,34 @@ def test_segmented_random_layouts_are_right_on_host():
             raise
         ran += 1
     assert ran >= 50 and segmented >= 8, (ran, segmented)
+
+
+def test_standard_collectives_hold_no_segmented_ops():
+    """Every standard collective x strategy x chunks x protocol that fuses, as the sm
+    datapath builds its programs (segments only unchunked): no segmented op, so they run
+    the ``fused`` kernel as before."""
+    from purlin.atom.fused_rows import cluster_programs
+    from purlin.snac import STRATEGIES
+    from purlin.spec import collectives
+
+    ran = 0
+    for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
+                 "reduce", "gather", "scatter"):
+        for n in (2, 4, 8):
+            for strategy in STRATEGIES:
+                for chunks in (1, 2):
+                    try:
+                        s = plan(getattr(collectives, name)(n), strategy, count=96 * n,
+                                 dtype="bfloat16", chunks=chunks)
+                    except Exception:  # noqa: BLE001 - a strategy that does not plan it
+                        continue
+                    for protocol in ("fused", "fused-ll"):
+                        low = HostBuffers(s, ll=protocol == "fused-ll").lower()
+                        unit, problem = fused_unit(low, protocol)
+                        if problem is not None:
+                            continue
+                        got = cluster_programs(low, lambda r: 0, 0, int, unit,
+                                               segments=s.chunks == 1)
+                        assert not any(p.segments for p in got), (name, strategy, chunks)
+                        ran += 1
+    assert ran >= 300, ran
