@@ -17,7 +17,7 @@ is a bug). CUDA-graph replays, device time per op (``purlin.bench.providers``).
 
 ``--cases gqa`` times only the cases whose name holds one of the comma-separated words (and
 prints each one's fused op counts per rank: segmented, one op per row, and the twin's, for
-direct-push on both fused protocols); ``--rows`` also times each custom case with segmented
+direct-push and direct-pull on both fused protocols); ``--rows`` also times each custom case with segmented
 ops off (``purlin.atom.fused_rows.segmented``: the rotated rows instead), its ratio beside.
 
 Budget: about 3-4 minutes on one H200 for the full run (--quick: 8 KiB and 64 KiB, auto and
@@ -258,22 +258,23 @@ def _ratio(a, b):
 
 
 def op_counts(coll, sizes, dtype) -> dict:
-    """{protocol: (ops of rank 0's direct-push fused program with segmented ops, without)}
-    on host buffers (no GPU), or {protocol: None} where it does not fuse."""
+    """{"strategy protocol": (ops of rank 0's fused program with segmented ops, without)}
+    for direct-push and direct-pull on host buffers (no GPU), None where it does not fuse."""
     from purlin.atom.fused import fused_unit
-    from purlin.atom.fused_rows import cluster_programs
+    from purlin.atom.fused_rows import cluster_programs, several_pieces
     from purlin.atom.host import HostBuffers
     from purlin.snac import plan
 
-    s = plan(coll, "direct-push", chunk_sizes=sizes, dtype=dtype)
     out = {}
-    for protocol in ("fused", "fused-ll"):
-        low = HostBuffers(s, ll=protocol == "fused-ll").lower()
-        unit, problem = fused_unit(low, protocol)
-        out[protocol] = None if problem else tuple(
-            cluster_programs(low, lambda r: 0, 0, int, unit,
-                             segments=seg and s.chunks == 1)[0].ops
-            for seg in (True, False))
+    for strategy in ("direct-push", "direct-pull"):
+        s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+        for protocol in ("fused", "fused-ll"):
+            low = HostBuffers(s, ll=protocol == "fused-ll").lower()
+            unit, problem = fused_unit(low, protocol)
+            out[f"{strategy} {protocol}"] = None if problem else tuple(
+                cluster_programs(low, lambda r: 0, 0, int, unit,
+                                 segments=seg and several_pieces(s))[0].ops
+                for seg in (True, False))
     return out
 
 
@@ -296,9 +297,9 @@ class _RowsOnly:
 def _print_ops(name, n, nbytes, coll, csizes, tcoll, tsizes, dtype, log) -> dict:
     custom, twin = op_counts(coll, csizes, dtype), op_counts(tcoll, tsizes, dtype)
     if log is not None:
-        for protocol in custom:
-            c, t = custom[protocol], twin[protocol]
-            print(f"  ops {name} n={n} {nbytes}B direct-push {protocol}: "
+        for how in custom:
+            c, t = custom[how], twin[how]
+            print(f"  ops {name} n={n} {nbytes}B {how}: "
                   f"{'-' if c is None else f'segmented {c[0]}, a row each {c[1]}'}; twin "
                   f"{'-' if t is None else t[0]}", file=log)
     return {"custom": custom, "twin": twin}

@@ -460,7 +460,7 @@ def test_the_standard_fused_kernels_compile_as_if_segments_were_not_there(tmp_pa
 def _programs(coll, sizes, strategy, protocol, dtype="bfloat16", segments=True):
     """(the sm datapath's fused programs on host buffers, the buffers, the schedule), or
     None where the plan does not fuse."""
-    from purlin.atom.fused_rows import cluster_programs
+    from purlin.atom.fused_rows import cluster_programs, several_pieces
 
     s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
     bufs = HostBuffers(s, ll=protocol == "fused-ll")
@@ -469,7 +469,7 @@ def _programs(coll, sizes, strategy, protocol, dtype="bfloat16", segments=True):
     if problem is not None:
         return None
     return cluster_programs(low, lambda r: 0, 0, int, unit,
-                            segments=segments and s.chunks == 1), bufs, s
+                            segments=segments and several_pieces(s)), bufs, s
 
 
 def _twin(n, sizes):
@@ -596,7 +596,7 @@ def test_standard_collectives_hold_no_segmented_ops():
     """Every standard collective x strategy x chunks x protocol that fuses, as the sm
     datapath builds its programs (segments only unchunked): no segmented op, so they run
     the ``fused`` kernel as before."""
-    from purlin.atom.fused_rows import cluster_programs
+    from purlin.atom.fused_rows import cluster_programs, several_pieces
     from purlin.snac import STRATEGIES
     from purlin.spec import collectives
 
@@ -616,8 +616,9 @@ def test_standard_collectives_hold_no_segmented_ops():
                         unit, problem = fused_unit(low, protocol)
                         if problem is not None:
                             continue
+                        assert not several_pieces(s), (name, strategy, chunks)
                         got = cluster_programs(low, lambda r: 0, 0, int, unit,
-                                               segments=s.chunks == 1)
+                                               segments=several_pieces(s))
                         assert not any(p.segments for p in got), (name, strategy, chunks)
                         ran += 1
     assert ran >= 300, ran

@@ -37,8 +37,9 @@ from __future__ import annotations
 from purlin.atom.fused import (Segments, _Refused, _accesses, _check_rank, _clash, _meets,
                                program, rank_ops)
 
-__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "ll_pieces", "regroup",
-           "regrouped", "rotations", "segmented"]
+__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "deadlock_free", "ll_pieces",
+           "merged_flags", "regroup", "regrouped", "rotations", "rounds", "segmented",
+           "several_pieces"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -214,18 +215,54 @@ def regrouped(lowered, unit: int = 16) -> tuple[list[list[tuple]], list[dict]]:
     return ops, rotations(ops, unit, ll)
 
 
+def several_pieces(schedule) -> bool:
+    """Does some rank send another several pieces of its input in one call (GQA's q, k and
+    v), unchunked? The layouts segmented ops are for (``cluster_programs(...,
+    segments=...)``); a standard collective sends each peer one piece.
+
+    >>> from purlin.spec import Collective, collectives
+    >>> from purlin.snac import plan
+    >>> qkv = Collective([[(r, t) for t in "qkv"] for r in range(2)],
+    ...                  [[(r, t) for t in "qkv" for r in range(2)]] * 2, "copy")
+    >>> several_pieces(plan(qkv, "direct-push", count=8))
+    True
+    >>> several_pieces(plan(collectives.all_gather(2), "direct-push", count=8))
+    False
+    """
+    if schedule.chunks != 1:  # (chunked pipelines keep their flags, as their LL transfers do)
+        return False
+    coll = schedule.sizing.collective
+    return any(_runs(row, out) > 1 for r, row in enumerate(coll.input)
+               for p, out in enumerate(coll.output) if p != r)
+
+
+def _runs(row, out) -> int:
+    """Pieces of input ``row`` that output ``out`` holds, counted as runs: names next to each
+    other in both, in the same order, are one piece (an all-reduce's parts are one)."""
+    at = {name: k for k, name in reversed(list(enumerate(out)))}  # (first place in out)
+    runs, last = 0, None
+    for k, name in enumerate(row):
+        if name not in at:
+            last = None
+            continue
+        if last is None or at[name] != at[row[last]] + 1 or k != last + 1:
+            runs += 1
+        last = k
+    return runs
+
+
 def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
-                     regroup: bool = True, segments: bool = True) -> list:
+                     regroup: bool = True, segments: bool = False) -> list:
     """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the
-    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address), with one
-    peer's rows gathered into segmented ops where :func:`segmented` can (``segments=False``:
-    never -- the rotated rows instead); ``regroup=False``: on
-    :func:`purlin.atom.fused.rank_ops`'s, an op per table row (what a trace of the fused
-    kernel names, ``purlin.atom.fused_trace.op_rows``)."""
+    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address); with
+    ``segments`` (for the layouts :func:`several_pieces` finds) one peer's rows gathered
+    into segmented ops where :func:`segmented` can, else the rotated rows;
+    ``regroup=False``: on :func:`purlin.atom.fused.rank_ops`'s, an op per table row (what a
+    trace of the fused kernel names, ``purlin.atom.fused_trace.op_rows``)."""
     if regroup:
         ops, rot = regrouped(lowered, unit)
-        if segments and any(rot):  # (only where rows were merged or rotated: not the standard
-            seg = segmented(ops, unit, ll_pieces(ops))  # collectives' programs)
+        if segments:
+            seg = segmented(ops, unit, ll_pieces(ops))
             if seg is not None:
                 ops, rot = seg, [{} for _ in lowered]
     else:

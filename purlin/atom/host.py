@@ -341,8 +341,8 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None
     ``lowered`` on ``buffers``, with a flag slot per block (``buffers.block_flags``) and a
     throw-away error record and abort word; ``epilogues[r]``: rank r's
     :class:`purlin.atom.fused.Epilogue` for blocks of ``threads`` threads, if any;
-    ``segments=False`` (and for chunked plans, whose chunks keep their flags, as the sm
-    datapath does): rotated rows, never segmented ops (``fused_rows.cluster_programs``)."""
+    segmented ops where the sm datapath makes them (``fused_rows.several_pieces``), unless
+    ``segments=False``: then the rotated rows (``fused_rows.cluster_programs``)."""
     from purlin.atom.fused import program
 
     buffers.block_flags = [np.zeros(f.size * isa.F_MAX_BLOCKS, np.int64) for f in buffers.flags]
@@ -357,12 +357,12 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None
         raise ValueError(f"0x{address:x} is no flag of these buffers")
 
     if not epilogues:  # (the programs the sm datapath runs: purlin.atom.fused_rows)
-        from purlin.atom.fused_rows import cluster_programs
+        from purlin.atom.fused_rows import cluster_programs, several_pieces
 
         return [p.words for p in cluster_programs(
             lowered, lambda r: buffers.fused_error.ctypes.data,
             buffers.fused_abort.ctypes.data, flag_slot, unit,
-            segments=segments and buffers.schedule.chunks == 1)]
+            segments=segments and several_pieces(buffers.schedule))]
     return [program(low, buffers.fused_error.ctypes.data, buffers.fused_abort.ctypes.data,
                     flag_slot, unit, epilogue=(epilogues or {}).get(low.rank),
                     threads=threads).words for low in lowered]

@@ -415,7 +415,7 @@ class SmBound:
         record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
         ``wish``: a tuning table's (cut to what fits)."""
         from purlin.atom.fused import fused_unit
-        from purlin.atom.fused_rows import cluster_programs
+        from purlin.atom.fused_rows import cluster_programs, several_pieces
         from purlin.kernels.launch import Launcher
 
         torch = self.torch
@@ -437,7 +437,7 @@ class SmBound:
         progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
                                  self.abort.data_ptr(), flag_slot, unit,
                                  regroup=not self.trace_rows,  # (a trace names table rows)
-                                 segments=self.schedule.chunks == 1)  # (chunks keep flags)
+                                 segments=several_pieces(self.schedule))
         size = max(p.items for p in progs)
         per_launch = max(len(r) for r in groups.values())
         self.blocks_per_lane, self.threads = fused_launch(
