@@ -17,8 +17,9 @@ is a bug). CUDA-graph replays, device time per op (``purlin.bench.providers``).
 
 ``--cases gqa`` times only the cases whose name holds one of the comma-separated words (and
 prints each one's fused op counts per rank: segmented, one op per row, and the twin's, for
-direct-push and direct-pull on both fused protocols); ``--rows`` also times each custom case with segmented
-ops off (``purlin.atom.fused_rows.segmented``: the rotated rows instead), its ratio beside.
+direct-push and direct-pull on both fused protocols); ``--rows`` also times each custom case
+with segmented ops off (``purlin.atom.fused_rows.segmented``: the rotated rows instead), its
+ratio beside.
 
 Budget: about 3-4 minutes on one H200 for the full run (--quick: 8 KiB and 64 KiB, auto and
 the fused binds only). ``--datapath cpu`` runs the same cases on the cpu datapath (float16 for
