@@ -405,7 +405,7 @@ def segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> li
 
 def _segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> list | None:
     partners = _partners(ops_by_rank)
-    out, flat_by_rank = [], []
+    out = []
     for r, ops in enumerate(ops_by_rank):
         keys = [_key(op, partners.get((r, k))) if op.kind in ("put", "move") else None
                 for k, op in enumerate(ops)]
@@ -424,7 +424,6 @@ def _segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> list | No
             if op is not None:
                 merged.append(op)
         out.append(merged)
-        flat_by_rank.append(flat)
     if all(len(a) == len(b) for a, b in zip(out, ops_by_rank)):
         return None
     return out if _matched(out, unit, ll) else None
