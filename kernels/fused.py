@@ -942,14 +942,16 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     nbytes = _word(meta, head, rec + bytes_word)
     end = (nbytes + unit_bytes - 1) >> shift
     i = _rotated(g, _word(meta, head, at + SEG_ROTATE), stride)
+    plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
     while i < total:
         while i >= end:  # (segments in union order: a thread only walks forward)
             rec += OP_WIDTH
             start = _word(meta, head, rec + first_word)
             nbytes = _word(meta, head, rec + bytes_word)
             end = start + ((nbytes + unit_bytes - 1) >> shift)
+            plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
         j = i - start
-        if kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes):
+        if plain:
             whole = nbytes >> shift
             first = _word(meta, head, rec + MOVE_SOURCES)
             copy_v16(_word(meta, head, rec + MOVE_DST + odd),
