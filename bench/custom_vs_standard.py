@@ -166,7 +166,7 @@ def _time_sm(torch, cluster, coll, sizes, dtype, how, protocol, ops, repeats, pl
         bound = sm.bind(cluster, schedule, protocol=protocol, pdl=protocol != "simple")
     wrong = count_wrong(torch, bound)
     per_op = time_graph(torch, bound, ops, repeats)
-    kernel = bound.launches[0][1].kernel
+    kernel = bound.launches[0].launcher.kernel
     how = (f"{bound.schedule.strategy} {bound.protocol}{' pdl' if bound.pdl else ''} "
            f"{kernel} b{bound.blocks_per_lane} t{bound.threads}")
     return float(sorted(per_op)[len(per_op) // 2]), wrong, how

@@ -33,6 +33,8 @@
 #   fp8det       bench/fp8_deterministic.py: FP8 vs bf16 all-gathers, deterministic all-reduces
 #   varlen       bench/moe.py (the MoE layer) and bench/all_to_all_v.py (skewed device counts)
 #   epilogues    bench/epilogues.py: user epilogues fused vs unfused, the built-in generic vs hand
+#   versions     bench/versions.py: the standard collectives, this tree against BEFORE=<tree>
+#                (git archive <rev> | tar -x -C <tree>), alternating in one run
 #   peers                                              bench/peers.py: every peer beside Purlin
 #                                                      in one run, ~9 minutes (FlashInfer from
 #                                                      .whl: bash bench/wheels.sh --peers)
@@ -196,7 +198,7 @@ for stage in "${stages[@]}"; do
             TAIL=20 step imports 180 bash -c imports
             ;;
         vtests)  # on one GPU the local-cluster tests skip with their reason
-            pytest_gpu gpu_tests_virtual 420 300 --maxfail 10 -m gpu tests
+            pytest_gpu gpu_tests_virtual 540 300 --maxfail 10 -m gpu tests
             ;;
         cli1)
             run_gpu="--datapath sm"  # the run command's GPU switch, whichever this tree has
@@ -256,6 +258,14 @@ for stage in "${stages[@]}"; do
         epilogues)  # user epilogues fused vs unfused; the built-in through the generic kernel
             TAIL=40 step epilogues 300 python3 bench/epilogues.py --batch 1 8 32 64 \
                 --out "$OUT/epilogues.json" ;;
+        versions)
+            if [ -n "${BEFORE:-}" ]; then
+                TAIL=14 step versions 420 python3 bench/versions.py --before "$BEFORE" \
+                    --ranks 4,8 --out "$OUT/versions.json"
+            else
+                echo "versions: set BEFORE to the source tree to compare against: skipped"
+            fi
+            ;;
         varlen)  # the MoE layer, then all_to_all_v with skewed device counts
             TAIL=8 step moe 150 python3 bench/moe.py --datapath sm --out "$OUT"
             TAIL=40 step all_to_all_v 240 python3 bench/all_to_all_v.py --ranks 4,8 --out "$OUT"

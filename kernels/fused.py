@@ -3,9 +3,9 @@
 each flag has a slot per block, so a block waits only for the same block of its peers.
 
 ``fused`` / ``fused_pdl`` run WAIT, NOTIFY, PUT (LL) and MOVE ops; ``fused_norm`` / ``_pdl`` add
-the NORM epilogue (residual add and RMSNorm); ``oneshot_norm`` / ``_pdl`` run the one-shot
-epilogue programs that ``purlin.atom.fused.oneshot_problem`` accepts, keeping each sum in
-registers. How it works: ARCHITECTURE.md, "The fused kernel".
+the NORM epilogue (residual add and RMSNorm); the one-shot epilogue programs that
+``purlin.atom.fused.oneshot_problem`` accepts run on the kernels :mod:`purlin.kernels.epilogue`
+builds from these functions. How it works: ARCHITECTURE.md, "The fused kernel".
 """
 
 from __future__ import annotations
@@ -1095,99 +1095,4 @@ def fused_norm_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns
          True, False, trace, trace_rows)
 
 
-# ---- the one-shot epilogue kernel
-LL_ITEM = 8  # bytes of a thread's item: the data of one LL unit
-
-
-@device
-def _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
-                 pdl):
-    slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
-    if slot >= nranks_in_launch:
-        return
-    meta = cuda.shared.array(META, np.int64)
-    status = cuda.shared.array(1, np.int64)  # give up
-    parts = cuda.shared.array(MAX_THREADS, np.float32)  # a row's sums
-    block, head, counter = _begin(desc_ptr, slot, blocks_per_rank, stride_words, counters, meta,
-                                  status, pdl)
-    tid = cuda.threadIdx.x
-    nthreads = cuda.blockDim.x
-    norm = F_HEAD + (meta[F_NOPS] - 1) * OP_WIDTH
-    move = norm - OP_WIDTH
-    chunks = _word(meta, head, norm + NORM_CHUNKS)
-    src = _word(meta, head, F_HEAD + PUT_SRC)  # the input every PUT sends (the move's plain source)
-    g = block * nthreads + tid
-    # read together: this thread's input item, the residual and weight items of the block's
-    # first chunk, and the call counter -- one memory round trip before the first store
-    x0, x1 = np.int64(0), np.int64(0)
-    zero = (np.int64(0), np.int64(0), np.int64(0), np.int64(0))
-    res0, wgt0 = zero, zero
-    if block < chunks:
-        x0, x1 = load_u32(src + g * LL_ITEM), load_u32(src + g * LL_ITEM + 4)
-        res_at, wgt_at = _norm_item(meta, head, norm, block, LL_ITEM)
-        res0, wgt0 = _load_item(res_at, LL_ITEM), _load_item(wgt_at, LL_ITEM)
-    epoch = load_i64(counter)
-    tag = ll_tag(epoch)
-    odd = epoch & 1
-    stride = blocks_per_rank * nthreads
-    for k in range(meta[F_NOPS] - 2):  # the PUTs: the input to every peer as LL units
-        dst = _word(meta, head, F_HEAD + k * OP_WIDTH + PUT_DST + odd)
-        i = g
-        if block < chunks:
-            store_volatile_v4_u32(dst + i * 16, (x0, tag, x1, tag))
-            i += stride
-        while i < chunks * nthreads:
-            store_volatile_v4_u32(dst + i * 16, (load_u32(src + i * LL_ITEM), tag,
-                                                 load_u32(src + i * LL_ITEM + 4), tag))
-            i += stride
-    # each of the block's chunks: the sum of the move's sources, + residual, row sums
-    dt = meta[F_DTYPE]
-    abort = meta[F_ABORT]
-    sums = _word(meta, head, _word(meta, head, norm + NORM_PARAMS) + NORM_SUMS)
-    owned = _owned(chunks, _word(meta, head, norm + NORM_ROW_CHUNKS), blocks_per_rank)
-    r0 = zero  # the first chunk's new residual
-    c = block
-    k = 0
-    while c < chunks:
-        i = c * nthreads + tid
-        code, seen, unit, entry, w0, w1 = _unit_result(meta, head, move, i, odd, tag, dt,
-                                                       meta[F_REDOP], meta[F_DIVISOR],
-                                                       timeout_ns, abort)
-        if code != 0:  # (every thread of the block passes the same barriers before leaving)
-            _record(meta, head, code, _word(meta, head, entry + SOURCE_STEP), unit, tag, seen,
-                    _word(meta, head, entry + SOURCE_PEER), block)
-            status[0] = 1
-        res_at, _ = _norm_item(meta, head, norm, c, LL_ITEM)
-        r = _chunk_sum((w0, w1, np.int64(0), np.int64(0)),
-                       res0 if c == block else _load_item(res_at, LL_ITEM), res_at, dt, LL_ITEM,
-                       parts, sums, c, k, owned, tag)
-        if c == block:
-            r0 = r
-        c += blocks_per_rank
-        k += 1
-    cuda.syncthreads()
-    if status[0] == 0:
-        _normalize(meta, head, norm, parts, status, block, blocks_per_rank, odd, tag, dt, LL_ITEM,
-                   timeout_ns, abort, r0, wgt0, owned)
-    cuda.syncthreads()
-    if tid == 0:
-        store_i64(counter, epoch + 1)
-
-
-@_kernel
-def oneshot_norm(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                 counters):
-    """Run the one-shot epilogue programs of this launch (arguments as ``fused``'s): an LL
-    all-reduce's PUTs, then each item's sum kept in registers for the epilogue."""
-    _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
-                 False)
-
-
-@_kernel
-def oneshot_norm_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                     counters):
-    """``oneshot_norm`` for programmatic dependent launch, reading its program before it
-    waits for the kernel before it."""
-    griddep_launch_dependents()
-    _run_oneshot(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
-                 True)
+LL_ITEM = 8  # bytes of a thread's item in the one-shot epilogue kernels: one LL unit's data

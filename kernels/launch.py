@@ -29,10 +29,11 @@ from purlin.kernels.intrinsics import SIMULATOR
 # its calls in the ``isa.F_MAX_BLOCKS`` words ``s * F_MAX_BLOCKS`` words after the ``counters``
 # address each call passes (``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank);
 # ``kernel="fused-norm"`` is the same kernel compiled with the NORM op (programs that end with
-# an epilogue; the plain one leaves that code and its registers out), and
-# ``kernel="fused-seg"`` the one that also runs segmented ops (``isa.F_OP_PUTS``, ``F_OP_MOVES``),
-# ``kernel="fused-norm-oneshot"`` ``fused.oneshot_norm`` (the programs of one such shape,
-# ``purlin.atom.fused.oneshot_problem``). ``kernel="fused-trace"`` (``"fused-norm-trace"``) is
+# an epilogue; the plain one leaves that code and its registers out), ``kernel="fused-seg"``
+# the one that also runs segmented ops (``isa.F_OP_PUTS``, ``F_OP_MOVES``), and a name
+# ``purlin.kernels.epilogue.kernel_name`` gave (``"epilogue-N"``) the one-shot kernel built for
+# an epilogue (programs ``purlin.atom.fused.oneshot_problem`` accepts).
+# ``kernel="fused-trace"`` (``"fused-norm-trace"``) is
 # ``"fused"`` (``"fused-norm"``) with thread 0 of every block stamping each op into the
 # ``trace`` buffer given at construction, ``trace_rows`` records per block
 # (``purlin.kernels.fused.fused_trace``); the untraced kernels carry none of that code.
@@ -44,7 +45,6 @@ KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
            "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE),
            "fused-norm": (fused.fused_norm, fused.fused_norm_pdl, fused.SIGNATURE),
            "fused-seg": (fused.fused_seg, fused.fused_seg_pdl, fused.SIGNATURE),
-           "fused-norm-oneshot": (fused.oneshot_norm, fused.oneshot_norm_pdl, fused.SIGNATURE),
            "fused-trace": (fused.fused_trace, fused.fused_trace_pdl, fused.TRACE_SIGNATURE),
            "fused-norm-trace": (fused.fused_norm_trace, fused.fused_norm_trace_pdl,
                                 fused.TRACE_SIGNATURE)}
@@ -93,7 +93,7 @@ class Launcher:
         if kernel in TRACED and not (trace and trace_rows > 0):
             raise SpecError(f"Launcher kernel {kernel!r} needs its trace buffer: trace=<address> "
                             f"and trace_rows>=1, got trace={trace}, trace_rows={trace_rows}")
-        # fused, fused-norm(-oneshot), a user epilogue's (kernels.epilogue): + call counters
+        # fused, fused-norm, an epilogue's one-shot kernel (kernels.epilogue): + call counters
         self.fused = kernel.startswith(("fused", "epilogue-"))
         self.device = int(device)
         self.nranks_in_launch = int(nranks_in_launch)

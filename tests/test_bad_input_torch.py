@@ -30,7 +30,7 @@ def world_of_one(tmp_path):
 @pytest.mark.parametrize("options, phrase", [
     (dict(protocol="lamport"), "protocol must be one of simple, ll, fused, fused-ll, auto"),
     (dict(epilogue_grid=48), "epilogue_grid must be None, 'rows' or threads per block"),
-    (dict(epilogue_kernel="oneshot"), "epilogue_kernel must be 'auto', 'fused' or 'generic'"),
+    (dict(epilogue_kernel="generic"), "epilogue_kernel must be 'auto' or 'fused'"),
     (dict(staging_bytes=-1), "staging_bytes must be a positive int"),
     (dict(staging_bytes="1M"), "staging_bytes must be a positive int"),
 ])
@@ -289,16 +289,20 @@ def test_ranks_that_disagree_about_a_call_all_say_so():
 
 
 @pytest.mark.gpu
-def test_gpu_ranks_that_disagree_on_first_use_all_say_so():
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_gpu_ranks_that_disagree_on_first_use_all_say_so(backend):
     """The sm datapath compares the ranks' calls on the first use of a size (gathered with the
-    barrier there): two GPUs, another function, size or root on rank 1, every rank raises
-    CallMismatchError naming both calls."""
+    barrier there): another function, size or root on rank 1, every rank raises
+    CallMismatchError naming both calls. nccl: two GPUs; gloo: both processes on one GPU
+    (their staging buffers mapped by CUDA IPC)."""
     import torch
 
-    if torch.cuda.device_count() < 2:
+    if backend == "nccl" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
     cases = [("function", TIMEOUT), ("size", TIMEOUT), ("root", TIMEOUT)]
-    results = raise_for(run_processes(_mismatch_worker, 2, cases, "sm", backend="nccl",
+    results = raise_for(run_processes(_mismatch_worker, 2, cases, "sm", backend=backend,
                                       timeout=180))
     for case, _ in cases:
         others, last = CASES[case]

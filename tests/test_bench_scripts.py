@@ -10,7 +10,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 SCRIPTS = ("sweep", "allreduce", "ce", "process_mode", "tp_decoder", "inlayer", "timelines",
-           "plan_verify", "moe", "all_to_all_v")
+           "plan_verify", "moe", "all_to_all_v", "versions")
 PROBES = ("ce_hang_probe.py", "gpu_floor.py", "gpu_kernels_check.py", "viz_5000_bars.py",
           "gpu_call.sh", "gpu_tune.py", "gpu_wheels.sh")
 
@@ -120,3 +120,27 @@ def test_one_rank_per_gpu_scripts_refuse_in_one_line(name, tmp_path, monkeypatch
     assert err == (f"bench/{name}.py runs one rank per GPU: it needs 2 GPUs and 1 is visible "
                    "(on one GPU, `purlin bench -n 2` measures virtual ranks)\n")
     assert not (tmp_path / "outputs").exists()
+
+
+def test_versions_summary_compares_the_same_binds(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("versions", BENCH / "versions.py")
+    versions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(versions)
+    rows = []
+    for version, scale in (("before", 1.0), ("now", 1.1)):
+        for name in versions.NAMES:
+            slow = 2.0 if name == "reduce" and version == "now" else 1.0
+            rows.append({"version": version, "ranks": 4, "collective": name, "bytes": 8192,
+                         "bind": "auto", "us": 10.0 * scale * slow, "wrong": 0})
+            rows.append({"version": version, "ranks": 4, "collective": name, "bytes": 8192,
+                         "bind": "direct-push fused", "us": 5.0, "wrong": 0})
+    # a wrong result never counts as the best bind
+    rows.append({"version": "now", "ranks": 4, "collective": "all_gather", "bytes": 8192,
+                 "bind": "direct-push ll", "us": 1.0, "wrong": 3})
+    (line,) = versions.summary(rows)
+    assert line["best"]["geomean"] == pytest.approx(1.0)
+    assert line["auto"]["worst_of"] == "reduce" and line["auto"]["worst"] == pytest.approx(2.2)
+    assert line["auto"]["geomean"] == pytest.approx(1.1 * 2 ** (1 / 6))
+    assert line["auto"]["compared"] == 6 and line["auto"]["now_missing"] == 0

@@ -284,7 +284,7 @@ def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2, kernel=None):
             for call in xs]
     _compare(s.sizing, outs, xs, f"gpu {coll.name} {strategy} {protocol} {dtype}")
     if kernel is not None:  # (the kernel the launches run: segmented ops or not)
-        assert {launcher.kernel for _, launcher, *_ in bound.launches} == {kernel}
+        assert {k.launcher.kernel for k in bound.launches} == {kernel}
     return True
 
 

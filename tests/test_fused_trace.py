@@ -371,7 +371,8 @@ def test_gpu_a_traced_fused_bind_runs_the_fused_kernel_and_draws(layout, protoco
     from purlin.viz import timeline_figure
 
     bound = _bind(64 << 10, layout, True, protocol)
-    assert bound.kernel == f"{protocol} kernel" and bound.launches[0][1].kernel == "fused-trace"
+    assert bound.kernel == f"{protocol} kernel"
+    assert bound.launches[0].launcher.kernel == "fused-trace"
     sizing = bound.schedule.sizing
     gen = np.random.default_rng(0)
     xs = [gen.standard_normal(sizing.input_count(r)).astype(np.float32) for r in range(4)]

@@ -206,11 +206,13 @@ def test_graph_replays_10000(torch):
     assert _wrong_over_replays(torch, bound, 10_000) == 0
 
 
-def test_broken_schedule_times_out(torch):
-    """A schedule with a Notify removed raises PurlinTimeoutError within the limit."""
+@pytest.mark.parametrize("kind", ["local", "virtual"])
+def test_broken_schedule_times_out(torch, kind):
+    """A schedule with a Notify removed raises PurlinTimeoutError within the limit, naming
+    the flag rank 0 waited on and its sender (virtual ranks: one launch for both)."""
     from purlin.atom import sm
 
-    cluster = _cluster("local", 2)
+    cluster = _cluster(kind, 2)
     good = plan(standard("all-reduce", 2), "direct-push", count=1024, dtype="float32")
     steps = list(good.steps)
     drop = next(i for i, s in enumerate(steps[1]) if isinstance(s, Notify))
@@ -218,7 +220,8 @@ def test_broken_schedule_times_out(torch):
     broken = dataclasses.replace(good, steps=tuple(steps))
     bound = sm.bind(cluster, broken, timeout=0.5)
     t0 = time.perf_counter()
-    with pytest.raises(PurlinTimeoutError, match=r"rank 0 step \d+ .*timed out"):
+    with pytest.raises(PurlinTimeoutError, match=r"rank 0 step \d+ .*timed out .*waiting on "
+                                                 r"flag\(r0<-r1\.l0\) from rank 1: expected"):
         bound([None, None])
     assert time.perf_counter() - t0 < 5.0
 
@@ -357,7 +360,7 @@ def test_fused_matches_the_reference(torch, kind, n, name, strategy, protocol):
         except CapabilityError as exc:
             assert "LL transfer's destination" in str(exc) and protocol == "fused-ll", exc
             continue
-        assert bound.launches[0][1].kernel == "fused"
+        assert bound.launches[0].launcher.kernel == "fused"
         _check(torch, bound, sizing, gen, calls=3)
 
 
@@ -444,7 +447,7 @@ def test_fused_ll_moves_eight_byte_messages_in_halves_of_ll_units(torch, kind, n
             except CapabilityError as exc:
                 assert "not at 4-byte aligned" in str(exc) or "LL transfer's" in str(exc), exc
                 continue
-            assert bound.launches[0][1].kernel == "fused"
+            assert bound.launches[0].launcher.kernel == "fused"
             _check(torch, bound, sizing, gen, calls=3)
             ran.add(name)
     assert {"all-gather", "reduce-scatter", "all-to-all"} <= ran, ran
@@ -487,7 +490,7 @@ def test_fused_missing_peer_times_out_naming_it(torch, protocol):
     cluster = _cluster("local", 2)
     bound = cluster.bind(standard("all-reduce", 2), "direct-push", count=1024,
                          dtype="float32", protocol=protocol, timeout=0.5)
-    program = next(t for t in bound._keep if t.data_ptr() == bound.launches[1][2])
+    program = next(t for t in bound._keep if t.data_ptr() == bound.launches[1].desc)
     program[isa.F_NOPS] = 0
     t0 = time.perf_counter()
     want = (r"rank 0 .*LL data rank 1 .*expected tag 1, saw 0" if protocol == "fused-ll"
@@ -511,7 +514,7 @@ def test_default_binds_fit_on_virtual_ranks(torch, n, strategy):
         for lanes in ((1, 4) if strategy == "direct-push" else (1,)):
             bound = cluster.bind(coll, strategy, sizing=sizing,
                                  **({"chunks": lanes, "lanes": lanes} if lanes > 1 else {}))
-            grid = sum(launcher.grid for _, launcher, *_ in bound.launches)
+            grid = sum(k.launcher.grid for k in bound.launches)
             assert grid <= bound.gpu.resident(bound.threads), (name, lanes, grid)
             _check(torch, bound, sizing, gen, calls=2)
 
@@ -562,7 +565,8 @@ def test_odd_sizes_run_on_the_fused_kernel(torch, kind, n, protocol):
                     bound = cluster.bind(coll, "auto", sizing=sizing)
                 else:
                     bound = cluster.bind(coll, "direct-push", sizing=sizing, protocol=protocol)
-                assert bound.launches[0][1].kernel == "fused", (op, nbytes, tail, bound.protocol)
+                assert bound.launches[0].launcher.kernel == "fused", (op, nbytes, tail,
+                                                                      bound.protocol)
                 _check(torch, bound, sizing, gen, calls=2)
     graphs = bound.capture(ops=3)
     for _ in range(3):
@@ -580,5 +584,5 @@ def test_odd_dtypes_run_on_the_fused_kernel(torch):
                 sizing = _tail_sizing(coll, 4096, tail, dtype)
                 for protocol in ("fused", "fused-ll"):
                     bound = cluster.bind(coll, "direct-push", sizing=sizing, protocol=protocol)
-                    assert bound.launches[0][1].kernel == "fused"
+                    assert bound.launches[0].launcher.kernel == "fused"
                     _check(torch, bound, sizing, gen, calls=2)

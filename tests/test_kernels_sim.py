@@ -12,6 +12,7 @@ import ctypes
 import sys
 import time
 import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -680,11 +681,12 @@ def fused_epilogue_adds_the_residual_and_normalizes_rows():
     bfloat16 with 8- and 4-byte units, float32 with 16; or rows of one chunk on three blocks)
     leaves the row sums area alone; where it does not (more chunks than a block keeps), every
     chunk's row sum is in its slot with the call's tag; a slot that never fills times out
-    naming it. The one-shot kernel (``fused.oneshot_norm``) gives every 8-byte LL case the
-    same bits and call counters. (The simulator runs a grid's blocks one after another: a
+    naming it. The one-shot kernel built for the same add + RMSNorm (``purlin.kernels.epilogue``,
+    the user epilogue ``rms_norm``: its program also holds the weight's address) gives every
+    8-byte LL case the same bits and call counters. (The simulator runs a grid's blocks one after another: a
     block can wait only for its own slots.)"""
     from purlin.atom.fused import Epilogue, oneshot_problem, program, row_sums_bytes
-    from purlin.kernels import fused, isa
+    from purlin.kernels import epilogue as ep, fused, isa
     from purlin.kernels.executor import MAX_THREADS
     from purlin.spec import collectives
 
@@ -722,8 +724,14 @@ def fused_epilogue_adds_the_residual_and_normalizes_rows():
                 got = residual.copy(), outs[0].copy(), counters.copy()
                 residual[:], counters[:] = before
                 outs[0][:] = 0
-                fused.oneshot_norm[blocks, threads](words.ctypes.data, 1, blocks, 10_000_000,
-                                                    words.size, counters.ctypes.data)
+                stat, finish, fn = ep.rms_norm_functions(hidden, eps)
+                code = {"bfloat16": isa.BF16, "float32": isa.F32}[dtype]
+                oneshot = ep.kernels(ep.Form(fn, code, (True,), True, stat, 1, finish))[0]
+                extra = replace(e, extras=(0, 0, weight.ctypes.data))  # out, row out, weight
+                words2 = program(lowered[0], err.ctypes.data, abort.ctypes.data, lambda a: a,
+                                 unit, epilogue=extra, threads=threads).words.copy()
+                oneshot[blocks, threads](words2.ctypes.data, 1, blocks, 10_000_000, words2.size,
+                                         counters.ctypes.data)
                 assert err[isa.E_CODE] == 0, (dtype, err)
                 for a, b in zip((residual, outs[0], counters), got):
                     assert (a == b).all(), (dtype, unit, blocks, call, a, b)

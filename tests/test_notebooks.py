@@ -139,6 +139,7 @@ def test_notebook_07_your_own_epilogue(tmp_path):
     for r in range(2):  # the FP8 epilogue against unfused torch
         assert f"rank {r}: residual identical: True" in text
         assert f"rank {r}: bias + GELU max |fused - unfused torch|" in text
+        assert f"rank {r}: residual equal to PyTorch's, max |norm - torch|" in text  # rms_norm
     assert "at most 0 step apart" in text or "at most 1 step apart" in text
     assert "fn must take (v, e0) -- the value, then one per extra tensor" in text
     assert "extra 0 is torch.float32, the tensor torch.float16" in text
@@ -147,6 +148,9 @@ def test_notebook_07_your_own_epilogue(tmp_path):
     assert len(figures) == 1 and "NOT GPU numbers" in figures[0]["layout"]["title"]["text"]
     names = {t["name"] for t in figures[0]["data"]}
     assert any("add_rms_norm_fp8" in n for n in names) and any("bias_gelu" in n for n in names)
+    assert "float8_e4m3fn on the wire" in text and "ranks agree: True" in text  # section 6
+    assert "wire='float8_e4m3fn' needs a prologue" in text
+    assert "FP8 on the wire vs torch.float16 on the wire" in text and "float8_e5m2" in text
 
 
 def _recorded(folder):

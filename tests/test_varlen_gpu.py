@@ -327,3 +327,20 @@ def test_process_mode_on_two_gpus():
         assert bad == [], (rank, bad)
         assert f"rank {rank} chunk ({rank},0) (its split for rank 0): split 5 is over the " \
                "capacity of 4 rows (caught on the GPU" in error, error
+
+
+@pytest.mark.gpu
+def test_process_mode_on_one_gpu():
+    """The same, with both processes on GPU 0 (a gloo group; the staging buffers mapped by
+    CUDA IPC): what a researcher with one GPU can run."""
+    torch = _torch()
+    from purlin.torch.testing import raise_for, run_processes
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    results = raise_for(run_processes(_process_worker, 2, backend="gloo", timeout=240,
+                                      pg_timeout=120))
+    for rank, (bad, error) in enumerate(results):
+        assert bad == [], (rank, bad)
+        assert f"rank {rank} chunk ({rank},0) (its split for rank 0): split 5 is over the " \
+               "capacity of 4 rows (caught on the GPU" in error, error

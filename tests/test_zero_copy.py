@@ -71,6 +71,7 @@ def test_every_fused_program_of_a_collective_has_the_launch_s_length():
 
     from purlin.atom.fused import epilogue_problem
     from purlin.atom.lowering import lower
+    from purlin.atom.sm_kernel import Flags
     from purlin.kernels import isa
     from purlin.runtime.shm import layout
 
@@ -81,13 +82,14 @@ def test_every_fused_program_of_a_collective_has_the_launch_s_length():
              for b in ("input", "output", "scratch")}
     p = object.__new__(SmPrepared)
     p.path = types.SimpleNamespace(device=torch.device("cpu"), ptrs=ptrs, rank=0)
-    p.layout, p.offset, p.unit, p.threads, p.program_words = lay, 0, 16, 32, None
-    p.flag_bases = {q: ptrs[q] + lay.flags for q in range(2)}
+    p.unit, p.threads, p.program_words = 16, 32, None
+    p.flags = Flags(2, 1, lay.flag_count, {q: ptrs[q] + lay.flags for q in range(2)},
+                    slots={q: ptrs[q] + lay.block_flags for q in range(2)})
     p.control, p.abort_ptr, p.sums = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64), 0, None
     p.output = torch.zeros(1024, dtype=torch.bfloat16)
-    low = lower(s, bases, p.flag_bases)[0]
+    low = lower(s, bases, p.flags.flags)[0]
     base, _ = p._program(low)
-    moved_low = lower(s, {**bases, (0, "output"): 3 << 40}, p.flag_bases)[0]
+    moved_low = lower(s, {**bases, (0, "output"): 3 << 40}, p.flags.flags)[0]
     norm = (torch.zeros(1024, dtype=torch.bfloat16), torch.ones(512, dtype=torch.bfloat16), 1e-5)
     epilogue = p._epilogue(types.SimpleNamespace(data_ptr=lambda: 3 << 40), norm)
     assert epilogue_problem(moved_low, epilogue, 16, 32) is None

@@ -294,9 +294,11 @@ class CpuBound:
                 copy_back.append((host, flat))
             flat_out.append(flat)
         records = [] if trace else None
+        sums = None
         if self.epilogues is not None:  # their prologues, on copies of the inputs
-            from purlin.atom.epilogue import prologues_on_inputs
+            from purlin.atom.epilogue import prologues_on_inputs, wire_sums
 
+            sums = wire_sums(self.epilogues, flat_in)  # FP8 on the wire: the kernel's sum
             flat_in = prologues_on_inputs(self.epilogues, flat_in)
         self.run(flat_in, flat_out, records)
         for host, flat in copy_back:
@@ -311,7 +313,7 @@ class CpuBound:
         if self.epilogues is not None:
             from purlin.atom.epilogue import run_on_outputs
 
-            run_on_outputs(self.epilogues, result)
+            run_on_outputs(self.epilogues, result, sums)
         return result
 
     def __repr__(self) -> str:

@@ -1,6 +1,7 @@
 """User-written fused epilogues: a Numba CUDA device function run inside the all-reduce's
-kernel on the reduced values before they are written (:mod:`purlin.kernels.epilogue` builds the
-kernel; ARCHITECTURE.md, "Add a fused epilogue").
+kernel on the reduced values before they are written -- or, where that one-shot kernel does not
+run (larger sizes, other strategies), by the epilogue kernel right after the all-reduce
+(:mod:`purlin.kernels.epilogue` builds both; ARCHITECTURE.md, "Add a fused epilogue").
 
 Two forms. Per element, ``fn(v, *e) -> y``: ``v`` the reduced value, ``e`` the extra tensors'
 elements at the same place (float32 each). Per row, with ``stat``: ``stat(v, *e)`` per element
@@ -8,7 +9,10 @@ returns a float (summed over the row) or a pair (summed, maximised); ``finish(to
 (p, q)`` runs once per row; then ``fn(v, p, q, *e) -> y``. ``residual=`` first does
 ``residual += v`` (rounded to the element type) and hands the new residual on as ``v``.
 ``prologue(x, *e) -> x'`` runs before the all-reduce on each rank's input, rewritten in place
-(the staging copy, or the caller's tensor where the kernel reads it directly).
+(the staging copy, or the caller's tensor where the kernel reads it directly). With
+``wire="float8_e4m3fn"`` (or ``"float8_e5m2"``) the prologue's float32 result is sent as FP8
+instead, the input left as it is, and ``v`` is every rank's decoded FP8 summed in rank order in
+float32 (per element only; ``fn`` typically multiplies the scale back).
 
 >>> import math
 >>> def gelu(v, bias):
@@ -33,8 +37,9 @@ import inspect
 import numpy as np
 
 from purlin.errors import SpecError
+from purlin.spec.dtypes import FP8
 
-__all__ = ["Epilogue", "rms_norm"]
+__all__ = ["Epilogue", "rms_norm", "wire_sums"]
 
 _FP8 = "float8_e4m3fn"
 
@@ -48,11 +53,13 @@ class Epilogue:
     ``torch.float8_e4m3fn`` tensor of its element count: quantised on the way, 448 and beyond
     saturated to 448; the tensor then holds nothing defined). ``row_out``: a float32 tensor of one element per row that takes each
     row's ``q`` (a per-token scale). ``hidden``: the row length, where the tensor is flat.
+    ``wire``: an FP8 dtype the prologue's values travel in (e4m3fn saturating at 448), half
+    the bytes of bfloat16, decoded and summed in float32 before ``fn`` (a sum, per element).
     """
 
     def __init__(self, fn, extras=(), *, residual=None, stat=None, finish=None, out=None,
                  row_out=None, hidden: int | None = None, prologue=None,
-                 name: str | None = None):
+                 name: str | None = None, wire=None):
         self.hidden, self.prologue = hidden, prologue
         self.builtin = None  # (weight, eps) of rms_norm: the built-in kernel runs it too
         self.fn, self.extras, self.residual = fn, tuple(extras), residual
@@ -62,6 +69,9 @@ class Epilogue:
             raise SpecError(f"epilogue {self.name!r}: finish needs stat (the per-row form)")
         if row_out is not None and stat is None:
             raise SpecError(f"epilogue {self.name!r}: row_out needs stat (the per-row form)")
+        self.wire = None if wire is None else str(wire).removeprefix("torch.")
+        if self.wire is not None:
+            _check_wire(self)
 
     def tensors(self) -> list:
         """Every tensor the kernel reads or writes besides the all-reduce's."""
@@ -73,7 +83,7 @@ class Epilogue:
         tensors' addresses (two epilogues with the same key share a program)."""
         ptr = (lambda t: 0 if t is None else t.data_ptr())
         return ("epilogue", id(self.fn), id(self.stat), id(self.finish), id(self.prologue),
-                self.hidden,
+                self.hidden, self.wire,
                 ptr(self.residual), ptr(self.out), ptr(self.row_out),
                 *(t.data_ptr() for t in self.extras), *(t.numel() for t in self.extras))
 
@@ -89,7 +99,8 @@ class Epilogue:
 
     def __repr__(self) -> str:
         form = "row" if self.stat is not None else "element"
-        return f"Epilogue({self.name!r}, per {form}, {len(self.extras)} extra(s))"
+        wire = f", {self.wire} on the wire" if self.wire else ""
+        return f"Epilogue({self.name!r}, per {form}, {len(self.extras)} extra(s){wire})"
 
     # ---- checks, before anything compiles into a kernel
     def check(self, tensor, hidden: int | None = None) -> dict:
@@ -108,6 +119,9 @@ class Epilogue:
         if tensor.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise SpecError(f"epilogue {self.name!r}: the all-reduce's dtype is {tensor.dtype}; "
                             "an epilogue follows a bfloat16, float16 or float32 sum")
+        if self.wire is not None and hidden % WIRE_UNIT:
+            raise SpecError(f"epilogue {self.name!r}: on an FP8 wire a row is whole LL units of "
+                            f"{WIRE_UNIT} elements; rows of {hidden} are not (pad the rows)")
         per_column = []
         for k, e in enumerate(self.extras):
             if e.dtype != tensor.dtype:
@@ -173,16 +187,28 @@ class Epilogue:
                     _device(self.finish) if self.finish is not None else None,
                     self.out is not None and str(self.out.dtype).endswith(_FP8),
                     self.row_out is not None,
-                    _device(self.prologue) if self.prologue is not None else None)
+                    _device(self.prologue) if self.prologue is not None else None,
+                    wire=isa.DTYPE_CODES[self.wire] if self.wire else 0)
 
     # ---- the same in PyTorch (the cpu datapath, and the reference the tests compare with)
     def reference_prologue(self, tensor, hidden: int | None = None):
         """The prologue on a rank's input ``tensor`` on the host, in place (rounded to its
-        dtype), as the kernel does before sending it; returns ``tensor``."""
+        dtype), as the kernel does before sending it; returns ``tensor``. With a wire: the
+        FP8 values it sends, decoded (:meth:`reference_wire`; exact in the element type),
+        where an all-reduce of the element type stands in for the kernel."""
         import torch
 
         if self.prologue is None:
             return tensor
+        if self.wire is not None:
+            y = self.reference_wire(tensor, hidden)
+        else:
+            y = torch.from_numpy(self._host_prologue(tensor, hidden))
+        tensor.copy_(y.to(tensor.device).to(tensor.dtype).reshape(tensor.shape))
+        return tensor
+
+    def _host_prologue(self, tensor, hidden: int | None) -> np.ndarray:
+        """The prologue on ``tensor`` on the host: float32 rows."""
         info = self.check(tensor, hidden)
         hidden = info["hidden"]
         rows = tensor.numel() // hidden
@@ -190,20 +216,39 @@ class Epilogue:
         e = [t.detach().reshape(hidden if col else (rows, hidden)).float().expand(rows, hidden)
              for t, col in zip(self.extras, info["per_column"])]
         host = [np.ascontiguousarray(t.cpu().numpy()) for t in (x, *e)]
-        y = torch.from_numpy(np.asarray(_vectorize(self.prologue, 1)(*host), np.float32))
-        tensor.copy_(y.to(tensor.device).to(tensor.dtype).reshape(tensor.shape))
-        return tensor
+        return np.asarray(_vectorize(self.prologue, 1)(*host), np.float32)
 
-    def reference(self, tensor, hidden: int | None = None):
+    def reference_wire(self, tensor, hidden: int | None = None):
+        """What a rank with input ``tensor`` sends on the FP8 wire, as its peers decode it:
+        the prologue in float32, encoded once to ``wire`` (e4m3fn saturating at 448, e5m2
+        to infinity, as :func:`purlin.spec.dtypes.fp8_encode`) and decoded; a flat float32
+        tensor on the host (``tensor`` is left as it is).
+
+        >>> import torch
+        >>> e = Epilogue(lambda v: v, prologue=lambda x: x * 100.0, wire="float8_e4m3fn")
+        >>> e.reference_wire(torch.tensor([[0.011, 5.0, -1.0, 0, 0, 0, 0, 0]]))[:3].tolist()
+        [1.125, 448.0, -96.0]
+        """
+        import torch
+
+        from purlin.spec.dtypes import fp8_decode, fp8_encode
+
+        y = self._host_prologue(tensor, hidden).reshape(-1)
+        return torch.from_numpy(fp8_decode(fp8_encode(y, self.wire), self.wire))
+
+    def reference(self, tensor, hidden: int | None = None, sums=None):
         """Apply the epilogue to ``tensor`` (the all-reduce's result) on the host, as the
         kernel does: float32 inside, the residual rounded to the element type, one rounding
-        of ``y``. Writes the outputs in place; returns ``tensor``."""
+        of ``y``. ``sums``: float32 values taken as the result instead (an FP8 wire's sum,
+        :func:`wire_sums`). Writes the outputs in place; returns ``tensor``."""
         import torch
 
         info = self.check(tensor, hidden)
         hidden = info["hidden"]
         rows = tensor.numel() // hidden
         v = tensor.detach().reshape(rows, hidden).float()
+        if sums is not None:
+            v = torch.as_tensor(sums, dtype=torch.float32).to(tensor.device).reshape(rows, hidden)
         if self.residual is not None:
             new = (v + self.residual.detach().reshape(rows, hidden).float()).to(tensor.dtype)
             self.residual.copy_(new.reshape(self.residual.shape))
@@ -255,17 +300,18 @@ def per_rank(epilogue, schedule) -> list:
         dtype = getattr(torch, schedule.dtype, None)
         if dtype is not None:
             e.check(torch.empty(schedule.sizing.output_count(r), dtype=dtype, device="meta"))
+    _check_wires(epis, schedule)
     return epis
 
 
-def run_on_outputs(epilogues, outputs) -> None:
+def run_on_outputs(epilogues, outputs, sums=None) -> None:
     """Each rank's epilogue on its output (torch tensors, or numpy arrays of float32 /
-    float16), by the host reference."""
+    float16), by the host reference; ``sums``: :func:`wire_sums`'s, taken as the result."""
     import torch
 
     for e, o in zip(epilogues, outputs):
         t = o if isinstance(o, torch.Tensor) else torch.from_numpy(np.asarray(o))
-        e.reference(t.reshape(-1))
+        e.reference(t.reshape(-1), sums=sums)
 
 
 def prologues_on_inputs(epilogues, inputs) -> list:
@@ -274,11 +320,60 @@ def prologues_on_inputs(epilogues, inputs) -> list:
 
     out = []
     for e, x in zip(epilogues, inputs):
-        if e.prologue is not None and np.size(x):
+        if e.prologue is not None and e.wire is None and np.size(x):
             x = np.array(x, copy=True)
             e.reference_prologue(torch.from_numpy(x).reshape(-1))
         out.append(x)
     return out
+
+
+def wire_sums(epilogues, inputs):
+    """The all-reduce's result where the epilogues send FP8 (inputs: flat numpy arrays or
+    torch tensors): every rank's :meth:`Epilogue.reference_wire` added in rank order in
+    float32, as each rank's kernel adds them (a flat float32 tensor); None where they send
+    the element type."""
+    import torch
+
+    if epilogues[0].wire is None:
+        return None
+    total = None
+    for e, x in zip(epilogues, inputs):
+        t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+        q = e.reference_wire(t.reshape(-1))
+        total = q if total is None else total + q
+    return total
+
+
+WIRE_UNIT = 8  # elements of an LL unit on an FP8 wire
+
+
+def _check_wire(e: Epilogue) -> None:
+    """Refuse what an FP8 wire cannot do (the epilogue named)."""
+    what = f"epilogue {e.name!r}: wire={e.wire!r}"
+    if e.wire not in FP8:
+        raise SpecError(f"{what} is not an FP8 dtype; the wire takes {' or '.join(FP8)}")
+    if e.prologue is None:
+        raise SpecError(f"{what} needs a prologue, prologue(x, *e) -> the value to encode "
+                        "(e.g. x / scale, with fn multiplying the scale back)")
+    if e.stat is not None:
+        raise SpecError(f"{what} runs the per-element form; the per-row form (stat) sends the "
+                        "element type (leave wire out)")
+
+
+def _check_wires(epis: list, schedule) -> None:
+    """Every rank's epilogue sends the same wire (peers decode each other's units), and one
+    with a wire follows a sum."""
+    wires = [e.wire for e in epis]
+    if len(set(wires)) > 1:
+        r = next(r for r, w in enumerate(wires) if w != wires[0])
+        sends = [w or "the element type" for w in (wires[r], wires[0])]
+        raise SpecError(f"epilogue {epis[r].name!r}: rank {r} sends {sends[0]} and rank 0 "
+                        f"{sends[1]}; give every rank the same wire (the ranks decode each "
+                        "other's units)")
+    op = schedule.collective.op.reduce_op
+    if wires[0] is not None and op != "sum":
+        raise SpecError(f"epilogue {epis[0].name!r}: an FP8 wire follows a sum all-reduce, not "
+                        f"{op}; use op='sum' (and scale in fn)")
 
 
 def rms_norm(residual, weight, eps: float = 1e-6) -> Epilogue:

@@ -527,7 +527,7 @@ def segmented_program(words: np.ndarray) -> bool:
 
 
 def oneshot_problem(words: np.ndarray) -> str | None:
-    """Why the one-shot epilogue kernel (``purlin.kernels.fused.oneshot_norm``) cannot run the fused
+    """Why the one-shot epilogue kernel (:mod:`purlin.kernels.epilogue`) cannot run the fused
     program ``words`` (a sentence), or None: it runs the direct-push all-reduce on LL
     transfers ending with the epilogue -- a PUT of the rank's input to each peer, one MOVE
     summing one LL source per PUT and that input into the epilogue's target, the NORM --

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from purlin.atom.sm_kernel import Flags, RankKernel, fused_unit_or_refuse
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
 from purlin.kernels import isa
 from purlin.snac.planner import Capabilities
@@ -125,9 +126,8 @@ FUSED_MAX_BYTES = 16 << 20  # where the fused kernel is tried (tuning candidates
 
 
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
-         threads: int | None = None, trace_rows: int = 0, protocol: str = "simple",
-         pdl: bool = False, fallback: bool = False, fit: bool = False, epilogue=None,
-         epilogue_kernel: str = "generic"):
+         threads: int | None = None, trace_rows: int = 0, protocol: str | None = None,
+         pdl: bool = False, fallback: bool = False, fit: bool = False, epilogue=None):
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), by default with one
@@ -152,16 +152,22 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     ``fit=True`` (``strategy="auto"``: a tuning table's blocks, measured on another cluster)
     ``blocks_per_lane`` is only a wish, cut down to what fits.
 
-    ``epilogue`` (an all-reduce on ``"fused-ll"``): a :class:`purlin.atom.epilogue.Epilogue`
-    per rank (or one for all) that the kernel runs on the sums before writing them
-    (:mod:`purlin.atom.sm_epilogue`)."""
-    if protocol not in PROTOCOLS:
+    ``epilogue`` (an all-reduce): a :class:`purlin.atom.epilogue.Epilogue` per rank (or one
+    for all) run on the sums -- inside the one-shot kernel where it runs (asked for with
+    ``"fused-ll"``, else tried at an LL size), otherwise by the epilogue kernel after the
+    all-reduce's own launch on ``protocol`` (:func:`purlin.atom.sm_epilogue.bind_epilogue`);
+    ``kernel`` on the result says which. ``protocol`` not given: ``"simple"``."""
+    if protocol is not None and protocol not in PROTOCOLS:
         raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
                               f"{protocol!r}")
     options = dict(timeout=timeout, trace_rows=trace_rows, pdl=pdl, fit=fit)
-    if epilogue is not None:  # the one-shot kernel or nothing: no fallback
-        return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
-                       protocol=protocol, epilogue=(epilogue, epilogue_kernel), **options)
+    if epilogue is not None:
+        from purlin.atom.sm_epilogue import bind_epilogue
+
+        return bind_epilogue(cluster, schedule, protocol=protocol, fallback=fallback,
+                             epilogue=epilogue, blocks_per_lane=blocks_per_lane,
+                             threads=threads, **options)
+    protocol = protocol or "simple"
     try:
         return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
                        protocol=protocol, **options)
@@ -354,6 +360,11 @@ class SmBound:
                         blocks_per_lane=bpl, scratch_bytes=self._scratch_bytes,
                         ll_bases=self._ll_bases)
         self.lowered = lowered
+        self.flag_map = Flags(n, lanes, self.flags[0].numel(),
+                              {r: f.data_ptr() for r, f in enumerate(self.flags)},
+                              ll=None if not ll else {
+                                  r: (a, self.scratch[r].data_ptr() + self.scratch[r].numel() - a)
+                                  for r, a in self._ll_bases.items()})
         self.trace_rows = trace_rows
         self._keep = []
         self.traces = []
@@ -370,8 +381,7 @@ class SmBound:
             blobs.append(blob)
             self.control.append(control)  # epoch, done, error record
         self._keep += blobs
-        # one per device: (device, launcher, descriptor address, ranks, call counters or 0)
-        self.launches = []
+        self.launches: list[RankKernel] = []  # one per device
         self.threads = threads or DEFAULT_THREADS
         self.kernel = "interpreter"  # what runs a call (and a traced call)
         # the fused kernel's block b waits only for block b of its peers (trace.flows reads it)
@@ -380,7 +390,7 @@ class SmBound:
             from purlin.atom.sm_epilogue import launch_epilogue
 
             self.kernel = f"{protocol} kernel with epilogue"
-            launch_epilogue(self, groups, asked, wish, threads, *epilogue)
+            launch_epilogue(self, groups, asked, wish, threads, epilogue)
         elif fused:
             self.kernel = f"{protocol} kernel"
             self._launch_fused(groups, asked, wish, threads)
@@ -393,49 +403,31 @@ class SmBound:
     def _launch_tables(self, groups, blobs) -> None:
         """The executor per device: a lone rank launches on its block and prefetches it; a
         virtual cluster packs its ranks into one launch with a table of their descriptors."""
-        from purlin.atom.lowering import HEAD_WORDS
-        from purlin.kernels.launch import Launcher
-
-        torch = self.torch
         for d, ranks in groups.items():
-            if len(ranks) == 1:
-                table, head = blobs[ranks[0]], HEAD_WORDS
-            else:
-                table = torch.stack([blobs[r][:isa.DESC_WIDTH] for r in ranks]).contiguous()
-                head = 0
-            self._keep.append(table)
-            launcher = Launcher(device=d, nranks_in_launch=len(ranks),
-                                nlanes=self.schedule.lanes, blocks_per_lane=self.blocks_per_lane,
-                                threads=self.threads, head_words=head, pdl=self.pdl)
-            self.launches.append((d, launcher, table.data_ptr(), ranks, 0))
+            k = RankKernel.interpreter(self.torch, self.torch.device("cuda", d), ranks,
+                                       [blobs[r] for r in ranks],
+                                       [self.control[r] for r in ranks],
+                                       lanes=self.schedule.lanes,
+                                       blocks_per_lane=self.blocks_per_lane,
+                                       threads=self.threads, pdl=self.pdl)
+            self._keep += k.keep
+            self.launches.append(k)
 
     def _launch_fused(self, groups, blocks, wish, threads) -> None:
         """One fused program per rank (purlin.atom.fused), packed per device at a common
         stride, with a flag slot per block; the executor's control words keep the error
         record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
         ``wish``: a tuning table's (cut to what fits)."""
-        from purlin.atom.fused import fused_unit
         from purlin.atom.fused_rows import cluster_programs, several_pieces
-        from purlin.kernels.launch import Launcher
 
-        torch = self.torch
         # LL transfers go one 8-byte unit per thread (twice the threads polling at once, as
         # the hand-written LL floor kernel does), or half of one where rows are 4-byte
         # multiples; flags and plain copies 16 bytes
-        unit, problem = fused_unit(self.lowered, self.protocol)
-        if problem:
-            raise CapabilityError(f"protocol={self.protocol!r} cannot run "
-                                  f"{self.schedule.title()}: {problem}")
-        self.block_flags = [torch.zeros(f.numel() * isa.F_MAX_BLOCKS, dtype=torch.int64,
-                                        device=f.device) for f in self.flags]
-
-        def flag_slot(address: int) -> int:
-            rank, index = self._flag_of(address)
-            return self.block_flags[rank].data_ptr() + index * isa.F_MAX_BLOCKS * 8
-
+        unit = fused_unit_or_refuse(self.lowered, self.protocol, self.schedule.title())
+        self._slots_per_block()
         # (several pieces per peer: one flag each and rows side by side, purlin.atom.fused_rows)
         progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
-                                 self.abort.data_ptr(), flag_slot, unit,
+                                 self.abort.data_ptr(), self.flag_map.slot, unit,
                                  regroup=not self.trace_rows,  # (a trace names table rows)
                                  segments=several_pieces(self.schedule))
         size = max(p.items for p in progs)
@@ -444,19 +436,24 @@ class SmBound:
             self.gpu, size, per_launch, unit, blocks=blocks, wish=wish, threads=threads,
             kind=self.cluster.kind)
         for d, ranks in groups.items():
-            stride = max(progs[r].words.size for r in ranks)  # a program's length too
-            words = np.zeros(stride * len(ranks), dtype=np.int64)
-            for k, r in enumerate(ranks):
-                words[k * stride: k * stride + progs[r].words.size] = progs[r].words
-            table = torch.from_numpy(words).to(torch.device("cuda", d))
-            counters = torch.zeros(len(ranks) * isa.F_MAX_BLOCKS, dtype=torch.int64,
-                                   device=table.device)
-            self._keep += [table, counters]
-            traced = self._fused_trace_buffer(ranks, progs, d)
-            launcher = Launcher(device=d, nranks_in_launch=len(ranks), nlanes=1,
-                                blocks_per_lane=self.blocks_per_lane, threads=self.threads,
-                                pdl=self.pdl, stride_words=stride, **traced)
-            self.launches.append((d, launcher, table.data_ptr(), ranks, counters.data_ptr()))
+            k = RankKernel.fused(self.torch, self.torch.device("cuda", d), ranks,
+                                 [progs[r].words for r in ranks],
+                                 [self.control[r] for r in ranks], blocks=self.blocks_per_lane,
+                                 threads=self.threads, pdl=self.pdl,
+                                 **self._fused_trace_buffer(ranks, progs, d))
+            self._keep += k.keep
+            self.launches.append(k)
+
+    def _slots_per_block(self) -> None:
+        """The fused kernel's flag slots, one per block of every flag (zeroed), in
+        ``flag_map``."""
+        import dataclasses
+
+        self.block_flags = [self.torch.zeros(f.numel() * isa.F_MAX_BLOCKS,
+                                             dtype=self.torch.int64, device=f.device)
+                            for f in self.flags]
+        self.flag_map = dataclasses.replace(self.flag_map, slots={
+            r: b.data_ptr() for r, b in enumerate(self.block_flags)})
 
     def _fused_trace_buffer(self, ranks, progs, device) -> dict:
         """With ``trace_rows``: the traced fused kernel's Launcher options and its records for
@@ -492,9 +489,10 @@ class SmBound:
         """Launch one call on every device (asynchronous; on each device's current stream, or
         on ``streams[device]`` given as raw stream handles)."""
         torch = self.torch
-        for d, launcher, desc, _, counters in self.launches:
-            stream = streams[d] if streams else torch.cuda.current_stream(d).cuda_stream
-            launcher(desc, stream, self.timeout_ns, counters)
+        for k in self.launches:
+            d = k.device
+            k.launch(streams[d] if streams else torch.cuda.current_stream(d).cuda_stream,
+                     self.timeout_ns)
         self.calls += 1
 
     def capture(self, ops: int = 1) -> "GraphSet":
@@ -503,7 +501,8 @@ class SmBound:
         torch = self.torch
         graphs = []
         self.synchronize()
-        for d, launcher, desc, _, counters in self.launches:
+        for d in dict.fromkeys(k.device for k in self.launches):
+            mine = [k for k in self.launches if k.device == d]  # in call order
             with torch.cuda.device(d):
                 graph = torch.cuda.CUDAGraph()
                 # a capture stream of this device: torch's default capture stream is shared by
@@ -512,7 +511,8 @@ class SmBound:
                 with torch.cuda.graph(graph, stream=capture_stream):
                     stream = capture_stream.cuda_stream
                     for _ in range(ops):
-                        launcher(desc, stream, self.timeout_ns, counters)
+                        for k in mine:
+                            k.launch(stream, self.timeout_ns)
             graphs.append((d, graph))
         return GraphSet(self, graphs, ops)
 
@@ -521,50 +521,16 @@ class SmBound:
             self.torch.cuda.synchronize(d)
 
     def check(self) -> None:
-        """Raise PurlinTimeoutError if any rank recorded a timed-out wait (synchronizes)."""
+        """Raise PurlinTimeoutError if any rank recorded a timed-out wait (synchronizes): the
+        first timeout's sentence (:func:`purlin.atom.sm_kernel.describe`), else the first
+        rank that gave up."""
         self.synchronize()
-        records = [c[2:].cpu().numpy() for c in self.control]
-        failed = [(r, rec) for r, rec in enumerate(records) if rec[isa.E_CODE] != isa.ERR_NONE]
-        if not failed:
-            return
-        first = next(((r, rec) for r, rec in failed if rec[isa.E_CODE] == isa.ERR_TIMEOUT),
-                     failed[0])
-        r, rec = first
-        step = int(rec[isa.E_STEP])
-        ll_rank = self._ll_rank_of(int(rec[isa.E_FLAG]))
-        if ll_rank is not None:
-            raise PurlinTimeoutError(
-                f"rank {r} step {step} (lane {int(rec[isa.E_LANE])}, block "
-                f"{int(rec[isa.E_BLOCK])}) timed out after {self.timeout:.3g} s waiting for the "
-                f"LL data rank {int(rec[isa.E_PEER])} sends into r{ll_rank}'s LL area: expected "
-                f"tag {int(rec[isa.E_EXPECTED])}, saw {int(rec[isa.E_SEEN])}; the bound "
-                "collective must be bound again")
-        flag_rank, flag_index = self._flag_of(int(rec[isa.E_FLAG]))
-        lanes = self.schedule.lanes
-        bpl = 1 if self.protocol.startswith("fused") else self.blocks_per_lane  # adds per notify
-        what = (f"flag(r{flag_rank}<-r{flag_index // lanes}.l{flag_index % lanes})"
-                if flag_index < self.schedule.nranks * lanes else f"lane barrier of r{flag_rank}")
-        raise PurlinTimeoutError(
-            f"rank {r} step {step} (lane {int(rec[isa.E_LANE])}, block {int(rec[isa.E_BLOCK])}) "
-            f"timed out after {self.timeout:.3g} s waiting on {what} from rank "
-            f"{int(rec[isa.E_PEER])}: expected >= {int(rec[isa.E_EXPECTED])} "
-            f"({int(rec[isa.E_EXPECTED]) // bpl} notifies x {bpl} blocks), saw "
-            f"{int(rec[isa.E_SEEN])}; the bound collective must be bound again")
-
-    def _ll_rank_of(self, address: int):
-        """The rank whose LL area holds ``address`` (None if it is no LL address)."""
-        for r, base in (self._ll_bases or {}).items():
-            s = self.scratch[r]
-            if base <= address < s.data_ptr() + s.numel():
-                return r
-        return None
-
-    def _flag_of(self, address: int):
-        for r, f in enumerate(self.flags):
-            base = f.data_ptr()
-            if base <= address < base + 8 * f.numel():
-                return r, (address - base) // 8
-        return -1, -1
+        sums = {r: (s.data_ptr(), s.numel() * 8)  # an epilogue's row sums, per rank
+                for r, s in enumerate(getattr(self, "epilogue_sums", ()))}
+        failed = [e for k in self.launches for e in k.errors(self.flag_map, self.timeout, sums)]
+        if failed:
+            _, _, why = min(failed, key=lambda e: (e[1] != isa.ERR_TIMEOUT, e[0]))
+            raise PurlinTimeoutError(f"{why}; the bound collective must be bound again")
 
     def __call__(self, inputs=None, out=None, trace: bool = False):
         """Copy ``inputs`` (tensors, one per rank) in, run once, wait, check and return the

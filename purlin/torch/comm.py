@@ -59,6 +59,9 @@ class CommOptions:
     blocks_per_lane: int | None = None
     threads: int = 512
     epilogue_grid: str | int | None = None
+    # all_reduce_add_rms_norm's kernel: "auto", the one-shot kernel built for the epilogue
+    # (``purlin.atom.epilogue.rms_norm``) where it runs the program, else the fused kernel's
+    # NORM op; "fused", the NORM op everywhere (what benchmarks compare the one-shot kernel with)
     epilogue_kernel: str = "auto"
     deterministic: bool = False  # bitwise-reproducible sums (ARCHITECTURE.md, "SNAC")
 
@@ -71,8 +74,8 @@ class CommOptions:
                 and 0 < grid <= 512 and grid % 32 == 0):
             raise SpecError(f"epilogue_grid must be None, 'rows' or threads per block (a "
                             f"multiple of 32 up to 512), got {grid!r}")
-        if self.epilogue_kernel not in ("auto", "fused", "generic"):
-            raise SpecError(f"epilogue_kernel must be 'auto', 'fused' or 'generic', got "
+        if self.epilogue_kernel not in ("auto", "fused"):
+            raise SpecError(f"epilogue_kernel must be 'auto' or 'fused', got "
                             f"{self.epilogue_kernel!r}")
         if not isinstance(self.staging_bytes, int) or self.staging_bytes <= 0:
             raise SpecError(f"staging_bytes must be a positive int, got {self.staging_bytes!r}")
@@ -185,9 +188,11 @@ class Communicator:
         elements, float32 inside, one rounding). Both in place; returns ``tensor``.
 
         On the fused kernel (sm datapath, a fused protocol for this size) it is one launch:
-        the all-reduce's kernel ends with the add and the norm (``purlin.atom.fused.
-        Epilogue``) -- an all-reduce prepared for this, apart from :meth:`all_reduce`'s of the
-        same size, on the communicator's ``epilogue_grid`` (its input region: ``input_buffer(
+        the all-reduce's kernel ends with the add and the norm -- on LL sizes the one-shot
+        kernel built for the epilogue :func:`purlin.atom.epilogue.rms_norm` (as
+        :meth:`all_reduce_epilogue`), elsewhere the fused kernel's NORM op (``CommOptions.
+        epilogue_kernel``) -- an all-reduce prepared for this, apart from :meth:`all_reduce`'s
+        of the same size, on the communicator's ``epilogue_grid`` (its input region: ``input_buffer(
         "all_reduce_add_rms_norm", count, dtype, hidden=...)``). Elsewhere -- the cpu
         datapath, the interpreter's sizes, rows the kernel's blocks do not divide --
         :meth:`all_reduce` and then the same in PyTorch, with a one-time warning saying why.
@@ -207,10 +212,6 @@ class Communicator:
                             f"{weight.dtype}")
         if overlap(tensor, residual):
             raise SpecError(f"rank {self.rank}: {fn}: the tensor and the residual overlap")
-        if self.epilogue_kernel == "generic":  # the same as a user epilogue, on its kernel
-            from purlin.atom.epilogue import rms_norm
-
-            return self.all_reduce_epilogue(tensor, rms_norm(residual, weight, eps))
         why = self._refuse(fn, [tensor, residual, weight], dist.ReduceOp.SUM, "sum")
         if why is None and tensor.numel():
             if self.hierarchy is not None:
@@ -234,9 +235,12 @@ class Communicator:
         checked here: a bad device function or dtype is a SpecError naming it) on it, rows of
         ``epilogue.hidden`` or of the tensor's last dimension. On the fused kernel (sm
         datapath, an LL size) it is one launch: the one-shot kernel built for the epilogue,
-        on the all-reduce :meth:`all_reduce_add_rms_norm` prepares for those rows.
-        Elsewhere: :meth:`all_reduce`, then the epilogue's host reference, with a one-time
-        warning saying why. Returns ``tensor``."""
+        on the all-reduce :meth:`all_reduce_add_rms_norm` prepares for those rows. Other
+        sizes on the sm datapath: :meth:`all_reduce`, then the epilogue kernel on the tensor
+        (and the prologue kernel before it; ``purlin.atom.sm_epilogue.DeviceEpilogue``).
+        Elsewhere (the cpu datapath, a group across nodes, a strided tensor): the all-reduce,
+        then the epilogue's host reference, with a one-time warning saying why. Returns
+        ``tensor``."""
         import copy
 
         fn = "all_reduce_epilogue"
@@ -255,6 +259,21 @@ class Communicator:
                 call = self._next(fn, tensor, tensor.numel(), "sum", "sum")
                 why = self._call(_norm_key(tensor.numel(), tensor.dtype, hidden), tensor,
                                  tensor, norm=epilogue, call=call)
+        if why and self.hierarchy is None and self.datapath == "sm" and tensor.is_cuda \
+                and tensor.is_contiguous():
+            from purlin.atom.sm_epilogue import device_epilogue
+
+            try:
+                kernels = device_epilogue(tensor, epilogue, _capturing())
+            except CapabilityError as exc:
+                if _capturing():  # (the host reference cannot run in a graph either)
+                    raise
+                why = str(exc)
+            else:
+                kernels.prologue()
+                self.all_reduce(tensor)
+                kernels.apply()
+                return tensor
         if why:
             self._warn_once(fn, why, f"runs as all_reduce and then the epilogue's host "
                                      f"reference: {why}")
@@ -657,7 +676,8 @@ class Communicator:
         strategy, chunks, lanes, and on the sm datapath protocol, PDL and blocks (per lane;
         the fused kernel's per rank), ``epilogues``: how many programs with the RMSNorm
         epilogue it holds (:meth:`all_reduce_add_rms_norm`) and ``norm_kernel``: the kernel
-        they run on. Sizes that could not be prepared say why.
+        they run on ("generic": the one-shot kernel built for the epilogue, "fused-norm": the
+        fused kernel's NORM op). Sizes that could not be prepared say why.
 
             comm.all_reduce(x); comm.plans()[-1]["protocol"]     # e.g. 'fused-ll'
         """

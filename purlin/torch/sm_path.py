@@ -2,7 +2,8 @@
 
 The staging area is one ``torch.distributed._symmetric_memory`` allocation per rank,
 rendezvoused once at construction (before any graph capture); the handle's ``buffer_ptrs`` give
-every peer's address of it. A prepared collective is a slice of that area: the schedule is
+every peer's address of it. Ranks sharing one GPU (a process each, a gloo group: for tests on
+one GPU) map each other's buffers by CUDA IPC instead, which symmetric memory refuses. A prepared collective is a slice of that area: the schedule is
 lowered with every rank's addresses (:func:`purlin.atom.lowering.lower`), and only this rank's
 table goes to the device, behind a descriptor built like :mod:`purlin.atom.sm` builds it -- or,
 with a fused protocol, as this rank's fused program (:mod:`purlin.atom.fused`: flag slots per
@@ -14,10 +15,10 @@ all asynchronous and capturable. Waits that time out leave an error record that
 
 from __future__ import annotations
 
+import socket
 import warnings
 from collections import OrderedDict
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,15 +31,18 @@ DEFAULT_THREADS = 512
 
 
 class SmPrepared:
-    """One prepared collective on this rank: its table (or fused program), descriptor and
-    region views. ``protocol``: "simple" / "ll" run the interpreter, "fused" / "fused-ll" the
-    fused kernel (the communicator has checked that it can run the schedule)."""
+    """One prepared collective on this rank: its launch (a :class:`purlin.atom.sm_kernel.
+    RankKernel` of this rank: executor block or fused program, control words, launcher),
+    where the group's flags are (:class:`purlin.atom.sm_kernel.Flags`) and region views.
+    ``protocol``: "simple" / "ll" run the interpreter, "fused" / "fused-ll" the fused kernel
+    (the communicator has checked that it can run the schedule)."""
 
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads,
                  protocol: str = "simple", pdl: bool = False, row_bytes: int | None = None,
                  epilogue_grid: str | int | None = None, epilogue_kernel: str = "auto"):
         from purlin.atom.lowering import local_buffers, lower
-        from purlin.atom.sm import default_blocks_per_lane, rank_blob, size_launch
+        from purlin.atom.sm import interpreter_launch, rank_blob
+        from purlin.atom.sm_kernel import Flags, RankKernel
 
         self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
         self.protocol, self.pdl = protocol, pdl
@@ -48,22 +52,26 @@ class SmPrepared:
         lanes = schedule.lanes
         bpl = 1  # the fused kernel's lowering: one block per lane
         if not self.fused:  # sized to fit the device, an explicit request refused if not
-            bpl, threads = size_launch(
-                path.gpu, lanes=lanes, ranks=1, blocks_per_lane=blocks_per_lane,
-                threads=threads, kind="process",
-                want=default_blocks_per_lane(sizing.message_bytes, lanes, path.sms))
+            # (the size's default blocks, LL too)
+            bpl, threads = interpreter_launch(schedule, path.gpu, 1,
+                                              blocks_per_lane=blocks_per_lane,
+                                              threads=threads, kind="process")
         self.blocks_per_lane = bpl
         ptrs = path.ptrs
         bases = {(q, b): ptrs[q] + offset + lay.offset(q, b)
                  for q in range(n) for b in ("input", "output", "scratch")}
-        self.flag_bases = {q: ptrs[q] + offset + lay.flags for q in range(n)}
         # LL areas (a layout made for protocol="ll"): every peer's, as the puts target them
-        self.ll_bases = ({q: ptrs[q] + offset + lay.offset(q, "ll") for q in range(n)}
-                         if lay.has_ll else None)
-        self.ll_bytes = lay.ll_bytes
-        self.all_lowered = lower(schedule, bases, self.flag_bases, blocks_per_lane=bpl,
+        ll_bases = ({q: ptrs[q] + offset + lay.offset(q, "ll") for q in range(n)}
+                    if lay.has_ll else None)
+        self.flags = Flags(n, lanes, lay.flag_count,
+                           {q: ptrs[q] + offset + lay.flags for q in range(n)},
+                           slots={q: ptrs[q] + offset + lay.block_flags for q in range(n)}
+                           if lay.block_flags else None,
+                           ll={q: (a, lay.ll_bytes[q]) for q, a in ll_bases.items()}
+                           if ll_bases else None)
+        self.all_lowered = lower(schedule, bases, self.flags.flags, blocks_per_lane=bpl,
                                  scratch_bytes=dict(enumerate(lay.scratch_bytes)),
-                                 ll_bases=self.ll_bases)
+                                 ll_bases=ll_bases)
         low = self.all_lowered[rank]
         # one abort word for the whole group: rank 0's copy
         self.abort_ptr = ptrs[0] + offset + lay.abort
@@ -71,21 +79,19 @@ class SmPrepared:
         self._moved: OrderedDict = OrderedDict()  # (input at, output at) -> relocated block
         self._pinned: set = set()
         self._refused: dict = {}  # keys the fused kernel cannot run relocated: why
-        self.counters_ptr = 0  # the fused kernel's call counters
         self.threads = threads
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         self.program_words = None  # the fused programs' length
-        self.norm_launcher = None  # the fused kernel compiled with the epilogue, on demand
-        self.epilogue_kernel = epilogue_kernel  # "auto": the one-shot kernel where it runs
-        self.norm_kernel = None  # the one the epilogue's programs run on, once chosen
+        self.epilogue_kernel = epilogue_kernel  # "fused": the built-in on the NORM op everywhere
+        self.norm_kernel = None  # what the last epilogue program made runs on (plans())
         tdt = getattr(torch, schedule.dtype)
         if self.fused:
-            from purlin.atom.fused import fuse_problem, fused_unit, row_grid, threads_grid
+            from purlin.atom.fused import fuse_problem, row_grid, threads_grid
+            from purlin.atom.sm_kernel import fused_unit_or_refuse
 
-            self.unit, problem = fused_unit(self.all_lowered, protocol)
-            if problem:  # the communicator checked the plan: this is a bug, said on every rank
-                raise CapabilityError(f"protocol={protocol!r} cannot run "
-                                      f"{schedule.title()} here: {problem}")
+            # (the communicator checked the plan: a refusal is a bug, said on every rank)
+            self.unit = fused_unit_or_refuse(self.all_lowered, protocol,
+                                             f"{schedule.title()} here")
             # row_bytes: made for an RMSNorm epilogue over rows that long, on the grid
             # epilogue_grid asks for ("rows": blocks owning whole rows, 16-byte items, where
             # there is one; threads: blocks of that many, one item each)
@@ -99,19 +105,21 @@ class SmPrepared:
             elif row_bytes and epilogue_grid:
                 rows = threads_grid(nbytes, self.unit, epilogue_grid, path.sms)
             self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
-            self.counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
-            self.counters_ptr = self.counters.data_ptr()
-            self.desc, items = self._program(low)
-            self.launcher = self._fused_launcher(items, blocks_per_lane, rows)
-        else:
-            self.desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
-            self.launcher = path.launcher(lanes, bpl, threads)
-        self.desc_ptr = self.desc.data_ptr()
+            counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
+            desc, items = self._program(low)
+            self.kernel = RankKernel(dev.index, [rank],
+                                     self._fused_launcher(items, blocks_per_lane, rows),
+                                     desc.data_ptr(), counters.data_ptr(), [self.control],
+                                     keep=[desc, counters])
+        else:  # (without PDL: process mode launches the interpreter plainly)
+            desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
+            self.kernel = RankKernel.interpreter(torch, dev, [rank], [desc], [self.control],
+                                                 lanes=lanes, blocks_per_lane=bpl,
+                                                 threads=threads, cache=path._launchers)
         self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
         self.output = path.view(offset + lay.offset(rank, "output"), sizing.output_count(rank),
                                 tdt)
         self.timeout_ns = int(path.timeout * 1e9)
-        self.flag_count = lay.flag_count
 
     def launch(self, src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
                capturing: bool = False, norm: tuple | None = None) -> None:
@@ -121,39 +129,29 @@ class SmPrepared:
         relocated copy of the table or fused program (kept; the ones used in a graph capture
         for ever). ``norm``: (residual, weight, eps) of an epilogue :meth:`norm_problem`
         accepted -- the program ends with it."""
-        desc_ptr = self.desc_ptr
+        desc = launcher = None
         if src is not None or dst is not None or norm is not None:
-            desc_ptr = self._relocated(src, dst, capturing, norm)
-        stream = torch.cuda.current_stream(self.path.device).cuda_stream
-        launcher = self.launcher if norm is None else self.norm_launcher
-        if norm is not None and hasattr(norm, "form"):  # a user epilogue: its own kernel
-            launcher = self._user_launchers[self._key(src, dst, norm)]
-        launcher(desc_ptr, stream, self.timeout_ns, self.counters_ptr)
+            desc, launcher = self._relocated(src, dst, capturing, norm)
+        self.kernel.launch(torch.cuda.current_stream(self.path.device).cuda_stream,
+                           self.timeout_ns, desc, launcher)
 
     def _program(self, low, epilogue=None):
         """This rank's fused program for lowered table ``low`` on the device, and its items
         (what the grid is sized for); ``epilogue``: a :class:`purlin.atom.fused.Epilogue`
         to end with."""
         from purlin.atom.fused import program
-
-        lay, base = self.layout, self.offset
-
-        def flag_slot(address: int) -> int:  # flag i of rank q -> its block-0 slot
-            q, i = next((q, (address - b) // 8) for q, b in self.flag_bases.items()
-                        if b <= address < b + 8 * lay.flag_count)
-            return self.path.ptrs[q] + base + lay.block_flags + i * isa.F_MAX_BLOCKS * 8
+        from purlin.atom.sm_kernel import pack
 
         prog = program(low, error=self.control.data_ptr() + 2 * 8, abort=self.abort_ptr,
-                       flag_slot=flag_slot, unit=self.unit, epilogue=epilogue,
+                       flag_slot=self.flags.slot, unit=self.unit, epilogue=epilogue,
                        threads=self.threads)
         # the launch reads stride_words words of a program: every program of this collective
         # (relocated, with an epilogue: one op and one source entry more) is that long
         if self.program_words is None:
             self.program_words = prog.words.size + isa.OP_WIDTH + isa.SOURCE_WIDTH
         # (a user epilogue's extra words may run past it: the kernel reads those from memory)
-        words = np.zeros(max(self.program_words, prog.words.size), dtype=np.int64)
-        words[:prog.words.size] = prog.words
-        return torch.from_numpy(words).to(self.path.device), prog.items
+        table, _, _ = pack(torch, self.path.device, [prog.words], self.program_words, False)
+        return table, prog.items
 
     def _fused_launcher(self, items: int, blocks_per_lane, rows=None):
         """The fused kernel's launcher: ``rows`` = (blocks, threads) where given (an
@@ -169,37 +167,40 @@ class SmPrepared:
                 self.path.gpu, items, 1, self.unit, blocks=blocks_per_lane, kind="process")
         return self._grid_launcher("fused")
 
-    def _norm_kernel(self, words: torch.Tensor) -> str:
-        """The kernel for this collective's programs with an epilogue (all of one shape; the
-        first is ``words``): the one-shot kernel where it runs them and ``epilogue_kernel``
-        is "auto", else the fused kernel with the NORM op."""
+    def _epilogue_kernel(self, low, words: torch.Tensor, dst, norm):
+        """(why not, program, launcher) for the program ``words`` that ``low`` ends with the
+        epilogue ``norm`` in: the one-shot kernel built for the epilogue where it runs the
+        program (a user epilogue runs nowhere else; the built-in (residual, weight, eps) runs
+        there as the user epilogue ``rms_norm``, unless ``epilogue_kernel`` is "fused"), else
+        the fused kernel with the NORM op."""
+        from purlin.atom.epilogue import rms_norm
         from purlin.atom.fused import oneshot_problem
+        from purlin.atom.sm_kernel import one_shot_kernel
 
-        if self.epilogue_kernel == "auto" and oneshot_problem(words.cpu().numpy()) is None:
-            return "fused-norm-oneshot"
-        return "fused-norm"
-
-    def _user_kernel(self, key, words: torch.Tensor, epilogue) -> str | None:
-        """Choose the kernel of user ``epilogue`` (``purlin.kernels.epilogue``) for the
-        program ``words`` made for ``key``; why it cannot run there, or None."""
-        from purlin.atom.fused import oneshot_problem
-        from purlin.kernels.epilogue import kernel_name
-
-        why = oneshot_problem(words.cpu().numpy())
+        user = hasattr(norm, "form")
+        if not user and (self.epilogue_kernel == "fused"
+                         or oneshot_problem(words.cpu().numpy())):
+            self.norm_kernel = "fused-norm"
+            return None, words, self._grid_launcher("fused-norm")
+        if not user:  # (its program also holds the addresses the generic kernel reads)
+            norm = rms_norm(*norm)
+            words, _ = self._program(low, self._epilogue(dst, norm))
+        name, why = one_shot_kernel(norm, self.output, words.cpu().numpy())
         if why:
-            return f"a user epilogue runs on the one-shot kernel, which cannot run it: {why}"
-        if not hasattr(self, "_user_launchers"):
-            self._user_launchers = {}
-        self._user_launchers[key] = self._grid_launcher(kernel_name(epilogue.form(
-            self.output, epilogue.hidden)))
-        return None
+            return (f"a user epilogue runs on the one-shot kernel, which cannot run it: {why}",
+                    None, None)
+        self.norm_kernel = "generic"
+        return None, words, self._grid_launcher(name)
 
     def _grid_launcher(self, kernel: str):
-        """A launcher of fused ``kernel`` ("fused", "fused-norm", "fused-norm-oneshot") on this
-        collective's grid,
-        reading programs of this collective's length."""
-        return self.path.launcher(1, self.blocks_per_lane, self.threads, kernel=kernel,
-                                  stride_words=self.program_words, pdl=self.pdl)
+        """A launcher of fused ``kernel`` ("fused", "fused-norm" or an epilogue's one-shot
+        kernel) on this collective's grid, reading programs of this collective's length."""
+        from purlin.atom.sm_kernel import launcher
+
+        return launcher(self.path._launchers, device=self.path.device.index,
+                        nranks_in_launch=1, nlanes=1, blocks_per_lane=self.blocks_per_lane,
+                        threads=self.threads, kernel=kernel, stride_words=self.program_words,
+                        pdl=self.pdl)
 
     MAX_MOVED = 128  # relocated tables kept outside graph captures (least recently used go)
 
@@ -276,10 +277,10 @@ class SmPrepared:
         return Epilogue(target, residual.data_ptr(), weight.data_ptr(), self.sums.data_ptr(),
                         weight.numel(), float(eps))
 
-    def _relocated(self, src, dst, capturing: bool, norm=None) -> int | None:
-        """The device address of the table (or fused program) that reads ``src`` / writes
-        ``dst`` (and ends with the epilogue ``norm``); None where the fused kernel cannot run
-        it."""
+    def _relocated(self, src, dst, capturing: bool, norm=None) -> tuple | None:
+        """(device address, launcher or None: the collective's) of the table (or fused
+        program) that reads ``src`` / writes ``dst`` (and ends with the epilogue ``norm``);
+        None where the fused kernel cannot run it."""
         from purlin.atom.fused import epilogue_problem, fuse_problem
         from purlin.atom.lowering import relocate
         from purlin.atom.sm import rank_blob
@@ -289,7 +290,7 @@ class SmPrepared:
             return None
         found = self._moved.get(key)
         if found is None:
-            moves = {}
+            launcher, moves = None, {}
             for t, region in ((src, self.input), (dst, self.output)):
                 if t is not None:
                     nbytes = region.numel() * region.element_size()
@@ -307,18 +308,15 @@ class SmPrepared:
                     self._refused[key] = problem
                     return None
                 found, _ = self._program(low, epilogue)
-                if epilogue is not None and hasattr(norm, "form"):
-                    why = self._user_kernel(key, found, norm)
+                if epilogue is not None:  # (never while capturing: a new key is refused then)
+                    why, found, launcher = self._epilogue_kernel(low, found, dst, norm)
                     if why:
                         self._refused[key] = why
                         return None
-                elif epilogue is not None and self.norm_launcher is None:  # not while capturing
-                    self.norm_kernel = self._norm_kernel(found)
-                    self.norm_launcher = self._grid_launcher(self.norm_kernel)
             else:  # the relocated block counts calls in this one's control words: one epoch
                 found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
                                      self.schedule.lanes, control=self.control.data_ptr())
-            self._moved[key] = found
+            found = self._moved[key] = (found, launcher)
             if len(self._moved) > self.MAX_MOVED + len(self._pinned):
                 # a launch still queued may read the oldest table: let it finish (rare)
                 torch.cuda.synchronize(self.path.device)
@@ -328,54 +326,14 @@ class SmPrepared:
         self._moved.move_to_end(key)
         if capturing:
             self._pinned.add(key)  # the graph keeps this block's address
-        return found.data_ptr()
+        return found[0].data_ptr(), found[1]
 
     def error(self) -> str | None:
         """The error this rank's executor recorded, as a sentence (call after a synchronize)."""
-        rec = self.control[2:].cpu().tolist()
-        code = rec[isa.E_CODE]
-        if code == isa.ERR_NONE:
-            return None
-        rank, step = self.path.rank, rec[isa.E_STEP]
-        peer = rec[isa.E_PEER]
-        sums = self.sums
-        if sums is not None and 0 <= rec[isa.E_FLAG] - sums.data_ptr() < sums.numel() * 8:
-            chunk = (rec[isa.E_FLAG] - sums.data_ptr()) // 16
-            return (f"rank {rank} block {rec[isa.E_BLOCK]} gave up after {self.path.timeout:.3g}"
-                    f" s waiting for row sum slot {chunk} of the RMSNorm epilogue (tag "
-                    f"{rec[isa.E_EXPECTED]} expected, saw {rec[isa.E_SEEN]}): another block of "
-                    "this rank did not finish its part of the all-reduce")
-        if self._is_ll(rec[isa.E_FLAG]) and code != isa.ERR_ABORTED:
-            return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}) timed out after "
-                    f"{self.path.timeout:.3g} s waiting for the LL data rank {peer} sends: "
-                    f"expected tag {rec[isa.E_EXPECTED]}, saw {rec[isa.E_SEEN]} — is rank "
-                    f"{peer} alive?")
-        what, owner = self._flag_of(rec[isa.E_FLAG])
-        if code == isa.ERR_ABORTED:
-            return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}) gave up waiting on {what} "
-                    f"from rank {peer}: another rank timed out first (its own check() names the "
-                    "rank it waited for)")
-        bpl = 1 if self.fused else self.blocks_per_lane  # the fused kernel: slots per block
-        return (f"rank {rank} step {step} (lane {rec[isa.E_LANE]}, block {rec[isa.E_BLOCK]}) "
-                f"timed out after {self.path.timeout:.3g} s waiting on {what} >= "
-                f"{rec[isa.E_EXPECTED]} ({rec[isa.E_EXPECTED] // bpl} notifies x {bpl} blocks) "
-                f"from rank {peer}: saw {rec[isa.E_SEEN]} — is rank {peer} alive?")
-
-    def _is_ll(self, address: int) -> bool:
-        base = (self.ll_bases or {}).get(self.path.rank)
-        return base is not None and base <= address < base + self.ll_bytes[self.path.rank]
-
-    def _flag_of(self, address: int):
-        if self._is_ll(address):
-            return "its LL data", self.path.rank
-        lanes, n = self.schedule.lanes, self.schedule.nranks
-        for q, base in self.flag_bases.items():
-            if base <= address < base + 8 * self.flag_count:
-                i = (address - base) // 8
-                if i < n * lanes:
-                    return f"flag(r{q}<-r{i // lanes}.l{i % lanes})", q
-                return f"lane barrier {i - n * lanes} of rank {q}", q
-        return f"flag at 0x{address:x}", -1
+        sums = {} if self.sums is None else {
+            self.path.rank: (self.sums.data_ptr(), self.sums.numel() * 8)}
+        found = self.kernel.errors(self.flags, self.path.timeout, sums, ask=True)
+        return found[0][2] if found else None
 
     def release(self) -> None:
         self._keep = ()
@@ -404,38 +362,28 @@ class SmPath:
 
         self.gpu = gpu_of(torch, self.device.index)  # what launches are sized for
         self.sms = self.gpu.sms
-        self.buf = symm_mem.empty(int(nbytes), dtype=torch.uint8, device=self.device)
-        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before PyTorch 2.9, a deprecated no-op after
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                enable(group.group_name)
-        self.handle = symm_mem.rendezvous(self.buf, group.group_name)
-        # buffer_ptrs point at the tensor on newer PyTorch, at its allocation on older ones:
-        # peers hold the tensor at the same offset either way
-        shift = self.buf.data_ptr() - int(self.handle.buffer_ptrs[rank])
-        self.ptrs = [int(p) + shift for p in self.handle.buffer_ptrs]
+        self.handle, self._peer_bufs = None, []
+        if _share_a_gpu(group, self.device):
+            self.buf, self.ptrs, self._peer_bufs = _ipc_rendezvous(group, rank, nbytes,
+                                                                   self.device)
+        else:
+            self.buf = symm_mem.empty(int(nbytes), dtype=torch.uint8, device=self.device)
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None:  # needed before PyTorch 2.9, a deprecated no-op after
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    enable(group.group_name)
+            self.handle = symm_mem.rendezvous(self.buf, group.group_name)
+            # buffer_ptrs point at the tensor on newer PyTorch, at its allocation on older
+            # ones: peers hold the tensor at the same offset either way
+            shift = self.buf.data_ptr() - int(self.handle.buffer_ptrs[rank])
+            self.ptrs = [int(p) + shift for p in self.handle.buffer_ptrs]
         self._launchers: dict = {}
         self.prepared: list[SmPrepared] = []
 
     def view(self, offset: int, count: int, dtype) -> torch.Tensor:
         item = torch.empty((), dtype=dtype).element_size()
         return self.buf[offset: offset + count * item].view(dtype)
-
-    def launcher(self, lanes: int, bpl: int, threads: int | None = None, *,
-                 kernel: str = "executor", stride_words: int = 0, pdl: bool = False):
-        """A launcher of ``kernel`` for one rank (made once per configuration)."""
-        from purlin.atom.lowering import HEAD_WORDS
-        from purlin.kernels.launch import Launcher
-
-        threads = threads or self.threads
-        key = (lanes, bpl, threads, kernel, stride_words, pdl)
-        if key not in self._launchers:
-            self._launchers[key] = Launcher(
-                device=self.device.index, nranks_in_launch=1, nlanes=lanes,
-                blocks_per_lane=bpl, threads=threads, head_words=HEAD_WORDS, pdl=pdl,
-                kernel=kernel, stride_words=stride_words)
-        return self._launchers[key]
 
     def prepare(self, schedule, offset: int, lay, blocks_per_lane=None, *,
                 protocol: str = "simple", pdl: bool = False,
@@ -501,3 +449,29 @@ class SmPath:
     def close(self) -> None:
         self.prepared = []
         self._launchers = {}
+        self._peer_bufs = []
+
+
+def _share_a_gpu(group, device) -> bool:
+    """Do two ranks of ``group`` run on the same GPU (one GPU, a process per rank)? PyTorch's
+    symmetric memory refuses such a group; :func:`_ipc_rendezvous` maps it instead."""
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return len(set(every)) < len(every)
+
+
+def _ipc_rendezvous(group, rank: int, nbytes: int, device):
+    """This rank's staging buffer and every rank's address of its peers' (CUDA IPC through
+    the group: ``torch.multiprocessing``'s sharing of CUDA tensors between processes). For
+    ranks sharing one GPU; each peer's mapping is kept until the path closes."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    buf = torch.zeros(int(nbytes), dtype=torch.uint8, device=device)
+    torch.cuda.synchronize(device)
+    rebuild, args = reduce_tensor(buf)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, args, group=group)
+    peers = [buf if r == rank else rebuild(*a) for r, a in enumerate(every)]
+    dist.barrier(group=group)  # every rank holds its peers' mappings before any is used
+    return buf, [int(p.data_ptr()) for p in peers], peers
