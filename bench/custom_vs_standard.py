@@ -13,6 +13,13 @@ is a bug). CUDA-graph replays, device time per op (``purlin.bench.providers``).
 
     PYTHONPATH=. python3 bench/custom_vs_standard.py [--ranks 4,8] [--sizes 8KiB,64KiB,1MiB,16MiB]
         [--quick] [--out FILE.json] [--datapath sm|cpu] [--kind auto|virtual|local]
+        [--cases gqa] [--rows]
+
+``--cases gqa`` times only the cases whose name holds one of the comma-separated words (and
+prints each one's fused op counts per rank: segmented, one op per row, and the twin's, for
+direct-push and direct-pull on both fused protocols); ``--rows`` also times each custom case
+with segmented ops off (``purlin.atom.fused_rows.segmented``: the rotated rows instead), its
+ratio beside.
 
 Budget: about 3-4 minutes on one H200 for the full run (--quick: 8 KiB and 64 KiB, auto and
 the fused binds only). ``--datapath cpu`` runs the same cases on the cpu datapath (float16 for
@@ -251,8 +258,56 @@ def _ratio(a, b):
     return a["us"] / b["us"]
 
 
+def op_counts(coll, sizes, dtype) -> dict:
+    """{"strategy protocol": (ops of rank 0's fused program with segmented ops, without)}
+    for direct-push and direct-pull on host buffers (no GPU), None where it does not fuse."""
+    from purlin.atom.fused import fused_unit
+    from purlin.atom.fused_rows import cluster_programs, several_pieces
+    from purlin.atom.host import HostBuffers
+    from purlin.snac import plan
+
+    out = {}
+    for strategy in ("direct-push", "direct-pull"):
+        s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+        for protocol in ("fused", "fused-ll"):
+            low = HostBuffers(s, ll=protocol == "fused-ll").lower()
+            unit, problem = fused_unit(low, protocol)
+            out[f"{strategy} {protocol}"] = None if problem else tuple(
+                cluster_programs(low, lambda r: 0, 0, int, unit,
+                                 segments=seg and several_pieces(s))[0].ops
+                for seg in (True, False))
+    return out
+
+
+class _RowsOnly:
+    """Within it, fused programs keep one op per row (no segmented ops): the programs as they
+    were before segments, to time beside them in one run."""
+
+    def __enter__(self):
+        from purlin.atom import fused_rows
+
+        self._was, fused_rows.segmented = fused_rows.segmented, lambda *a, **k: None
+        return self
+
+    def __exit__(self, *exc):
+        from purlin.atom import fused_rows
+
+        fused_rows.segmented = self._was
+
+
+def _print_ops(name, n, nbytes, coll, csizes, tcoll, tsizes, dtype, log) -> dict:
+    custom, twin = op_counts(coll, csizes, dtype), op_counts(tcoll, tsizes, dtype)
+    if log is not None:
+        for how in custom:
+            c, t = custom[how], twin[how]
+            print(f"  ops {name} n={n} {nbytes}B {how}: "
+                  f"{'-' if c is None else f'segmented {c[0]}, a row each {c[1]}'}; twin "
+                  f"{'-' if t is None else t[0]}", file=log)
+    return {"custom": custom, "twin": twin}
+
+
 def run(ranks, sizes, datapath="sm", kind="auto", quick=False, dtype="bfloat16", ops=None,
-        repeats=None, log=sys.stdout) -> dict:
+        repeats=None, log=sys.stdout, only=None, rows_too=False) -> dict:
     torch = None
     if datapath == "sm":
         import torch
@@ -270,8 +325,17 @@ def run(ranks, sizes, datapath="sm", kind="auto", quick=False, dtype="bfloat16",
             if datapath == "cpu":
                 binds = [("auto", "auto", None), ("direct-push", "direct-push", None)]
             for name, twin, coll, csizes, tcoll, tsizes in cases(n, nbytes, item):
+                if only and not any(word in name for word in only):
+                    continue
+                counts = _print_ops(name, n, nbytes, coll, csizes, tcoll, tsizes, dtype,
+                                    log) if only else None
                 custom, cbest = measure(cluster, coll, csizes, dtype, binds, datapath, ops,
                                         repeats, refusals, torch)
+                unseg, ubest = {}, None
+                if rows_too:
+                    with _RowsOnly():
+                        unseg, ubest = measure(cluster, coll, csizes, dtype, binds, datapath,
+                                               ops, repeats, refusals, torch)
                 key = (n, tcoll, tuple(sorted(tsizes.items(), key=repr)))
                 if key not in cache:
                     cache[key] = measure(cluster, tcoll, tsizes, dtype, binds, datapath, ops,
@@ -287,9 +351,20 @@ def run(ranks, sizes, datapath="sm", kind="auto", quick=False, dtype="bfloat16",
                        "auto_vs_best": _ratio(custom.get("auto"), custom.get(cbest))}
                 wrong = any("us" in v and v["wrong"] for v in (*custom.values(),
                                                                *standard.values()))
+                if counts is not None:
+                    row["op_counts"] = counts
+                if rows_too:
+                    row["rows_only"], row["rows_only_best"] = unseg, ubest
+                    row["ratio_rows_only"] = _ratio(unseg.get(ubest), standard.get(sbest))
+                    wrong = wrong or any("us" in v and v["wrong"] for v in unseg.values())
                 row["status"] = "WRONG" if wrong else "ok"
                 rows.append(row)
                 _print_row(row, log)
+                if rows_too and log is not None:
+                    r = row["ratio_rows_only"]
+                    print(f"  {'(a row each, no segments)':<32} best "
+                          f"{_fmt(unseg.get(ubest)):>8} ratio {'-' if r is None else f'{r:.2f}'}"
+                          f"  {ubest or '-'}", file=log)
     out = {"rows": rows, "refusals": refusals,
            "default_refusals": sum(1 for r in refusals if r["default"]),
            "info": run_info(datapath, time.monotonic() - t0, ranks=list(ranks), sizes=list(sizes),
@@ -351,10 +426,17 @@ def main(argv=None) -> int:
     ap.add_argument("--kind", default="auto", choices=("auto", "virtual", "local"),
                     help="GPU clusters: local where n GPUs are visible (auto), else virtual")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--cases", default=None,
+                    help="only the cases whose name holds one of these words (say gqa), with "
+                         "their fused op counts")
+    ap.add_argument("--rows", action="store_true",
+                    help="also time the custom cases with segmented ops off")
     args = ap.parse_args(argv)
     ranks = [int(x) for x in args.ranks.split(",")]
     sizes = size_list(args.sizes) or (list(SIZES[:2]) if args.quick else list(SIZES))
-    out = run(ranks, sizes, args.datapath, args.kind, args.quick, args.dtype)
+    only = [w.strip() for w in args.cases.split(",")] if args.cases else None
+    out = run(ranks, sizes, args.datapath, args.kind, args.quick, args.dtype, only=only,
+              rows_too=args.rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1, default=str)

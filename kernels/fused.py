@@ -39,6 +39,8 @@ from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
 from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
 from purlin.kernels.isa import PUT_ROTATE  # (a PUT's rotation: _rotated)
 from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
+from purlin.kernels.isa import (F_OP_MOVES, F_OP_PUTS, SEG_ITEMS, SEG_ROTATE,  # fused_seg
+                                SEG_TABLE)
 
 SPINS_PER_CHECK = 64
 WARPS = MAX_THREADS // 32
@@ -703,7 +705,7 @@ def _rotated(g, rotation, stride):
 
 @device
 def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl,
-         norm, trace=0, trace_rows=0):
+         norm, segs=False, trace=0, trace_rows=0):
     # (no 64-bit division on the way to the first store: one rank per launch is the
     # common case, and units are powers of two)
     slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
@@ -734,6 +736,8 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         else:
             w = load_v4_u32(src + gp * 16)
             p0, p1, p2, p3 = np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
+    if segs and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUTS:  # (fused_seg)
+        p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, unit_bytes, shift)
     # a NORM (last op): this thread's residual item of its block's first chunk, read now so
     # that its latency hides behind the all-reduce's
     # (``norm``: the fused_norm kernels; the others leave this code and its registers out)
@@ -769,6 +773,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         elif norm and kind == F_OP_NORM:
             _norm(meta, head, at, status, block, blocks_per_rank, odd, tag, dt, unit_bytes,
                   timeout_ns, abort, res0)
+        elif segs and (kind == F_OP_PUTS or kind == F_OP_MOVES):  # (the fused_seg kernels)
+            _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redop,
+                      divisor, unit_bytes, shift, timeout_ns, abort, k == 0, p0, p1, p2, p3)
         elif kind == F_OP_PUT:
             src = _word(meta, head, at + PUT_SRC)
             dst = _word(meta, head, at + PUT_DST + odd)
@@ -858,6 +865,138 @@ def _trace_op(trace, trace_rows, slot, blocks_per_rank, block, k, start):
         store_i64(rec + 24, end)
 
 
+@device
+def _put_item(src, dst, i, unit_bytes, tag):
+    """Item ``i`` of a PUT's source as LL units at ``dst`` (the PUT loop's store, for
+    segmented PUTs)."""
+    if unit_bytes == 4:
+        store_volatile_v2_u32(dst + i * 8, (load_u32(src + i * 4), tag))
+    elif unit_bytes == 8:
+        store_volatile_v4_u32(dst + i * 16, (load_u32(src + i * 8), tag,
+                                             load_u32(src + i * 8 + 4), tag))
+    else:
+        w = load_v4_u32(src + i * 16)
+        store_volatile_v4_u32(dst + i * 32, (w[0], tag, w[1], tag))
+        store_volatile_v4_u32(dst + i * 32 + 16, (w[2], tag, w[3], tag))
+
+
+@device
+def _put_words(dst, i, unit_bytes, tag, p0, p1, p2, p3):
+    """Item ``i`` of a PUT, read before (``p0`` .. ``p3``: its words), as LL units."""
+    if unit_bytes == 4:
+        store_volatile_v2_u32(dst + i * 8, (p0, tag))
+    elif unit_bytes == 8:
+        store_volatile_v4_u32(dst + i * 16, (p0, tag, p1, tag))
+    else:
+        store_volatile_v4_u32(dst + i * 32, (p0, tag, p1, tag))
+        store_volatile_v4_u32(dst + i * 32 + 16, (p2, tag, p3, tag))
+
+
+@device
+def _segment_of(meta, head, at, i, unit_bytes, shift):
+    """(record word, first item) of the segment holding item ``i`` of segmented op ``at``'s
+    union (``i`` below its items)."""
+    rec = _word(meta, head, at + SEG_TABLE)
+    first_word = PUT_ROTATE if _word(meta, head, at + OP_KIND) == F_OP_PUTS else MOVE_ROTATE
+    bytes_word = PUT_BYTES if _word(meta, head, at + OP_KIND) == F_OP_PUTS else MOVE_BYTES
+    start = np.int64(0)
+    end = (_word(meta, head, rec + bytes_word) + unit_bytes - 1) >> shift
+    while i >= end:
+        rec += OP_WIDTH
+        start = _word(meta, head, rec + first_word)
+        end = start + ((_word(meta, head, rec + bytes_word) + unit_bytes - 1) >> shift)
+    return rec, start
+
+
+@device
+def _first_segment_item(meta, head, g, stride, unit_bytes, shift):
+    """A first segmented PUT's first item of thread ``g`` (four words; 0 where it has none),
+    read with the call counter as a first PUT's is."""
+    z = np.int64(0)
+    i = _rotated(g, meta[F_HEAD + SEG_ROTATE], stride)
+    if i >= meta[F_HEAD + SEG_ITEMS]:
+        return z, z, z, z
+    rec, start = _segment_of(meta, head, F_HEAD, i, unit_bytes, shift)
+    src = _word(meta, head, rec + PUT_SRC) + (i - start) * unit_bytes
+    if unit_bytes == 4:
+        return load_u32(src), z, z, z
+    if unit_bytes == 8:
+        return load_u32(src), load_u32(src + 4), z, z
+    w = load_v4_u32(src)
+    return np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
+
+
+@device
+def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redop, divisor,
+              unit_bytes, shift, timeout_ns, abort, read, p0, p1, p2, p3):
+    """A segmented PUT or MOVE (``isa.F_OP_PUTS``, ``F_OP_MOVES``): this thread's items of
+    the union of its segments, in order (item u is thread (u + rotation) mod ``stride``'s),
+    each done as its segment's row would do it -- a plain 16-byte copy's whole items four in
+    flight, as a MOVE's (``copy_v16``); ``read``: this thread's first PUT item is ``p0`` ..
+    ``p3``, read at block start. Sets ``status`` when a poll gave up."""
+    total = _word(meta, head, at + SEG_ITEMS)
+    rec = _word(meta, head, at + SEG_TABLE)
+    first_word = PUT_ROTATE if kind == F_OP_PUTS else MOVE_ROTATE
+    bytes_word = PUT_BYTES if kind == F_OP_PUTS else MOVE_BYTES
+    start = np.int64(0)
+    nbytes = _word(meta, head, rec + bytes_word)
+    end = (nbytes + unit_bytes - 1) >> shift
+    i = _rotated(g, _word(meta, head, at + SEG_ROTATE), stride)
+    plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
+    while i < total:
+        while i >= end:  # (segments in union order: a thread only walks forward)
+            rec += OP_WIDTH
+            start = _word(meta, head, rec + first_word)
+            nbytes = _word(meta, head, rec + bytes_word)
+            end = start + ((nbytes + unit_bytes - 1) >> shift)
+            plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
+        j = i - start
+        if plain:
+            whole = nbytes >> shift
+            first = _word(meta, head, rec + MOVE_SOURCES)
+            copy_v16(_word(meta, head, rec + MOVE_DST + odd),
+                     _word(meta, head, first + SOURCE_ADDR + odd), whole, j, stride)
+            while i < end:  # past the segment: this thread's first item of the next
+                i += stride
+            last = i - stride - start
+            if last == whole:  # a partial last item (a scalar tail) is this thread's
+                _move_item(meta, head, rec, last, odd, tag, dt, redop, divisor, timeout_ns,
+                           abort, nbytes - (last << shift))
+            continue
+        if kind == F_OP_PUTS and read:
+            _put_words(_word(meta, head, rec + PUT_DST + odd), j, unit_bytes, tag, p0, p1, p2,
+                       p3)
+            read = False
+        elif kind == F_OP_PUTS:
+            _put_item(_word(meta, head, rec + PUT_SRC), _word(meta, head, rec + PUT_DST + odd),
+                      j, unit_bytes, tag)
+        else:
+            valid = min(unit_bytes, nbytes - (j << shift))
+            if unit_bytes == 4:
+                code, seen, unit, entry = _move_four(meta, head, rec, j, odd, tag, dt, redop,
+                                                     divisor, timeout_ns, abort, valid)
+            elif unit_bytes == 8:
+                code, seen, unit, entry = _move_unit(meta, head, rec, j, odd, tag, dt, redop,
+                                                     divisor, timeout_ns, abort, valid)
+            else:
+                code, seen, unit, entry = _move_item(meta, head, rec, j, odd, tag, dt, redop,
+                                                     divisor, timeout_ns, abort, valid)
+            if code != 0:
+                _record(meta, head, code, _word(meta, head, entry + SOURCE_STEP), unit, tag,
+                        seen, _word(meta, head, entry + SOURCE_PEER), block)
+                status[0] = 1
+                return
+        i += stride
+
+
+@device
+def _plain_copy(meta, head, rec, unit_bytes):
+    """Is the MOVE record at ``rec`` a copy of plain memory in 16-byte items?"""
+    if unit_bytes != 16 or _word(meta, head, rec + MOVE_NSRC) != 1:
+        return False
+    return _word(meta, head, _word(meta, head, rec + MOVE_SOURCES) + SOURCE_LL) == 0
+
+
 SIGNATURE = "void(int64, int64, int64, int64, int64, int64)"
 _kernel = launch_bounded(MAX_THREADS)
 
@@ -897,6 +1036,24 @@ def fused_norm_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stri
          True)
 
 
+@_kernel
+def fused_seg(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
+    """``fused`` that also runs segmented PUTs and MOVEs (``isa.F_OP_PUTS``, ``F_OP_MOVES``:
+    one peer's rows of several pieces as one op); a separate kernel, so ``fused`` carries
+    none of their code."""
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
+         False, True)
+
+
+@_kernel
+def fused_seg_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                  counters):
+    """``fused_seg`` for programmatic dependent launch."""
+    griddep_launch_dependents()
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
+         False, True)
+
+
 # ---- the traced kernels: the same ops, thread 0 of each block stamping each one
 TRACE_SIGNATURE = "void(int64, int64, int64, int64, int64, int64, int64, int64)"
 
@@ -909,7 +1066,7 @@ def fused_trace(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_
     ``isa.TRACE_WIDTH`` int64 (slot-major, then block, then op). A separate kernel, so the
     untraced ones carry none of its code."""
     _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
-         False, trace, trace_rows)
+         False, False, trace, trace_rows)
 
 
 @_kernel
@@ -918,7 +1075,7 @@ def fused_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, str
     """``fused_trace`` for programmatic dependent launch."""
     griddep_launch_dependents()
     _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
-         False, trace, trace_rows)
+         False, False, trace, trace_rows)
 
 
 @_kernel
@@ -926,7 +1083,7 @@ def fused_norm_trace(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, st
                      counters, trace, trace_rows):
     """``fused_norm`` that records every op (a NORM too) as ``fused_trace`` does."""
     _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
-         True, trace, trace_rows)
+         True, False, trace, trace_rows)
 
 
 @_kernel
@@ -935,7 +1092,7 @@ def fused_norm_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns
     """``fused_norm_trace`` for programmatic dependent launch."""
     griddep_launch_dependents()
     _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
-         True, trace, trace_rows)
+         True, False, trace, trace_rows)
 
 
 LL_ITEM = 8  # bytes of a thread's item in the one-shot epilogue kernels: one LL unit's data

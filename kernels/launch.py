@@ -29,7 +29,8 @@ from purlin.kernels.intrinsics import SIMULATOR
 # its calls in the ``isa.F_MAX_BLOCKS`` words ``s * F_MAX_BLOCKS`` words after the ``counters``
 # address each call passes (``nlanes`` is 1 and ``blocks_per_lane`` the blocks of each rank);
 # ``kernel="fused-norm"`` is the same kernel compiled with the NORM op (programs that end with
-# an epilogue; the plain one leaves that code and its registers out), and a name
+# an epilogue; the plain one leaves that code and its registers out), ``kernel="fused-seg"``
+# the one that also runs segmented ops (``isa.F_OP_PUTS``, ``F_OP_MOVES``), and a name
 # ``purlin.kernels.epilogue.kernel_name`` gave (``"epilogue-N"``) the one-shot kernel built for
 # an epilogue (programs ``purlin.atom.fused.oneshot_problem`` accepts).
 # ``kernel="fused-trace"`` (``"fused-norm-trace"``) is
@@ -43,6 +44,7 @@ from purlin.kernels.intrinsics import SIMULATOR
 KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
            "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE),
            "fused-norm": (fused.fused_norm, fused.fused_norm_pdl, fused.SIGNATURE),
+           "fused-seg": (fused.fused_seg, fused.fused_seg_pdl, fused.SIGNATURE),
            "fused-trace": (fused.fused_trace, fused.fused_trace_pdl, fused.TRACE_SIGNATURE),
            "fused-norm-trace": (fused.fused_norm_trace, fused.fused_norm_trace_pdl,
                                 fused.TRACE_SIGNATURE)}

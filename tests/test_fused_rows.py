@@ -260,7 +260,7 @@ def test_random_layouts_sizes_strategies_and_dtypes():
 
 # ---------------------------------------------------------------- the same on a GPU
 
-def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2):
+def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2, kernel=None):
     import torch
 
     from purlin.atom import sm
@@ -283,6 +283,8 @@ def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2):
     outs = [[o.double().cpu().numpy() for o in bound([torch.tensor(x).to(tdt) for x in call])]
             for call in xs]
     _compare(s.sizing, outs, xs, f"gpu {coll.name} {strategy} {protocol} {dtype}")
+    if kernel is not None:  # (the kernel the launches run: segmented ops or not)
+        assert {k.launcher.kernel for k in bound.launches} == {kernel}
     return True
 
 
@@ -298,6 +300,26 @@ def test_gpu_gqa_all_gather(n, protocol, nbytes):
     for extra in (0, 1):
         assert _gpu_check(gqa(n), gqa_sizes(n, unit, extra), "bfloat16", "direct-push",
                           protocol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+@pytest.mark.parametrize("nbytes", [8 << 10, 64 << 10, 1 << 20, 16 << 20])
+def test_gpu_gqa_runs_segmented_ops_and_its_twin_does_not(n, protocol, nbytes):
+    """The GQA all-gather's direct-push programs hold segmented ops and run on the
+    ``fused-seg`` kernel, right (three calls, an odd size too); its twin runs ``fused``."""
+    if protocol == "fused-ll" and nbytes > 256 << 10:
+        pytest.skip("LL runs up to 256 KiB")
+    e = 8
+    unit = max(e, nbytes // 2 // n // 6 // e * e)
+    for extra in (0, 1):
+        sizes = gqa_sizes(n, unit, extra)
+        assert _gpu_check(gqa(n), sizes, "bfloat16", "direct-push", protocol, calls=3,
+                          kernel="fused-seg")
+        if extra == 0:
+            assert _gpu_check(*_twin(n, sizes), "bfloat16", "direct-push", protocol,
+                              kernel="fused")
 
 
 @pytest.mark.gpu
@@ -381,3 +403,222 @@ def test_custom_copy_layouts_borrow_their_twins_table_entry():
     small = select(two_root, cluster, chunk_sizes={"a": 4096, "b": 4096}, dtype="bfloat16",
                    table=table)
     assert "twin" not in small.source, small  # small sizes keep the fast path
+
+
+# ---------------------------------------------------------------- segmented ops: the kernels
+
+# the segmented-op hook in kernels/fused.py's op loop, exactly as written there
+SEG_HOOK = (("norm, segs=False, trace=0", "norm, trace=0"),
+            ("        elif segs and (kind == F_OP_PUTS or kind == F_OP_MOVES):  # (the fused_seg "
+             "kernels)\n            _segments(meta, head, at, kind, status, block, g, stride, "
+             "odd, tag, dt, redop,\n                      divisor, unit_bytes, shift, "
+             "timeout_ns, abort, k == 0, p0, p1, p2, p3)\n", ""),
+            ("    if segs and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUTS:  # "
+             "(fused_seg)\n        p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, "
+             "unit_bytes, shift)\n", ""))
+
+
+def test_the_standard_fused_kernels_compile_as_if_segments_were_not_there(tmp_path):
+    """kernels/fused.py with the segmented-op hook cut out of ``_run`` compiles ``fused``,
+    ``fused_pdl`` and ``fused_norm_pdl`` to the same PTX bodies (symbol names aside): only the
+    ``fused_seg`` kernels carry the segments' code, so the standard collectives' programs run
+    the kernel they ran before."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    cuda = pytest.importorskip("numba.cuda", reason="numba-cuda compiles the kernels")
+    if cuda.config.ENABLE_CUDASIM:
+        pytest.skip("NUMBA_ENABLE_CUDASIM=1 is set: PTX needs the compiler")
+    from purlin.kernels import fused
+    from purlin.kernels.compat import compile_ptx
+    from purlin.kernels.executor import MAX_THREADS
+
+    text = (Path(__file__).resolve().parents[1] / "kernels" / "fused.py").read_text()
+    for piece, instead in SEG_HOOK:
+        assert text.count(piece) == 1, f"the segments hook changed: update SEG_HOOK ({piece!r})"
+        text = text.replace(piece, instead)
+    path = tmp_path / "fused_without_segments.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("fused_without_segments", path)
+    bare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bare)
+
+    def body(module, name):
+        ptx = compile_ptx(getattr(module, name).py_func, fused.SIGNATURE, cc=(9, 0),
+                          launch_bounds=MAX_THREADS)
+        return re.sub(r"_ZN\w+|_cudapy_smem_\d+", "SYM", ptx[ptx.index(".visible .entry"):])
+
+    for name in ("fused", "fused_pdl", "fused_norm_pdl"):
+        assert body(fused, name) == body(bare, name), name
+    seg = body(fused, "fused_seg")
+    assert seg != body(fused, "fused") and len(seg) > len(body(fused, "fused"))
+
+
+# ---------------------------------------------------------------- segmented ops: the programs
+
+def _programs(coll, sizes, strategy, protocol, dtype="bfloat16", segments=True):
+    """(the sm datapath's fused programs on host buffers, the buffers, the schedule), or
+    None where the plan does not fuse."""
+    from purlin.atom.fused_rows import cluster_programs, several_pieces
+
+    s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+    bufs = HostBuffers(s, ll=protocol == "fused-ll")
+    low = bufs.lower()
+    unit, problem = fused_unit(low, protocol)
+    if problem is not None:
+        return None
+    return cluster_programs(low, lambda r: 0, 0, int, unit,
+                            segments=segments and several_pieces(s)), bufs, s
+
+
+def _twin(n, sizes):
+    """The all-gather moving the GQA layout's bytes: each rank's q + k + v as one piece."""
+    from purlin.spec import collectives
+
+    ag = collectives.all_gather(n)
+    return ag, {r: sum(sizes[(r, t)] for t in "qkv") for r in ag.input.names()}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+def test_gqa_program_has_its_twins_op_count(n, protocol):
+    """Segmented PUTs and MOVEs (a peer's q, k and v in one op): the GQA all-gather's
+    direct-push program has exactly the ops of its standard twin's (4 ranks, LL: 7 against
+    21 rows; flags: 13 against 27), with every segmented op on every rank; the twin holds
+    none (it runs the ``fused`` kernel, as before)."""
+    for unit, extra in ((8, 0), (64, 0), (40, 3)):
+        sizes = gqa_sizes(n, unit, extra)
+        got = _programs(gqa(n), sizes, "direct-push", protocol)
+        rows = _programs(gqa(n), sizes, "direct-push", protocol, segments=False)
+        twin = _programs(*_twin(n, sizes), "direct-push", protocol)
+        assert got is not None and twin is not None
+        for p, t, q in zip(got[0], twin[0], rows[0]):
+            assert p.ops == t.ops, (unit, extra, p.ops, t.ops)
+            assert p.segments > 0 and t.segments == 0 and q.segments == 0
+            assert q.ops == (3 * t.ops if protocol == "fused-ll" else 2 * t.ops + 1)
+        if n == 4:
+            assert [p.ops for p in got[0]] == [7 if protocol == "fused-ll" else 13] * 4
+        # pulled (a ready flag and an acknowledgement per piece): merged across flags
+        # (fused_rows.merged_flags), at most the twin's ops
+        got = _programs(gqa(n), sizes, "direct-pull", protocol)
+        twin = _programs(*_twin(n, sizes), "direct-pull", protocol)
+        for p, t in zip(got[0], twin[0]):
+            assert p.ops <= t.ops and p.segments > 0 and t.segments == 0, (p.ops, t.ops)
+
+
+def _segmented_on_host(coll, sizes, dtype, strategy, protocol, blocks, threads, seed,
+                       delay=0.0):
+    """Run the programs on host threads (``delay``: rank 0's last block late before every
+    move) against the reference; did they hold segmented ops?"""
+    got = _programs(coll, sizes, strategy, protocol, dtype)
+    if got is None:
+        return False
+    progs, bufs, s = got
+    low = bufs.lower()
+    unit = fused_unit(low, protocol)[0]
+    programs = fused_programs(low, bufs, unit)
+    xs = _inputs(s.sizing, np.random.default_rng(seed), calls=3)
+    outs = run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads,
+                           slow_block_delay=delay)
+    _compare(s.sizing, outs, xs, f"{coll.name} {strategy} {protocol} {dtype} segmented")
+    return any(p.segments for p in progs)
+
+
+def test_segmented_gqa_is_right_on_host():
+    """The GQA all-gather's segmented programs, three calls, 2..8 ranks, both protocols,
+    odd sizes, four dtypes, grids of 1..3 blocks, a late block: the reference."""
+    ran = 0
+    for k, (n, dtype, m, extra, protocol, blocks, threads, delay) in enumerate((
+            (2, "bfloat16", 1, 0, "fused-ll", 2, 3, 0.0),
+            (3, "float32", 3, 1, "fused", 3, 2, 0.0),
+            (4, "float16", 2, 0, "fused", 2, 4, 0.002),
+            (4, "bfloat16", 5, 3, "fused-ll", 3, 3, 0.0),
+            (5, "int32", 1, 2, "fused-ll", 2, 4, 0.0), (8, "bfloat16", 1, 0, "fused", 2, 3, 0.001),
+            (8, "float32", 2, 1, "fused-ll", 1, 5, 0.0))):
+        e = 16 // ITEM[dtype]
+        for strategy in ("direct-push", "direct-pull"):
+            ran += _segmented_on_host(gqa(n), gqa_sizes(n, e * m, extra), dtype, strategy,
+                                      protocol, blocks, threads, k, delay)
+    assert ran == 14, ran
+
+
+def test_merged_flags_keep_progress():
+    """A notify merged into a later one past the wait it answers deadlocks: refused
+    (:func:`deadlock_free`); the merges made never lengthen the chain of waits
+    (:func:`rounds`), and the merged programs of the pulled GQA all-gather run."""
+    from purlin.atom.fused import Notify, Wait
+    from purlin.atom.fused_rows import deadlock_free, merged_flags, rounds
+
+    a, b = 0xA0, 0xB0  # (rank 1's flag a, rank 0's flag b)
+    ping = [Notify("notify", a, 1), Wait("wait", b, 2, 1, 0, 1, 1),
+            Notify("notify", a, 1), Wait("wait", b, 2, 2, 0, 1, 3)]
+    pong = [Wait("wait", a, 2, 1, 0, 0, 0), Notify("notify", b, 1),
+            Wait("wait", a, 2, 2, 0, 0, 2), Notify("notify", b, 1)]
+    assert deadlock_free([ping, pong]) and rounds([ping, pong], calls=1) == 5  # a hop each
+    late = [ping[1], Notify("notify", a, 2), ping[3]]  # the first notify merged past its wait
+    assert not deadlock_free([late, pong]) and rounds([late, pong]) is None
+    merged = merged_flags([ping, pong])
+    assert merged is None or rounds(merged) <= rounds([ping, pong])
+    s = plan(gqa(4), "direct-pull", chunk_sizes=gqa_sizes(4, 16), dtype="bfloat16")
+    ops = regrouped(HostBuffers(s, ll=False).lower(), 16)[0]
+    merged = merged_flags(ops)
+    assert merged is not None and rounds(merged) <= rounds(ops)
+    assert sum(map(len, merged)) < sum(map(len, ops))
+
+
+def test_segmented_random_layouts_are_right_on_host():
+    """Seeded random layouts x strategies x protocols x dtypes: every program runs right;
+    enough of them hold segmented ops."""
+    from purlin.errors import PurlinError
+
+    rng = np.random.default_rng(4242)
+    ran = segmented = 0
+    for case in range(80):
+        n = int(rng.integers(2, 9))
+        dtype = str(rng.choice(list(ITEM)))
+        coll, sizes = random_layout(rng, n, dtype)
+        strategy = str(rng.choice(["direct-push", "direct-pull", "ring"]))
+        protocol = str(rng.choice(["fused", "fused-ll"]))
+        try:
+            segmented += _segmented_on_host(coll, sizes, dtype, strategy, protocol,
+                                            int(rng.integers(1, 4)), int(rng.integers(1, 5)),
+                                            case, 0.001 if case % 7 == 0 else 0.0)
+        except PurlinError as exc:
+            if "cannot plan" in str(exc):
+                continue
+            raise
+        ran += 1
+    assert ran >= 50 and segmented >= 8, (ran, segmented)
+
+
+def test_standard_collectives_hold_no_segmented_ops():
+    """Every standard collective x strategy x chunks x protocol that fuses, as the sm
+    datapath builds its programs (segments only unchunked): no segmented op, so they run
+    the ``fused`` kernel as before."""
+    from purlin.atom.fused_rows import cluster_programs, several_pieces
+    from purlin.snac import STRATEGIES
+    from purlin.spec import collectives
+
+    ran = 0
+    for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
+                 "reduce", "gather", "scatter"):
+        for n in (2, 4, 8):
+            for strategy in STRATEGIES:
+                for chunks in (1, 2):
+                    try:
+                        s = plan(getattr(collectives, name)(n), strategy, count=96 * n,
+                                 dtype="bfloat16", chunks=chunks)
+                    except Exception:  # noqa: BLE001 - a strategy that does not plan it
+                        continue
+                    for protocol in ("fused", "fused-ll"):
+                        low = HostBuffers(s, ll=protocol == "fused-ll").lower()
+                        unit, problem = fused_unit(low, protocol)
+                        if problem is not None:
+                            continue
+                        assert not several_pieces(s), (name, strategy, chunks)
+                        got = cluster_programs(low, lambda r: 0, 0, int, unit,
+                                               segments=several_pieces(s))
+                        assert not any(p.segments for p in got), (name, strategy, chunks)
+                        ran += 1
+    assert ran >= 300, ran

@@ -916,7 +916,7 @@ def fused_rotated_rows_of_a_gqa_all_gather():
         low = bufs.lower()
         unit, problem = fused_unit(low, protocol)
         assert problem is None, problem
-        programs = [w.copy() for w in fused_programs(low, bufs, unit)]
+        programs = [w.copy() for w in fused_programs(low, bufs, unit, segments=False)]
         rotated = [int(w[isa.F_HEAD + k * isa.OP_WIDTH + isa.MOVE_ROTATE]) for w in programs
                    for k in range(int(w[isa.F_NOPS]))
                    if w[isa.F_HEAD + k * isa.OP_WIDTH + isa.OP_KIND] == isa.F_OP_MOVE]
@@ -967,7 +967,7 @@ def fused_random_layouts_of_unequal_rows():
         unit, problem = fused_unit(low, protocol)
         if problem is not None:
             continue
-        programs = [w.copy() for w in fused_programs(low, bufs, unit)]
+        programs = [w.copy() for w in fused_programs(low, bufs, unit, segments=False)]
         xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
                for r in range(n)]]
         for x in xs[0]:
@@ -1031,7 +1031,7 @@ def fused_rotated_ll_pieces():
             continue
         if not ll_pieces([rank_ops(x, unit) for x in low]):
             continue
-        programs = [w.copy() for w in fused_programs(low, bufs, unit)]
+        programs = [w.copy() for w in fused_programs(low, bufs, unit, segments=False)]
         puts = [[(int(w[at + isa.PUT_DST]), int(w[at + isa.PUT_BYTES]),
                   int(w[at + isa.PUT_ROTATE]))
                  for at in (isa.F_HEAD + k * isa.OP_WIDTH for k in range(int(w[isa.F_NOPS])))

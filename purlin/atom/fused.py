@@ -37,7 +37,8 @@ from purlin.errors import CapabilityError
 from purlin.kernels.occupancy import resident_blocks
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
-                                F_OP_MOVE, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT, F_OP_WAIT, F_RANK,
+                                F_OP_MOVE, F_OP_MOVES, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT,
+                                F_OP_PUTS, F_OP_WAIT, F_RANK,
                                 F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES,
                                 F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_KIND,
                                 OP_WIDTH, OPCODE_NAMES, PEER, PER_CALL, PUT_BYTES, PUT_SRC, REDOP,
@@ -57,10 +58,10 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
 # * A rank sending LL units to a peer hears from it in the same call (an LL unit or a flag), so
 #   the peer cannot run two calls ahead into the LL parity still being read.
 
-__all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Source",
-           "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",
+__all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Segments",
+           "Source", "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",
            "fused_problems", "fused_unit", "grid", "oneshot_problem", "program", "rank_ops",
-           "row_grid", "row_sums_bytes", "round_blocks", "threads_grid"]
+           "row_grid", "row_sums_bytes", "round_blocks", "segmented_program", "threads_grid"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
 FUSED_COPY_DTYPES = (5, 6)  # FP8 (isa E4M3, E5M2): moved as bytes, never reduced here
@@ -142,6 +143,15 @@ class Norm(NamedTuple):
     epilogue: "Epilogue"
 
 
+class Segments(NamedTuple):
+    """Several :class:`Put` or several :class:`Move` rows run as one op (``isa.F_OP_PUTS``,
+    ``isa.F_OP_MOVES``): the block's threads stride over the union of their items, ``parts``
+    in union order (``purlin.atom.fused_rows.segmented`` builds them)."""
+
+    kind: str  # "puts" or "moves"
+    parts: tuple
+
+
 class Span(NamedTuple):
     """Bytes a data op touches: ``nbytes`` at ``even`` on even calls, at ``odd`` on odd."""
 
@@ -158,6 +168,7 @@ class FusedProgram:
     words: np.ndarray
     ops: int
     items: int
+    segments: int = 0  # segmented ops (isa.F_OP_PUTS, F_OP_MOVES): only fused_seg runs them
 
 
 @dataclass(frozen=True)
@@ -430,10 +441,13 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
         if problem:
             raise CapabilityError(f"cannot end with the epilogue: {problem}")
         ops.append(Norm("norm", epilogue))
-    moves = [op for op in ops if op.kind == "move"]
+    moves = [op for op in ops if op.kind == "move"] + \
+        [part for op in ops if op.kind == "moves" for part in op.parts]
     dt = moves[0].dtype if moves else 0
     how = next((op.how for op in moves if op.how is not None), Reduction(0, 1))
-    sources_at = F_HEAD + OP_WIDTH * len(ops)
+    records = sum(len(op.parts) for op in ops if op.kind in ("puts", "moves"))
+    records_at = F_HEAD + OP_WIDTH * len(ops)  # segment records (none: as before segments)
+    sources_at = records_at + OP_WIDTH * records
     nsources = sum(len(op.sources) for op in moves) + (epilogue is not None)
     if epilogue is not None:  # its extra words, in whole source entries
         nsources += -(-len(epilogue.extras) // SOURCE_WIDTH)
@@ -450,6 +464,9 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
         elif op.kind == "put":
             row = (F_OP_PUT, op.source, op.dst_even, op.dst_odd, op.nbytes, op.peer, op.step,
                    (rotation or {}).get(k, 0))
+        elif op.kind in ("puts", "moves"):
+            row, records_at, at = _segmented_row(words, op, records_at, at, unit,
+                                                 (rotation or {}).get(k, 0))
         elif op.kind == "norm":  # its parameters take one source entry
             e = op.epilogue
             nbytes, chunk = moves[-1].nbytes, unit * threads
@@ -468,7 +485,45 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
         words[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
     items = -(-max([op.nbytes for op in ops if op.kind == "put"]
                    + [op.nbytes for op in moves] + [unit]) // unit)  # a partial item counts
-    return FusedProgram(words, len(ops), items)
+    segs = [op for op in ops if op.kind in ("puts", "moves")]
+    if segs:
+        items = max([items] + [_union_items(op, unit) for op in segs])
+    return FusedProgram(words, len(ops), items, len(segs))
+
+
+def _union_items(op: Segments, unit: int) -> int:
+    """Items of ``unit`` bytes the threads stride over in a segmented op (each part's last
+    item may be partial)."""
+    return sum(-(-part.nbytes // unit) for part in op.parts)
+
+
+def _segmented_row(words: np.ndarray, op: Segments, records_at: int, at: int, unit: int,
+                   rotation: int) -> tuple:
+    """A segmented op's words, its records written at ``records_at`` (and its moves' sources
+    at ``at``): (its row, the next record's word, the next source's word)."""
+    first, start = records_at, 0
+    for part in op.parts:
+        if part.kind == "put":
+            rec = (F_OP_PUT, part.source, part.dst_even, part.dst_odd, part.nbytes, part.peer,
+                   part.step, start)
+        else:
+            rec = (F_OP_MOVE, part.dst_even, part.dst_odd, part.nbytes, len(part.sources), at,
+                   start)
+            for src in part.sources:
+                words[at: at + SOURCE_WIDTH] = src
+                at += SOURCE_WIDTH
+        words[records_at: records_at + len(rec)] = rec
+        records_at += OP_WIDTH
+        start += -(-part.nbytes // unit)
+    kind = F_OP_PUTS if op.kind == "puts" else F_OP_MOVES
+    return (kind, len(op.parts), first, start, rotation), records_at, at
+
+
+def segmented_program(words: np.ndarray) -> bool:
+    """Does the fused program ``words`` hold segmented ops (``isa.F_OP_PUTS``,
+    ``isa.F_OP_MOVES``; then the ``fused_seg`` kernels run it, launcher name "fused-seg")?"""
+    kinds = words[F_HEAD + OP_KIND: F_HEAD + OP_WIDTH * int(words[F_NOPS]): OP_WIDTH]
+    return bool(np.isin(kinds, (F_OP_PUTS, F_OP_MOVES)).any())
 
 
 def oneshot_problem(words: np.ndarray) -> str | None:

@@ -7,8 +7,12 @@ most threads idle. :func:`regroup` merges a rank's notifies of one flag into the
 them and its waits of one flag into the first, where only data rows lie between (small
 ones: :data:`MERGE_BYTES`); :func:`rotations` then spreads the rows between two flag
 operations over different threads (``isa.MOVE_ROTATE``), the same rotation wherever two
-rows touch the same bytes, so a block still meets only its own items. ARCHITECTURE.md, "The
-fused kernel".
+rows touch the same bytes, so a block still meets only its own items. :func:`segmented`
+goes further: one peer's rows of a step become one segmented PUT or MOVE
+(``isa.F_OP_PUTS``, ``F_OP_MOVES``, run by the ``fused_seg`` kernels), its threads striding
+over the union of the rows' items, so the program has its standard twin's ops (the GQA
+all-gather on 4 ranks: 13 ops, or 7 on LL, against 27 and 21 a row each).
+ARCHITECTURE.md, "The fused kernel".
 
 >>> from purlin.spec import Collective
 >>> from purlin.snac import plan
@@ -23,14 +27,19 @@ fused kernel".
 >>> ops, rot = regrouped(low)
 >>> before.count("notify"), [op.kind for op in ops[0]].count("notify"), sorted(rot[0].values())
 (3, 1, [2, 2, 4, 4, 6, 8])
+>>> seg = segmented(ops, 16)
+>>> len(ops[0]), [op.kind for op in seg[0]]
+(11, ['moves', 'moves', 'notify', 'wait', 'moves'])
 """
 
 from __future__ import annotations
 
-from purlin.atom.fused import _Refused, _accesses, _check_rank, program, rank_ops
+from purlin.atom.fused import (Segments, _Refused, _accesses, _check_rank, _clash, _meets,
+                               program, rank_ops)
 
-__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "ll_pieces", "regroup",
-           "regrouped", "rotations"]
+__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "deadlock_free", "ll_pieces",
+           "merged_flags", "regroup", "regrouped", "rotations", "rounds", "segmented",
+           "several_pieces"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -206,16 +215,374 @@ def regrouped(lowered, unit: int = 16) -> tuple[list[list[tuple]], list[dict]]:
     return ops, rotations(ops, unit, ll)
 
 
+def several_pieces(schedule) -> bool:
+    """Does some rank send another several pieces of its input in one call (GQA's q, k and
+    v), unchunked? The layouts segmented ops are for (``cluster_programs(...,
+    segments=...)``); a standard collective sends each peer one piece.
+
+    >>> from purlin.spec import Collective, collectives
+    >>> from purlin.snac import plan
+    >>> qkv = Collective([[(r, t) for t in "qkv"] for r in range(2)],
+    ...                  [[(r, t) for t in "qkv" for r in range(2)]] * 2, "copy")
+    >>> several_pieces(plan(qkv, "direct-push", count=8))
+    True
+    >>> several_pieces(plan(collectives.all_gather(2), "direct-push", count=8))
+    False
+    """
+    if schedule.chunks != 1:  # (chunked pipelines keep their flags, as their LL transfers do)
+        return False
+    coll = schedule.sizing.collective
+    return any(_runs(row, out) > 1 for r, row in enumerate(coll.input)
+               for p, out in enumerate(coll.output) if p != r)
+
+
+def _runs(row, out) -> int:
+    """Pieces of input ``row`` that output ``out`` holds, counted as runs: names next to each
+    other in both, in the same order, are one piece (an all-reduce's parts are one)."""
+    at = {name: k for k, name in reversed(list(enumerate(out)))}  # (first place in out)
+    runs, last = 0, None
+    for k, name in enumerate(row):
+        if name not in at:
+            last = None
+            continue
+        if last is None or at[name] != at[row[last]] + 1 or k != last + 1:
+            runs += 1
+        last = k
+    return runs
+
+
 def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
-                     regroup: bool = True) -> list:
+                     regroup: bool = True, segments: bool = False) -> list:
     """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the
-    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address);
+    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address); with
+    ``segments`` (for the layouts :func:`several_pieces` finds) one peer's rows gathered
+    into segmented ops where :func:`segmented` can, else the rotated rows;
     ``regroup=False``: on :func:`purlin.atom.fused.rank_ops`'s, an op per table row (what a
     trace of the fused kernel names, ``purlin.atom.fused_trace.op_rows``)."""
     if regroup:
         ops, rot = regrouped(lowered, unit)
+        if segments:
+            seg = segmented(ops, unit, ll_pieces(ops))
+            if seg is not None:
+                ops, rot = seg, [{} for _ in lowered]
     else:
         ops, rot = [rank_ops(low, unit) for low in lowered], [{} for _ in lowered]
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
                     rotation=rot[i]) for i, low in enumerate(lowered)]
 
+
+
+# ---------------------------------------------------------------- segmented ops
+
+def _plain_move(op) -> bool:
+    return op.kind == "move" and not any(s.is_ll for s in op.sources)
+
+
+def _conflict(a, b) -> bool:
+    """Do data ops ``a`` and ``b`` touch a byte in common that one of them writes?"""
+    wa, ra = _accesses(a)
+    wb, rb = _accesses(b)
+    return any(_meets(wa, x) for x in (wb, *rb)) or any(_meets(wb, x) for x in ra)
+
+
+def _partners(ops_by_rank: list[list[tuple]]) -> dict:
+    """{(rank, op index): the other ranks that touch a byte of the op's where one of the two
+    writes} for every data op (what tells one peer's plain rows from another's)."""
+    spans: dict = {}
+    for r, ops in enumerate(ops_by_rank):
+        for k, op in enumerate(ops):
+            if op.kind in ("put", "move"):
+                w, reads = _accesses(op)
+                spans.setdefault(w, []).append((r, k, True))
+                for x in reads:
+                    spans.setdefault(x, []).append((r, k, False))
+    out: dict = {}
+    for who in spans.values():
+        for r, k, writes in who:
+            out.setdefault((r, k), set()).update(
+                r2 for r2, _, w2 in who if r2 != r and (writes or w2))
+    return {row: frozenset(v) for row, v in out.items()}
+
+
+def _key(op, partners) -> tuple:
+    """Rows of one key may share a segmented op: PUTs to one peer; moves reading LL units
+    of the same peers; plain moves meeting the same other ranks (one peer's pushes or its
+    arrivals; the rank's own copies meet none)."""
+    if op.kind == "put":
+        return ("put", op.peer)
+    lls = tuple(sorted(s.peer for s in op.sources if s.is_ll))
+    return ("move", lls, len(op.sources), op.how, op.dtype, partners if not lls else None)
+
+
+def _gather(ops: list[tuple], keys: list) -> tuple[list, list]:
+    """Plain moves moved next to a row of their key across flag operations where that only
+    adds ordering: later past waits (a row waits longer), earlier past notifies (a peer
+    learns later), never past a row they conflict with. Returns (ops, keys) reordered."""
+    ops, keys = list(ops), list(keys)
+    moved = True
+    while moved:
+        moved = False
+        for i in range(len(ops)):
+            if not _plain_move(ops[i]):
+                continue
+            j = _partner_index(ops, keys, i, -1) if i else None
+            if j is None:
+                j = _partner_index(ops, keys, i, 1)
+            if j is None:
+                continue
+            op, key = ops.pop(i), keys.pop(i)
+            at = j + 1 if j < i else j - 1  # after the earlier partner, before the later
+            ops.insert(at, op)
+            keys.insert(at, key)
+            moved = True
+            break
+    return ops, keys
+
+
+def _partner_index(ops, keys, i, step) -> int | None:
+    """The nearest row of ``ops[i]``'s key in direction ``step`` that it may join, past at
+    least one flag operation (waits going later, notifies going earlier), else None."""
+    crossed, j = False, i + step
+    allowed = "wait" if step > 0 else "notify"
+    while 0 <= j < len(ops):
+        op = ops[j]
+        if op.kind in ("wait", "notify", "norm"):
+            if op.kind != allowed:
+                return None
+            crossed = True
+        elif keys[j] == keys[i]:
+            return j if crossed else None
+        elif _conflict(op, ops[i]):
+            return None
+        j += step
+    return None
+
+
+def _merge_segment(rows: list, keys: list) -> list:
+    """One segment's data rows (between two flag operations) as groups of one key each,
+    in the order of their first rows; a row joins its key's last group where it may pass
+    the rows of the groups after it (no conflict; an LL move never passes a PUT: a poll
+    must not come before a send)."""
+    groups: list = []  # [key, rows]
+    for op, key in zip(rows, keys):
+        for g in range(len(groups) - 1, -1, -1):
+            if groups[g][0] != key:
+                continue
+            passed = [a for _, later in groups[g + 1:] for a in later]
+            blocking = op.kind == "move" and any(s.is_ll for s in op.sources)
+            if all(not _conflict(a, op) and not (blocking and a.kind == "put")
+                   for a in passed):
+                groups[g][1].append(op)
+                break
+            groups.append([key, [op]])
+            break
+        else:
+            groups.append([key, [op]])
+    return [rows[0] if len(rows) == 1 else Segments(rows[0].kind + "s", tuple(rows))
+            for _, rows in groups]
+
+
+def segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> list | None:
+    """Each rank's ops with one peer's rows of a step gathered into segmented ops
+    (:class:`purlin.atom.fused.Segments`): a GQA all-gather's q, k and v to a peer in one
+    PUT or MOVE, as many ops as its standard twin. Rows move only where that adds ordering
+    (:func:`_gather`) or inside a segment between flag operations, past rows they share no
+    written byte with; every row's first item in its union (its effective rotation) must be
+    the same as that of every row touching its bytes on any rank (LL units excepted where
+    ``ll``: polled by their tag), so a block still meets only its own items. None where
+    nothing gathers or a check fails (then the rotated rows, :func:`rotations`).
+
+    First tried on the ops with every rank's waits of one flag merged into the first and its
+    notifies into the next of their flag (:func:`merged_flags`: a pulled piece's ready flags
+    and acknowledgements, one per piece, as one per peer), where that cannot deadlock."""
+    merged = merged_flags(ops_by_rank)
+    if merged is not None:
+        got = _segmented(merged, unit, ll)
+        if got is not None:
+            return got
+    return _segmented(ops_by_rank, unit, ll)
+
+
+def _segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> list | None:
+    partners = _partners(ops_by_rank)
+    out = []
+    for r, ops in enumerate(ops_by_rank):
+        keys = [_key(op, partners.get((r, k))) if op.kind in ("put", "move") else None
+                for k, op in enumerate(ops)]
+        flat, keys = _gather(ops, keys)
+        if not _segment_rule(flat):
+            return None
+        merged, rows, row_keys = [], [], []
+        for op, key in zip(flat + [None], keys + [None]):
+            if op is not None and op.kind in ("put", "move"):
+                rows.append(op)
+                row_keys.append(key)
+                continue
+            if rows:
+                merged += _merge_segment(rows, row_keys)
+            rows, row_keys = [], []
+            if op is not None:
+                merged.append(op)
+        out.append(merged)
+    if all(len(a) == len(b) for a, b in zip(out, ops_by_rank)):
+        return None
+    return out if _matched(out, unit, ll) else None
+
+
+def _segment_rule(ops: list[tuple]) -> bool:
+    """The soundness rule that moving rows across flag operations can break (the others
+    hold as they did: the same rows, PUTs and LL moves where they were): rows between two
+    flag operations that touch the same bytes touch the same span."""
+    segment: list = []
+    for op in ops + [None]:
+        if op is None or op.kind in ("wait", "notify", "norm"):
+            for i, (w, reads) in enumerate(segment):
+                for w2, reads2 in segment[i + 1:]:
+                    if any(_clash(w, x) for x in (w2, *reads2)) or \
+                            any(_clash(w2, x) for x in reads):
+                        return False
+            segment = []
+        else:
+            segment.append(_accesses(op))
+    return True
+
+
+def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> bool:
+    """Does every span written by some row meet only rows with the same first item in their
+    union (0 outside segmented ops)? LL spans (a PUT's units, an LL move's source) are free
+    where ``ll``."""
+    firsts: dict = {}  # span -> {first item}
+    written: set = set()
+    for ops in ops_by_rank:
+        for op in ops:
+            parts = op.parts if op.kind in ("puts", "moves") else (op,)
+            if op.kind not in ("puts", "moves", "put", "move"):
+                continue
+            start = 0
+            for part in parts:
+                w, reads = _accesses(part)
+                if part.kind == "put":
+                    spans = [(reads[0], False)] + ([] if ll else [(w, True)])
+                else:
+                    spans = [(w, True)] + [(x, False) for x, src in zip(reads, part.sources)
+                                           if not (ll and src.is_ll)]
+                for span, writes in spans:
+                    firsts.setdefault(span, set()).add(start)
+                    if writes:
+                        written.add(span)
+                start += -(-part.nbytes // unit)
+    return all(len(firsts[span]) == 1 for span in written)
+
+
+# ---------------------------------------------------------------- flags merged across flags
+
+def merged_flags(ops_by_rank: list[list[tuple]], calls: int = 3) -> list | None:
+    """Each rank's ops with its waits of one flag (per call, epoch offset) merged into the
+    one before (the larger value) and its notifies into the next of their flag, one merge at
+    a time and each kept only where the ranks still run ``calls`` calls to the end in no
+    more :func:`rounds` than before (no deadlock, no rank made to wait for another's whole
+    work) -- or None where nothing merges.
+
+    Sound for the data: a wait moved earlier for a larger value only holds the rank longer,
+    and a notify merged into a later one only tells the peer later, so every execution of
+    the merged programs is one the original programs allow (a rank slow past a wait, a
+    notify's increment seen late); what it can break is progress, which each merge checks."""
+    cur = [list(ops) for ops in ops_by_rank]
+    if sum(len(ops) for ops in cur) > MERGE_OPS:
+        return None
+    most = rounds(cur, calls)  # (a merge that lengthens the chain of waits serialises ranks)
+    if most is None:
+        return None
+    changed = False
+    for kind in ("wait", "notify"):
+        for r in range(len(cur)):
+            i = 0
+            while i < len(cur[r]):
+                trial = _merged_at(cur[r], i) if cur[r][i].kind == kind else None
+                if trial is not None:
+                    got = rounds(cur[:r] + [trial] + cur[r + 1:], calls)
+                    if got is not None and got <= most:
+                        cur[r], changed = trial, True
+                        continue
+                i += 1
+    return cur if changed else None
+
+
+MERGE_OPS = 2000  # ops of a cluster past which merged_flags does not search (each merge it
+# tries runs every rank's calls once)
+
+
+def _merged_at(ops: list[tuple], i: int) -> list | None:
+    """``ops`` with the wait at ``i`` merged into the wait of its flag before it, or the
+    notify at ``i`` into the notify of its flag after it (none in between), else None."""
+    op = ops[i]
+    if op.kind == "wait":
+        key = (op.flag, op.per_call, op.epoch_offset)
+        for j in range(i - 1, -1, -1):
+            w = ops[j]
+            if w.kind == "norm":
+                return None
+            if w.kind == "wait" and (w.flag, w.per_call, w.epoch_offset) == key:
+                if op.value > w.value:
+                    w = w._replace(value=op.value, peer=op.peer, step=op.step)
+                return ops[:j] + [w] + ops[j + 1:i] + ops[i + 1:]
+        return None
+    for j in range(i + 1, len(ops)):
+        n = ops[j]
+        if n.kind == "norm":
+            return None
+        if n.kind == "notify" and n.flag == op.flag:
+            return ops[:i] + ops[i + 1:j] + [n._replace(value=n.value + op.value)] + ops[j + 1:]
+    return None
+
+
+def deadlock_free(ops_by_rank: list[list[tuple]], calls: int = 3) -> bool:
+    """Do the ranks' fused ops (rows, segmented ops, flag operations) run ``calls`` calls to
+    the end? Flags only grow and a wait or LL poll only needs a flag to reach a value or a
+    PUT to have run, so running every rank as far as it can, round after round, finds every
+    op that any interleaving can run: if that ends, no interleaving deadlocks. (One block
+    stands for each: block b waits only on block b's slots.)"""
+    return rounds(ops_by_rank, calls) is not None
+
+
+def rounds(ops_by_rank: list[list[tuple]], calls: int = 3) -> int | None:
+    """Rounds of :func:`deadlock_free`'s run (in each, every rank runs as far as the flags
+    and PUTs of the rounds before let it) until every rank ran ``calls`` calls -- the
+    longest chain of waits on peers, what a merge must not lengthen -- or None where some
+    rank never ends."""
+    counters: dict = {}
+    sent: set = set()  # (LL units' address this call, call) of the PUTs that ran
+    pcs = [0] * len(ops_by_rank)
+    total = [len(ops) * calls for ops in ops_by_rank]
+    count = 0
+    while pcs != total:
+        seen_counters, seen_sent = dict(counters), set(sent)
+        moved = False
+        for r, ops in enumerate(ops_by_rank):
+            while pcs[r] < total[r]:
+                call, op = pcs[r] // len(ops), ops[pcs[r] % len(ops)]
+                if not _runnable(op, call, seen_counters, seen_sent):
+                    break
+                if op.kind == "notify":
+                    counters[op.flag] = counters.get(op.flag, 0) + op.value
+                for part in op.parts if op.kind in ("puts", "moves") else (op,):
+                    if part.kind == "put":
+                        sent.add((part.dst_odd if call & 1 else part.dst_even, call))
+                pcs[r] += 1
+                moved = True
+        if not moved:
+            return None
+        count += 1
+    return count
+
+
+def _runnable(op, call: int, counters: dict, sent: set) -> bool:
+    if op.kind == "wait":
+        target = (call + op.epoch_offset) * op.per_call + op.value
+        return target <= 0 or counters.get(op.flag, 0) >= target
+    for part in op.parts if op.kind in ("puts", "moves") else (op,):
+        if part.kind == "move" and any(
+                (s.odd if call & 1 else s.even, call) not in sent for s in part.sources
+                if s.is_ll):
+            return False
+    return True

@@ -336,11 +336,13 @@ def _lane_guard(rows, pool, epoch, mem, rank, errors, block=0, blocks=1, delay=0
 
 
 def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None,
-                   threads: int = 1):
+                   threads: int = 1, segments: bool = True):
     """The fused programs (``purlin.atom.fused``, ``unit`` bytes per thread at a time) of
     ``lowered`` on ``buffers``, with a flag slot per block (``buffers.block_flags``) and a
     throw-away error record and abort word; ``epilogues[r]``: rank r's
-    :class:`purlin.atom.fused.Epilogue` for blocks of ``threads`` threads, if any."""
+    :class:`purlin.atom.fused.Epilogue` for blocks of ``threads`` threads, if any;
+    segmented ops where the sm datapath makes them (``fused_rows.several_pieces``), unless
+    ``segments=False``: then the rotated rows (``fused_rows.cluster_programs``)."""
     from purlin.atom.fused import program
 
     buffers.block_flags = [np.zeros(f.size * isa.F_MAX_BLOCKS, np.int64) for f in buffers.flags]
@@ -355,11 +357,12 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None
         raise ValueError(f"0x{address:x} is no flag of these buffers")
 
     if not epilogues:  # (the programs the sm datapath runs: purlin.atom.fused_rows)
-        from purlin.atom.fused_rows import cluster_programs
+        from purlin.atom.fused_rows import cluster_programs, several_pieces
 
         return [p.words for p in cluster_programs(
             lowered, lambda r: buffers.fused_error.ctypes.data,
-            buffers.fused_abort.ctypes.data, flag_slot, unit)]
+            buffers.fused_abort.ctypes.data, flag_slot, unit,
+            segments=segments and several_pieces(buffers.schedule))]
     return [program(low, buffers.fused_error.ctypes.data, buffers.fused_abort.ctypes.data,
                     flag_slot, unit, epilogue=(epilogues or {}).get(low.rank),
                     threads=threads).words for low in lowered]
@@ -404,38 +407,77 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
         elif kind == isa.F_OP_NORM:
             _norm_block(head, op, tag, mem, block, blocks, threads, unit, code, what)
         elif kind == isa.F_OP_PUT:
-            put = mem.ll_put_half if unit == 4 else mem.ll_put  # 4 bytes: half an LL unit
-            src, dst, nbytes = op[isa.PUT_SRC], op[isa.PUT_DST + odd], op[isa.PUT_BYTES]
-            for i in _items(nbytes, unit, block, blocks, threads, op[isa.PUT_ROTATE]):
-                valid = min(unit, nbytes - unit * i)
-                put(dst + 2 * unit * i, _tail(_bytes(src + unit * i, valid).tobytes(), valid, unit),
-                    tag)
+            _put_items(op, _items(op[isa.PUT_BYTES], unit, block, blocks, threads,
+                                  op[isa.PUT_ROTATE]), mem, unit, odd, tag)
+        elif kind in (isa.F_OP_PUTS, isa.F_OP_MOVES):
+            if delay and kind == isa.F_OP_MOVES:
+                time.sleep(delay)
+            for rec, mine in _segment_items(head, op, unit, block, blocks, threads):
+                if kind == isa.F_OP_PUTS:
+                    _put_items(rec, mine, mem, unit, odd, tag)
+                else:
+                    _move_items(head, rec, mine, mem, unit, odd, tag, code, redop, divisor,
+                                what)
         else:
             if delay:
                 time.sleep(delay)
-            dst, nbytes = op[isa.MOVE_DST + odd], op[isa.MOVE_BYTES]
-            nsrc, first = op[isa.MOVE_NSRC], op[isa.MOVE_SOURCES]
-            sources = [[int(x) for x in head[first + s * isa.SOURCE_WIDTH:]
-                        [:isa.SOURCE_WIDTH]] for s in range(nsrc)]
-            count = unit // isa.ITEMSIZE[code]
-            for i in _items(nbytes, unit, block, blocks, threads, op[isa.MOVE_ROTATE]):
-                valid = min(unit, nbytes - unit * i)  # a scalar tail: the row's bytes only
-                raw = []
-                for is_ll, even, odd_at, _, _ in sources:
-                    at = (odd_at if odd else even)
-                    if is_ll and unit == 4:
-                        raw.append(mem.ll_get_half(at + 8 * i, tag, what))
-                    elif is_ll:
-                        raw.append(mem.ll_get(at + 2 * unit * i, unit, tag, what))
-                    else:
-                        raw.append(_tail(_bytes(at + unit * i, valid).tobytes(), valid, unit))
-                if nsrc == 1:
-                    _bytes(dst + unit * i, valid)[:] = np.frombuffer(raw[0], np.uint8)[:valid]
-                    continue
-                held = [np.frombuffer(x, np.uint8).copy() for x in raw]
-                out = _reduce([_load(h.ctypes.data, count, code) for h in held], redop,
-                              divisor, code)
-                _store(dst + unit * i, out[:valid // isa.ITEMSIZE[code]], code)
+            _move_items(head, op, _items(op[isa.MOVE_BYTES], unit, block, blocks, threads,
+                                         op[isa.MOVE_ROTATE]), mem, unit, odd, tag, code, redop,
+                        divisor, what)
+
+
+def _segment_items(head, op, unit: int, block: int, blocks: int, threads: int) -> list:
+    """[(segment record, its items block ``block`` takes)] of a segmented op: item u of the
+    union goes to thread ``(u + rotation) % (blocks * threads)``, and segment s holds the
+    union's items from its record's first item on (``isa.SEG_*``)."""
+    kind = op[isa.OP_KIND]
+    first_word = isa.PUT_ROTATE if kind == isa.F_OP_PUTS else isa.MOVE_ROTATE
+    bytes_word = isa.PUT_BYTES if kind == isa.F_OP_PUTS else isa.MOVE_BYTES
+    union = _items(op[isa.SEG_ITEMS] * unit, unit, block, blocks, threads, op[isa.SEG_ROTATE])
+    out = []
+    for s in range(op[isa.SEG_COUNT]):
+        at = op[isa.SEG_TABLE] + s * isa.OP_WIDTH
+        rec = [int(x) for x in head[at: at + isa.OP_WIDTH]]
+        start, n = rec[first_word], -(-rec[bytes_word] // unit)
+        out.append((rec, [u - start for u in union if start <= u < start + n]))
+    return out
+
+
+def _put_items(op, items, mem: _Memory, unit: int, odd: int, tag: int) -> None:
+    """A PUT's ``items`` as LL units (4 bytes: half an LL unit)."""
+    put = mem.ll_put_half if unit == 4 else mem.ll_put
+    src, dst, nbytes = op[isa.PUT_SRC], op[isa.PUT_DST + odd], op[isa.PUT_BYTES]
+    for i in items:
+        valid = min(unit, nbytes - unit * i)
+        put(dst + 2 * unit * i, _tail(_bytes(src + unit * i, valid).tobytes(), valid, unit), tag)
+
+
+def _move_items(head, op, items, mem: _Memory, unit: int, odd: int, tag: int, code: int,
+                redop: int, divisor: int, what: str) -> None:
+    """A MOVE's ``items``: each source's (LL units polled by their tag), combined."""
+    dst, nbytes = op[isa.MOVE_DST + odd], op[isa.MOVE_BYTES]
+    nsrc, first = op[isa.MOVE_NSRC], op[isa.MOVE_SOURCES]
+    sources = [[int(x) for x in head[first + s * isa.SOURCE_WIDTH:]
+                [:isa.SOURCE_WIDTH]] for s in range(nsrc)]
+    count = unit // isa.ITEMSIZE[code]
+    for i in items:
+        valid = min(unit, nbytes - unit * i)  # a scalar tail: the row's bytes only
+        raw = []
+        for is_ll, even, odd_at, _, _ in sources:
+            at = (odd_at if odd else even)
+            if is_ll and unit == 4:
+                raw.append(mem.ll_get_half(at + 8 * i, tag, what))
+            elif is_ll:
+                raw.append(mem.ll_get(at + 2 * unit * i, unit, tag, what))
+            else:
+                raw.append(_tail(_bytes(at + unit * i, valid).tobytes(), valid, unit))
+        if nsrc == 1:
+            _bytes(dst + unit * i, valid)[:] = np.frombuffer(raw[0], np.uint8)[:valid]
+            continue
+        held = [np.frombuffer(x, np.uint8).copy() for x in raw]
+        out = _reduce([_load(h.ctypes.data, count, code) for h in held], redop,
+                      divisor, code)
+        _store(dst + unit * i, out[:valid // isa.ITEMSIZE[code]], code)
 
 
 def _norm_block(head, op, tag, mem: _Memory, block: int, blocks: int, threads: int,

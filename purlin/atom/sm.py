@@ -418,7 +418,7 @@ class SmBound:
         stride, with a flag slot per block; the executor's control words keep the error
         record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
         ``wish``: a tuning table's (cut to what fits)."""
-        from purlin.atom.fused_rows import cluster_programs
+        from purlin.atom.fused_rows import cluster_programs, several_pieces
 
         # LL transfers go one 8-byte unit per thread (twice the threads polling at once, as
         # the hand-written LL floor kernel does), or half of one where rows are 4-byte
@@ -428,7 +428,8 @@ class SmBound:
         # (several pieces per peer: one flag each and rows side by side, purlin.atom.fused_rows)
         progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
                                  self.abort.data_ptr(), self.flag_map.slot, unit,
-                                 regroup=not self.trace_rows)  # (a trace names table rows)
+                                 regroup=not self.trace_rows,  # (a trace names table rows)
+                                 segments=several_pieces(self.schedule))
         size = max(p.items for p in progs)
         per_launch = max(len(r) for r in groups.values())
         self.blocks_per_lane, self.threads = fused_launch(
@@ -458,8 +459,8 @@ class SmBound:
         """With ``trace_rows``: the traced fused kernel's Launcher options and its records for
         the ranks of one launch (every op of every block: ``trace_rows`` only switches it
         on), kept in ``self._fused_traces``; without, the untraced kernel."""
-        if not self.trace_rows:
-            return {"kernel": "fused"}
+        if not self.trace_rows:  # (segmented ops: the kernel compiled with them)
+            return {"kernel": "fused-seg" if any(progs[r].segments for r in ranks) else "fused"}
         from purlin.atom.fused_trace import traced_kernel
 
         ops = max(progs[r].ops for r in ranks)
