@@ -336,7 +336,7 @@ def _process_prepared(protocol, epilogue_kernel="auto", count=1024):
     p.control, p.abort_ptr, p.sums = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64), 0, None
     p.output = torch.zeros(count, dtype=torch.bfloat16)
     p.epilogue_kernel, p.norm_kernel = epilogue_kernel, None
-    p._grid_launcher = lambda kernel: kernel
+    p._grid_launcher = lambda kernel, words=0: kernel
     ll = ({q: ptrs[q] + lay.offset(q, "ll") for q in range(2)} if lay.has_ll else None)
     out = types.SimpleNamespace(data_ptr=lambda: bases[(0, "output")])
     return p, lower(s, bases, p.flags.flags, ll_bases=ll)[0], out
