@@ -2,9 +2,9 @@
 simulator is chosen when ``numba.cuda`` is first imported, so it cannot share the pytest
 process with GPU tests.
 
-A test file defines its cases (name -> function raising on a failure), a ``verdicts`` fixture
-calling :func:`simulator_verdicts`, and ``if __name__ == "__main__": run_cases(CASES,
-sys.argv[1])``.
+A test file defines its cases (name -> function raising on a failure), its tests with
+``verdicts, test_in_simulator = simulator_tests(__file__, CASES)``, and ``if __name__ ==
+"__main__": run_cases(CASES, sys.argv[1])``.
 """
 
 import json
@@ -49,3 +49,18 @@ def run_cases(cases: dict, out: str) -> None:
         except Exception:  # noqa: BLE001 - every failure is reported to the parent test
             verdicts[name] = traceback.format_exc()
     Path(out).write_text(json.dumps(verdicts, indent=1))
+
+
+def simulator_tests(test_file, cases: dict):
+    """(the module's ``verdicts`` fixture, its ``test_in_simulator``: one test per case of
+    ``cases``, passing where the case's verdict is "ok")."""
+    @pytest.fixture(scope="module")
+    def verdicts(tmp_path_factory):
+        return simulator_verdicts(test_file, tmp_path_factory)
+
+    @pytest.mark.parametrize("name", sorted(cases))
+    def test_in_simulator(name, verdicts):
+        assert name in verdicts, f"case {name} did not run"
+        assert verdicts[name] == "ok", verdicts[name]
+
+    return verdicts, test_in_simulator

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import pytest
-from simulator import run_cases, simulator_verdicts
+from simulator import run_cases, simulator_tests
 
 torch = pytest.importorskip("torch")
 cuda = pytest.importorskip("numba.cuda")
@@ -447,15 +447,7 @@ def test_gpu_an_ll_size_keeps_the_one_shot_kernel_and_fused_ll_elsewhere_is_refu
                epilogue=e)
 
 
-@pytest.fixture(scope="module")
-def verdicts(tmp_path_factory):
-    return simulator_verdicts(__file__, tmp_path_factory)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_in_simulator(name, verdicts):
-    assert name in verdicts, f"case {name} did not run"
-    assert verdicts[name] == "ok", verdicts[name]
+verdicts, test_in_simulator = simulator_tests(__file__, CASES)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,7 @@ import ctypes
 import sys
 
 import numpy as np
-import pytest
-from simulator import run_cases, simulator_verdicts
+from simulator import run_cases, simulator_tests
 
 CASES = {}
 FP8 = ("float8_e4m3fn", "float8_e5m2")
@@ -338,15 +337,7 @@ def _nothing():
 
 
 # ------------------------------------------------------------------------ pytest entry points
-@pytest.fixture(scope="module")
-def verdicts(tmp_path_factory):
-    return simulator_verdicts(__file__, tmp_path_factory)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_in_simulator(name, verdicts):
-    assert name in verdicts, f"case {name} did not run"
-    assert verdicts[name] == "ok", verdicts[name]
+verdicts, test_in_simulator = simulator_tests(__file__, CASES)
 
 
 if __name__ == "__main__":

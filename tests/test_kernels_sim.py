@@ -15,8 +15,7 @@ import zlib
 from dataclasses import replace
 
 import numpy as np
-import pytest
-from simulator import run_cases, simulator_verdicts
+from simulator import run_cases, simulator_tests
 
 from purlin.atom.host import bf16_bits, bf16_floats
 
@@ -1074,15 +1073,7 @@ def fused_rotated_ll_pieces():
 # ------------------------------------------------------------------------ pytest entry points
 
 
-@pytest.fixture(scope="module")
-def verdicts(tmp_path_factory):
-    return simulator_verdicts(__file__, tmp_path_factory)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_in_simulator(name, verdicts):
-    assert name in verdicts, f"case {name} did not run"
-    assert verdicts[name] == "ok", verdicts[name]
+verdicts, test_in_simulator = simulator_tests(__file__, CASES)
 
 
 if __name__ == "__main__":
