@@ -292,14 +292,15 @@ def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2, kernel=None):
 @pytest.mark.parametrize("n", [4, 8])
 @pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
 @pytest.mark.parametrize("nbytes", [8 << 10, 64 << 10, 1 << 20])
-def test_gpu_gqa_all_gather(n, protocol, nbytes):
+@pytest.mark.parametrize("strategy", ["direct-push", "direct-pull"])
+def test_gpu_gqa_all_gather(n, protocol, nbytes, strategy):
     if protocol == "fused-ll" and nbytes > 256 << 10:
         pytest.skip("LL runs up to 256 KiB")
     e = 8  # bfloat16 elements per 16 bytes
     unit = max(e, nbytes // 2 // n // 6 // e * e)
     for extra in (0, 1):
-        assert _gpu_check(gqa(n), gqa_sizes(n, unit, extra), "bfloat16", "direct-push",
-                          protocol)
+        assert _gpu_check(gqa(n), gqa_sizes(n, unit, extra), "bfloat16", strategy, protocol,
+                          calls=3)
 
 
 @pytest.mark.gpu
@@ -622,3 +623,88 @@ def test_standard_collectives_hold_no_segmented_ops():
                         assert not any(p.segments for p in got), (name, strategy, chunks)
                         ran += 1
     assert ran >= 300, ran
+
+
+# ---------------------------------------------------------------- the race check
+
+def _ops(coll, sizes, strategy, protocol, segments=True):
+    """(each rank's fused ops as the sm datapath builds them, each rank's user spans)."""
+    from purlin.atom.fused_rows import ll_pieces, segmented, several_pieces
+
+    s = plan(coll, strategy, chunk_sizes=sizes, dtype="bfloat16")
+    low = HostBuffers(s, ll=protocol == "fused-ll").lower()
+    unit, problem = fused_unit(low, protocol)
+    if problem is not None:
+        return None
+    user = [x.user for x in low]
+    ops = regrouped(low, unit)[0]
+    if segments and several_pieces(s):
+        ops = segmented(ops, unit, ll_pieces(ops), user) or ops
+    return ops, user
+
+
+def _kinds(ops) -> list[str]:
+    return [op.kind.rstrip("s") if op.kind in ("puts", "moves") else op.kind for op in ops]
+
+
+def test_race_finds_none_in_the_programs_the_datapath_runs():
+    """The standard collectives and the GQA all-gather, every strategy that fuses, both
+    protocols, 2 and 4 ranks: no two ranks touch a byte unordered (the caller's writes of
+    the input and reads of the output included)."""
+    from purlin.atom.fused_rows import race
+    from purlin.snac import STRATEGIES
+    from purlin.spec import collectives
+
+    checked = 0
+    for n in (2, 4):
+        layouts = [(gqa(n), gqa_sizes(n, 40, 3))] + [
+            (c, {k: 48 for k in c.input.names()}) for c in (
+                collectives.all_gather(n), collectives.reduce_scatter(n),
+                collectives.all_reduce(n), collectives.broadcast(n),
+                collectives.all_to_all(n))]
+        for coll, sizes in layouts:
+            for strategy in STRATEGIES:
+                for protocol in ("fused", "fused-ll"):
+                    try:
+                        got = _ops(coll, sizes, strategy, protocol)
+                    except Exception as exc:  # (a strategy that does not plan this layout)
+                        if "cannot" in str(exc) or "does not" in str(exc):
+                            continue
+                        raise
+                    if got is None:
+                        continue
+                    assert race(*got) is None, (coll.name, strategy, protocol, race(*got))
+                    checked += 1
+    assert checked >= 30, checked
+
+
+def test_race_finds_a_missing_wait_and_a_pull_before_its_ready_flag():
+    """Planted: rank 0's first wait cut from the pushed GQA program (it copies a peer's
+    pieces before they land), and rank 1's first pull moved before its ready waits (it
+    reads a peer's input before the caller wrote it): both found, named by rank and op."""
+    from purlin.atom.fused_rows import race
+
+    ops, user = _ops(gqa(4), gqa_sizes(4, 40), "direct-push", "fused")
+    w = next(i for i, op in enumerate(ops[0]) if op.kind == "wait")
+    cut = [ops[0][:w] + ops[0][w + 1:]] + ops[1:]
+    assert race(cut, user) is not None and "unordered" in race(cut, user)
+    ops, user = _ops(gqa(4), gqa_sizes(4, 40), "direct-pull", "fused")
+    w = next(i for i, op in enumerate(ops[1]) if op.kind == "wait")
+    m = next(i for i, op in enumerate(ops[1]) if i > w and op.kind in ("move", "moves"))
+    early = ops[1][:w] + [ops[1][m]] + ops[1][w:m] + ops[1][m + 1:]
+    got = race([ops[0], early] + ops[2:], user)
+    assert got is not None and got.startswith("rank") and "unordered" in got, got
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+def test_gqa_pushes_copy_each_peer_after_its_wait(n, protocol):
+    """The pushed GQA all-gather's segmented program keeps its twin's order op for op (a
+    peer's q, k and v copied right after that peer's wait, the rank's own pieces after the
+    notifies), not every wait first."""
+    sizes = gqa_sizes(n, 64)
+    got, _ = _ops(gqa(n), sizes, "direct-push", protocol)
+    twin, _ = _ops(*_twin(n, sizes), "direct-push", protocol)
+    for r in range(n):
+        assert _kinds(got[r]) == _kinds(twin[r]), (r, _kinds(got[r]), _kinds(twin[r]))
+    assert any(op.kind == "moves" for op in got[0])

@@ -34,7 +34,9 @@ ARCHITECTURE.md, "The fused kernel".
 
 from __future__ import annotations
 
-from purlin.atom.fused import (Segments, _Refused, _accesses, _check_rank, _clash, _meets,
+from typing import NamedTuple
+
+from purlin.atom.fused import (Segments, Span, _Refused, _accesses, _check_rank, _clash, _meets,
                                program, rank_ops)
 
 __all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "deadlock_free", "ll_pieces",
@@ -262,7 +264,7 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     if regroup:
         ops, rot = regrouped(lowered, unit)
         if segments:
-            seg = segmented(ops, unit, ll_pieces(ops))
+            seg = segmented(ops, unit, ll_pieces(ops), [low.user for low in lowered])
             if seg is not None:
                 ops, rot = seg, [{} for _ in lowered]
     else:
@@ -285,9 +287,11 @@ def _conflict(a, b) -> bool:
     return any(_meets(wa, x) for x in (wb, *rb)) or any(_meets(wb, x) for x in ra)
 
 
-def _partners(ops_by_rank: list[list[tuple]]) -> dict:
+def _partners(ops_by_rank: list[list[tuple]], user: list | None = None) -> dict:
     """{(rank, op index): the other ranks that touch a byte of the op's where one of the two
-    writes} for every data op (what tells one peer's plain rows from another's)."""
+    writes} for every data op (what tells one peer's plain rows from another's); with
+    ``user`` (each rank's ``LoweredRank.user``), a rank's caller writes its input, so a row
+    reading a peer's input has that peer for a partner."""
     spans: dict = {}
     for r, ops in enumerate(ops_by_rank):
         for k, op in enumerate(ops):
@@ -301,6 +305,14 @@ def _partners(ops_by_rank: list[list[tuple]]) -> dict:
         for r, k, writes in who:
             out.setdefault((r, k), set()).update(
                 r2 for r2, _, w2 in who if r2 != r and (writes or w2))
+    inputs = [(q, Span(at, at, nbytes)) for q, ((at, nbytes), _) in enumerate(user or ())
+              if nbytes]
+    for span, who in spans.items():
+        for q, given in inputs:
+            if _meets(span, given):
+                for r, k, _ in who:
+                    if r != q:
+                        out[(r, k)].add(q)
     return {row: frozenset(v) for row, v in out.items()}
 
 
@@ -314,10 +326,16 @@ def _key(op, partners) -> tuple:
     return ("move", lls, len(op.sources), op.how, op.dtype, partners if not lls else None)
 
 
-def _gather(ops: list[tuple], keys: list) -> tuple[list, list]:
+def _gather(ops: list[tuple], keys: list, bold: bool = False) -> tuple[list, list]:
     """Plain moves moved next to a row of their key across flag operations where that only
     adds ordering: later past waits (a row waits longer), earlier past notifies (a peer
-    learns later), never past a row they conflict with. Returns (ops, keys) reordered."""
+    learns later), never past a row they conflict with. Returns (ops, keys) reordered.
+
+    ``bold``: the order the standard twin's program has, which can also take ordering away
+    (the caller checks the result with :func:`race`): a row goes earlier past waits instead,
+    to join its key's first row (a peer's pieces copied right after its wait, not after
+    every peer's), and a private row (no other rank touches its bytes) later past notifies
+    first (the peers hear first, then the rank copies its own pieces)."""
     ops, keys = list(ops), list(keys)
     moved = True
     while moved:
@@ -325,9 +343,16 @@ def _gather(ops: list[tuple], keys: list) -> tuple[list, list]:
         for i in range(len(ops)):
             if not _plain_move(ops[i]):
                 continue
-            j = _partner_index(ops, keys, i, -1) if i else None
-            if j is None:
-                j = _partner_index(ops, keys, i, 1)
+            if not bold:
+                tries = ((-1, ("notify",)), (1, ("wait",)))
+            elif keys[i][-1] == frozenset():
+                tries = ((1, ("notify",)), (-1, ("wait", "notify")))
+            else:  # (not past a notify: a peer's arrivals would join the pushes to it)
+                tries = ((-1, ("wait",)),)
+            for step, allowed in tries:
+                j = _partner_index(ops, keys, i, step, allowed)
+                if j is not None:
+                    break
             if j is None:
                 continue
             op, key = ops.pop(i), keys.pop(i)
@@ -339,15 +364,14 @@ def _gather(ops: list[tuple], keys: list) -> tuple[list, list]:
     return ops, keys
 
 
-def _partner_index(ops, keys, i, step) -> int | None:
+def _partner_index(ops, keys, i, step, allowed) -> int | None:
     """The nearest row of ``ops[i]``'s key in direction ``step`` that it may join, past at
-    least one flag operation (waits going later, notifies going earlier), else None."""
+    least one flag operation, all of a kind in ``allowed``, else None."""
     crossed, j = False, i + step
-    allowed = "wait" if step > 0 else "notify"
     while 0 <= j < len(ops):
         op = ops[j]
         if op.kind in ("wait", "notify", "norm"):
-            if op.kind != allowed:
+            if op.kind not in allowed:
                 return None
             crossed = True
         elif keys[j] == keys[i]:
@@ -382,7 +406,8 @@ def _merge_segment(rows: list, keys: list) -> list:
             for _, rows in groups]
 
 
-def segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> list | None:
+def segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False,
+              user: list | None = None) -> list | None:
     """Each rank's ops with one peer's rows of a step gathered into segmented ops
     (:class:`purlin.atom.fused.Segments`): a GQA all-gather's q, k and v to a peer in one
     PUT or MOVE, as many ops as its standard twin. Rows move only where that adds ordering
@@ -392,24 +417,33 @@ def segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> li
     ``ll``: polled by their tag), so a block still meets only its own items. None where
     nothing gathers or a check fails (then the rotated rows, :func:`rotations`).
 
-    First tried on the ops with every rank's waits of one flag merged into the first and its
+    With ``user`` (each rank's ``LoweredRank.user``), first the standard twin's order
+    (``_gather(..., bold=True)``: a peer's pieces copied right after its wait), kept where
+    :func:`race` finds the ranks still agree and it has no more ops. First tried on the ops with every rank's waits of one flag merged into the first and its
     notifies into the next of their flag (:func:`merged_flags`: a pulled piece's ready flags
     and acknowledgements, one per piece, as one per peer), where that cannot deadlock."""
     merged = merged_flags(ops_by_rank)
-    if merged is not None:
-        got = _segmented(merged, unit, ll)
+    for ops in ((merged,) if merged is not None else ()) + (ops_by_rank,):
+        got = _segmented(ops, unit, ll)
+        bold = None if user is None else _segmented(ops, unit, ll, user)
+        if bold is not None and (got is None or sum(map(len, bold)) <= sum(map(len, got))) \
+                and race(bold, user) is None:  # (not where it leaves more ops)
+            return bold
         if got is not None:
             return got
-    return _segmented(ops_by_rank, unit, ll)
+    return None
 
 
-def _segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> list | None:
-    partners = _partners(ops_by_rank)
+def _segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool,
+               user: list | None = None) -> list | None:
+    """:func:`segmented` on ``ops_by_rank`` as given; bold (``_gather``) with ``user``."""
+    bold = user is not None
+    partners = _partners(ops_by_rank, user)
     out = []
     for r, ops in enumerate(ops_by_rank):
         keys = [_key(op, partners.get((r, k))) if op.kind in ("put", "move") else None
                 for k, op in enumerate(ops)]
-        flat, keys = _gather(ops, keys)
+        flat, keys = _gather(ops, keys, bold)
         if not _segment_rule(flat):
             return None
         merged, rows, row_keys = [], [], []
@@ -586,3 +620,143 @@ def _runnable(op, call: int, counters: dict, sent: set) -> bool:
                 if s.is_ll):
             return False
     return True
+
+
+# ---------------------------------------------------------------- races across ranks
+
+def race(ops_by_rank: list[list[tuple]], user: list, calls: int = 3) -> str | None:
+    """The first race of the ranks' fused ops over ``calls`` calls, in words, or None: two
+    data ops of different ranks touching a byte in common, one of them writing, with neither
+    ordered before the other by the flags (a wait after the notify that brings its flag to
+    the value it waits for) and LL transfers (an LL move after the PUT it polls). What lets
+    a reordering move a row past a wait: this says whether the ranks still agree.
+    ``user[r]``: rank r's ((address, bytes) of its input, of its output)
+    (``LoweredRank.user``), which the caller writes before each call and reads after it.
+
+    Conservative where a flag has several notifying ranks: a wait is after a rank's notify
+    only where the other ranks' notifies of all ``calls`` calls cannot reach its value
+    without it. An op per rank stands for each of its blocks (a block meets only its own
+    items of every span: :func:`_matched`)."""
+    def span(at_bytes):
+        return (Span(at_bytes[0], at_bytes[0], at_bytes[1]),)
+
+    ops_by_rank = [[_Caller("caller", span(user[r][0]), ())] + list(ops)
+                   + [_Caller("caller", (), span(user[r][1]))]
+                   for r, ops in enumerate(ops_by_rank)]
+    n = len(ops_by_rank)
+    notifiers: dict = {}  # flag -> {rank: [(pc, counter after)]}
+    for r, ops in enumerate(ops_by_rank):
+        total: dict = {}  # flag -> the rank's notifies of it so far
+        for c in range(calls):
+            for i, op in enumerate(ops):
+                if op.kind == "notify":
+                    total[op.flag] = total.get(op.flag, 0) + op.value
+                    notifiers.setdefault(op.flag, {}).setdefault(r, []).append(
+                        (c * len(ops) + i, total[op.flag]))
+    sums = {f: {r: got[-1][1] for r, got in by.items()} for f, by in notifiers.items()}
+    puts: dict = {}  # (LL address, call) -> (rank, pc)
+    for r, ops in enumerate(ops_by_rank):
+        for c in range(calls):
+            for i, op in enumerate(ops):
+                for part in _parts(op):
+                    if part.kind == "put":
+                        puts[(part.dst_odd if c & 1 else part.dst_even, c)] = (r, c * len(ops) + i)
+    clocks = [[None] * (len(ops) * calls) for ops in ops_by_rank]
+    done = [0] * n
+    while True:  # (a rank's clock at an op: the latest op of each rank known to be before it)
+        moved = False
+        for r, ops in enumerate(ops_by_rank):
+            while done[r] < len(clocks[r]):
+                pc = done[r]
+                c, op = divmod(pc, len(ops))[0], ops[pc % len(ops)]
+                after = _before(op, c, r, notifiers, sums, puts)
+                if after is None:
+                    return f"rank {r} op {pc % len(ops)} ({op.kind}) never runs"
+                if any(clocks[q][p] is None for q, p in after):
+                    break
+                clock = list(clocks[r][pc - 1]) if pc else [-1] * n
+                for q, p in after:
+                    clock = [max(a, b) for a, b in zip(clock, clocks[q][p])]
+                clock[r] = pc
+                clocks[r][pc] = clock
+                done[r] += 1
+                moved = True
+        if not moved:
+            break
+    if any(d < len(c) for d, c in zip(done, clocks)):
+        return "the ranks do not run every call to the end"
+    touches = []  # (start, end, rank, pc, writes)
+    for r, ops in enumerate(ops_by_rank):
+        for pc in range(len(clocks[r])):
+            c, op = divmod(pc, len(ops))[0], ops[pc % len(ops)]
+            for part in _parts(op):
+                if part.kind == "caller":
+                    spans = [(x, True) for x in part.writes] + [(x, False) for x in part.reads]
+                elif part.kind in ("put", "move"):
+                    w, reads = _accesses(part)
+                    spans = [(w, True)] + [(x, False) for x in reads]
+                else:
+                    continue
+                for span, writes in spans:
+                    at = span.odd if c & 1 else span.even
+                    touches.append((at, at + span.nbytes, r, pc, writes))
+    touches.sort()
+    open_: list = []
+    for t in touches:
+        open_ = [o for o in open_ if o[1] > t[0]]
+        for o in open_:
+            if o[2] != t[2] and (o[4] or t[4]) and not _ordered(clocks, o, t):
+                return (f"rank {o[2]} op {o[3] % len(ops_by_rank[o[2]])} of call "
+                        f"{o[3] // len(ops_by_rank[o[2]])} and rank {t[2]} op "
+                        f"{t[3] % len(ops_by_rank[t[2]])} of call "
+                        f"{t[3] // len(ops_by_rank[t[2]])} touch bytes at {max(o[0], t[0]):#x} "
+                        "unordered")
+        open_.append(t)
+    return None
+
+
+class _Caller(NamedTuple):
+    """What the caller does around a call: writes its input first, reads its output last."""
+
+    kind: str  # "caller"
+    writes: tuple
+    reads: tuple
+
+
+def _parts(op) -> tuple:
+    return op.parts if op.kind in ("puts", "moves") else (op,)
+
+
+def _ordered(clocks, a, b) -> bool:
+    return clocks[b[2]][b[3]][a[2]] >= a[3] or clocks[a[2]][a[3]][b[2]] >= b[3]
+
+
+def _before(op, call, r, notifiers, sums, puts) -> list | None:
+    """[(rank, pc)] of the ops of other ranks that op ``op`` of call ``call`` runs after,
+    or None where it waits for what never comes."""
+    if op.kind == "wait":
+        target = (call + op.epoch_offset) * op.per_call + op.value
+        if target <= 0:
+            return []
+        by = notifiers.get(op.flag, {})
+        if sum(sums.get(op.flag, {}).values()) < target:
+            return None
+        out = []
+        for q, got in by.items():
+            others = sum(v for p, v in sums[op.flag].items() if p != q)
+            for pc, total in got:
+                if others + total >= target:
+                    if others < target:
+                        out.append((q, pc))
+                    break
+        return out
+    out = []
+    for part in _parts(op):
+        if part.kind == "move":
+            for s in part.sources:
+                if s.is_ll:
+                    got = puts.get((s.odd if call & 1 else s.even, call))
+                    if got is None:
+                        return None
+                    out.append(got)
+    return out

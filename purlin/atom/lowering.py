@@ -78,6 +78,8 @@ class LoweredRank:
     lane_offsets: np.ndarray      # int64[nlanes + 1]
     srcs: np.ndarray              # int64 source-address pool
     lane_barriers: int            # lane-barrier flags used per call (per lane, max)
+    user: tuple = ()              # ((address, bytes) of the input, of the output): what the
+    # caller writes before a call and reads after it (purlin.atom.fused_rows.race)
 
 
 def _blob_parts(low: LoweredRank, nlanes: int) -> list[tuple[str, np.ndarray]]:
@@ -173,7 +175,9 @@ def relocate(low: LoweredRank, moves: dict) -> LoweredRank:
         data = np.isin(t[:, OP], (COPY, REDUCE, LL_GET))  # LL_PUT's DST: a peer's LL area
         t[data, DST] = shift(t[data, DST])
         tables.append(t)
-    return LoweredRank(low.rank, tables, low.lane_offsets, shift(low.srcs), low.lane_barriers)
+    user = tuple((int(shift(np.array([a], np.int64))[0]), n) for a, n in low.user)
+    return LoweredRank(low.rank, tables, low.lane_offsets, shift(low.srcs), low.lane_barriers,
+                       user)
 
 
 def flag_slots(nranks: int, lanes: int) -> int:
@@ -433,7 +437,7 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
     ``ll_bases[rank]``: the address of the rank's LL area (``ll_area_bytes`` per scratch copy),
     to send the pairs :func:`ll_transfers` finds as LL units.
     """
-    dt = as_dtype(schedule.dtype)
+    dt, sizing = as_dtype(schedule.dtype), schedule.sizing
     if dt.name not in DTYPE_CODES:
         raise CapabilityError(f"the sm datapath moves {', '.join(DTYPE_CODES)}, not {dt.name}")
     item, fp8 = dt.itemsize, dt.name in FP8
@@ -537,8 +541,10 @@ def lower(schedule: Schedule, bases: dict, flag_bases: dict, blocks_per_lane: in
             tables.append(np.array(table, dtype=np.int64).reshape(-1, ROW_WIDTH))
         counts = [sum(_row_count(kind, bpl) for kind, _, _ in rows) for rows in lanes_rows]
         offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        user = tuple((bases.get((rank, b), 0), count(rank) * item) for b, count in
+                     (("input", sizing.input_count), ("output", sizing.output_count)))
         out.append(LoweredRank(rank, tables, offsets, np.array(pool or [0], dtype=np.int64),
-                               max(barriers)))
+                               max(barriers), user))
     return out
 
 
