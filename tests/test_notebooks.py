@@ -169,6 +169,9 @@ def _recorded(folder):
     (folder / "h200x2.json").write_text(json.dumps(
         {"info": {"hardware": "2x NVIDIA H200", "torch": "2.11", "nccl": "2.28.9",
                   "date": "2026-11-30"}, "records": records}))
+    # (docs/results also keeps other benchmarks' JSON: a list, an object without records)
+    (folder / "blocks.json").write_text(json.dumps([{"case": "x", "us": 1.0}]))
+    (folder / "custom.json").write_text(json.dumps({"info": {}, "rows": []}))
     return folder
 
 
@@ -194,6 +197,7 @@ def test_benchmark_notebook(tmp_path, results):
         assert len(figures) == 2 and not has("recorded")
     else:
         assert "h200x2.json: 2x NVIDIA H200" in text and "speed-up against recorded: nccl" in text
+        assert "2 other JSON file(s) there hold other benchmarks" in text
         assert len(figures) == 3  # latency, bus bandwidth, speed-up over NCCL
         assert has("recorded: nccl") and has("recorded: purlin:two-phase")
         assert not has("recorded: symm-one-shot")  # the failed point is left out

@@ -521,7 +521,22 @@ class Results:
 
     @classmethod
     def load(cls, path) -> "Results":
-        return cls.from_json(json.loads(Path(path).read_text()))
+        obj = json.loads(Path(path).read_text())
+        if not _is_sweep(obj):
+            raise SpecError(f"{path} holds no sweep (a JSON object with a 'records' list, as "
+                            "Results.to_json writes); another benchmark's JSON? Results."
+                            "sweeps_in(folder) lists which files of a folder are sweeps")
+        return cls.from_json(obj)
+
+    @classmethod
+    def sweeps_in(cls, folder) -> list[tuple[Path, "Results | None"]]:
+        """(path, its Results) of every ``*.json`` in ``folder``, in name order; None for a
+        file that holds another benchmark's JSON (docs/results keeps both)."""
+        out = []
+        for path in sorted(Path(folder).glob("*.json")):
+            obj = json.loads(path.read_text())
+            out.append((path, cls.from_json(obj) if _is_sweep(obj) else None))
+        return out
 
     # -- views -------------------------------------------------------------------------------
     def table(self, file=None) -> str:
@@ -693,3 +708,7 @@ def commit() -> str:
         return out.stdout.strip()
     except Exception:
         return "unknown"
+
+
+def _is_sweep(obj) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("records"), list)
