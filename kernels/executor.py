@@ -17,8 +17,8 @@ from purlin.kernels.isa import (COPY, COUNT, D_ABORT, D_DONE, D_EPOCH, D_ERROR, 
                                 D_NLANES, D_RANK, D_SRCS, D_TABLE, D_TABLE_ODD, D_TRACE,
                                 D_TRACE_ROWS, DESC_WIDTH, DIVISOR, DST, DTYPE, E_BLOCK, E_CODE,
                                 E_EXPECTED, E_FLAG, E_LANE, E_PEER, E_RANK, E_SEEN, E_STEP,
-                                EPOCH_OFFSET, ERR_ABORTED, ERR_TIMEOUT, FLAG, LL_GET, LL_PUT,
-                                MAX_THREADS, NOTIFY, NSRC, OP,
+                                E4M3, E5M2, EPOCH_OFFSET, ERR_ABORTED, ERR_TIMEOUT, FLAG, LL_GET,
+                                LL_PUT, MAX_THREADS, NOTIFY, NSRC, OP,
                                 PEER, PER_CALL, REDOP, REDUCE, ROW_WIDTH, SRC, STEP, TRACE_WIDTH,
                                 VALUE, WAIT)
 
@@ -112,7 +112,8 @@ def _one_source(desc, rows, base):
 
 
 @device
-def _run_row(desc, row, rows, base, epoch, lane, sub, tid, lane_tid, lane_threads, timeout_ns):
+def _run_row(desc, row, rows, base, epoch, lane, sub, tid, lane_tid, lane_threads, timeout_ns,
+             fp8):
     """Execute one row, read from the block's shared copy ``rows[base:base + ROW_WIDTH]``
     (``row`` is its global address, for error records); returns a nonzero error code when the
     block must leave."""
@@ -124,7 +125,7 @@ def _run_row(desc, row, rows, base, epoch, lane, sub, tid, lane_tid, lane_thread
         pool = _get(desc, D_SRCS) + rows[base + SRC] * 8
         reduce_row(rows[base + DST], pool, rows[base + NSRC], rows[base + COUNT],
                    rows[base + DTYPE], rows[base + REDOP], rows[base + DIVISOR], lane_tid,
-                   lane_threads)
+                   lane_threads, fp8)
     elif op == LL_PUT:
         nbytes, src = _one_source(desc, rows, base)
         ll_put(rows[base + DST], src, nbytes, ll_tag(epoch), lane_tid, lane_threads)
@@ -154,7 +155,7 @@ def _run_row(desc, row, rows, base, epoch, lane, sub, tid, lane_tid, lane_thread
 
 
 @device
-def _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared, rows):
+def _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared, rows, fp8):
     tid = cuda.threadIdx.x
     lane_tid = sub * cuda.blockDim.x + tid
     lane_threads = blocks_per_lane * cuda.blockDim.x
@@ -183,7 +184,7 @@ def _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, share
                 t_start = globaltimer()
             row = table + r * (ROW_WIDTH * 8)
             code = _run_row(desc, row, rows, j * ROW_WIDTH, epoch, lane, sub, tid, lane_tid,
-                            lane_threads, timeout_ns)
+                            lane_threads, timeout_ns, fp8)
             if code != 0:
                 shared[i & 1] = code  # two status slots: nobody can still be reading this one
             cuda.syncthreads()
@@ -218,8 +219,9 @@ _kernel = launch_bounded(MAX_THREADS)
 
 @_kernel
 def executor(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words):
-    """Run every rank's table of this launch (the notes after the imports)."""
-    _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words)
+    """Run every rank's table of this launch (the notes after the imports); FP8 reduce rows
+    need ``executor_fp8`` (:func:`kernel_for`)."""
+    _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words, False)
 
 
 @_kernel
@@ -230,11 +232,39 @@ def executor_pdl(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_w
     the call before. Launch it with the programmatic-stream-serialization attribute."""
     griddep_launch_dependents()
     griddep_wait()  # before anything is read: even the prefetch may touch the last call's words
-    _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words)
+    _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words, False)
+
+
+@_kernel
+def executor_fp8(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words):
+    """``executor`` that also reduces FP8 rows."""
+    _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words, True)
+
+
+@_kernel
+def executor_fp8_pdl(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words):
+    """``executor_fp8`` for programmatic dependent launch (as ``executor_pdl``)."""
+    griddep_launch_dependents()
+    griddep_wait()
+    _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words, True)
+
+
+def kernel_for(tables) -> str:
+    """The Launcher kernel name for these instruction tables (int64 arrays): "executor-fp8"
+    where a REDUCE row reduces FP8, else "executor".
+
+    >>> kernel_for([np.zeros((1, ROW_WIDTH), np.int64)])
+    'executor'
+    """
+    for t in tables:
+        t = np.asarray(t).reshape(-1, ROW_WIDTH)
+        if np.any((t[:, OP] == REDUCE) & np.isin(t[:, DTYPE], (E4M3, E5M2))):
+            return "executor-fp8"
+    return "executor"
 
 
 @device
-def _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words):
+def _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words, fp8):
     blocks_per_rank = cuda.gridDim.x // nranks_in_launch
     slot = cuda.blockIdx.x // blocks_per_rank
     if slot >= nranks_in_launch:
@@ -260,6 +290,7 @@ def _execute(desc_ptr, nranks_in_launch, blocks_per_lane, timeout_ns, head_words
         shared[EPOCH_SLOT] = load_i64(_get(desc, D_EPOCH))  # written by an earlier launch
     cuda.syncthreads()
     if lane < _get(desc, D_NLANES):
-        _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared, rows)
+        _run_lane(desc, lane, sub, block_in_rank, blocks_per_lane, timeout_ns, shared, rows,
+                  fp8)
     if cuda.threadIdx.x == 0:
         _check_out(desc, blocks_per_rank, shared[EPOCH_SLOT])

@@ -9,7 +9,8 @@ import ctypes
 
 from purlin.errors import ExecutionError, SpecError
 from purlin.kernels import fused
-from purlin.kernels.executor import MAX_THREADS, SIGNATURE, executor, executor_pdl
+from purlin.kernels.executor import (MAX_THREADS, SIGNATURE, executor, executor_fp8,
+                                     executor_fp8_pdl, executor_pdl)
 from purlin.kernels.intrinsics import SIMULATOR
 
 # How a launch works:
@@ -42,6 +43,7 @@ from purlin.kernels.intrinsics import SIMULATOR
 # ignored there).
 
 KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
+           "executor-fp8": (executor_fp8, executor_fp8_pdl, SIGNATURE),
            "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE),
            "fused-norm": (fused.fused_norm, fused.fused_norm_pdl, fused.SIGNATURE),
            "fused-seg": (fused.fused_seg, fused.fused_seg_pdl, fused.SIGNATURE),

@@ -210,6 +210,7 @@ def run_simulated(ranks: Sequence[HostRank], blocks_per_lane: int = 1, threads: 
     Every rank gets ``max(nlanes) * blocks_per_lane`` blocks. Returns the descriptor array
     that was passed (keep it alive as long as the ranks).
     """
+    from purlin.kernels.executor import kernel_for
     from purlin.kernels.intrinsics import SIMULATOR
     from purlin.kernels.launch import Launcher
 
@@ -218,6 +219,7 @@ def run_simulated(ranks: Sequence[HostRank], blocks_per_lane: int = 1, threads: 
                            "imported; on a GPU use purlin.kernels.launch.Launcher")
     desc = np.ascontiguousarray(np.stack([r.desc for r in ranks]))
     nlanes = max(max(r.nlanes for r in ranks), 1)
-    launcher = Launcher(0, len(ranks), nlanes, blocks_per_lane, threads, pdl=pdl)
+    kernel = kernel_for(t for r in ranks for t in (r.table, r.table_odd) if t is not None)
+    launcher = Launcher(0, len(ranks), nlanes, blocks_per_lane, threads, pdl=pdl, kernel=kernel)
     launcher(desc.ctypes.data, timeout_ns=timeout_ns)
     return desc

@@ -246,7 +246,7 @@ def _kernel_rows_on_host_threads(threads: int):
                 if op == isa.REDUCE:
                     atoms.reduce_row(dst, srcs.ctypes.data, int(row[isa.NSRC]), count, code,
                                      int(row[isa.REDOP]), int(row[isa.DIVISOR]), tid,
-                                     lane_threads)
+                                     lane_threads, True)
                 elif op == isa.COPY:
                     atoms.copy_bytes(dst, src, nbytes, tid, lane_threads)
                 elif op == isa.LL_PUT:

@@ -68,6 +68,25 @@ def test_executor_has_no_calls_or_local_memory(executor_ptx):
     assert ".maxntid 512" in executor_ptx.replace(", 1, 1", "")
 
 
+def test_only_executor_fp8_carries_the_fp8_reduction():
+    """The FP8 decode and encode of reduce rows is compiled into ``executor_fp8`` only (the
+    plain executor's PTX is a third smaller without it); ``kernel_for`` picks it for tables
+    with an FP8 reduce row."""
+    from purlin.kernels import isa
+    from purlin.kernels.executor import kernel_for
+
+    plain, fp8 = (compile_ptx(getattr(executor, k).py_func, executor.SIGNATURE, cc=CC,
+                              launch_bounds=executor.MAX_THREADS)
+                  for k in ("executor", "executor_fp8"))
+    assert len(plain) < 0.8 * len(fp8)
+    table = np.zeros((2, isa.ROW_WIDTH), np.int64)
+    table[0, isa.OP], table[0, isa.DTYPE] = isa.REDUCE, isa.BF16
+    table[1, isa.OP], table[1, isa.DTYPE] = isa.COPY, isa.E4M3
+    assert kernel_for([table]) == "executor"  # (an FP8 copy moves bytes)
+    table[0, isa.DTYPE] = isa.E5M2
+    assert kernel_for([table]) == "executor-fp8"
+
+
 def test_executor_fits_its_launch_bound(executor_ptx):
     """ptxas (through nvJitLink) keeps the kernel within 128 registers and spill-free, so a
     512-thread block always launches."""
@@ -90,7 +109,8 @@ def test_executor_fits_its_launch_bound(executor_ptx):
 
 @pytest.mark.parametrize("name, sig", [
     ("copy_bytes", "void(int64, int64, int64, int64, int64)"),
-    ("reduce_row", "void(int64, int64, int64, int64, int64, int64, int64, int64, int64)"),
+    ("reduce_row", "void(int64, int64, int64, int64, int64, int64, int64, int64, int64, "
+                   "boolean)"),
     ("itemsize", "int64(int64)"),
     ("ll_put", "void(int64, int64, int64, int64, int64, int64)"),
 ])

@@ -356,6 +356,8 @@ class CeBound:
         return make
 
     def _launcher(self, torch, Launcher, device, sm_ranks, threads):
+        from purlin.kernels.executor import kernel_for
+
         if not sm_ranks:
             return None
         lanes = self.schedule.lanes
@@ -379,7 +381,8 @@ class CeBound:
         table = torch.tensor(descs, dtype=torch.int64, device=torch.device("cuda", device))
         self._keep.append(table)
         launcher = Launcher(device=device, nranks_in_launch=len(sm_ranks), nlanes=lanes,
-                            blocks_per_lane=self.blocks_per_lane, threads=threads)
+                            blocks_per_lane=self.blocks_per_lane, threads=threads,
+                            kernel=kernel_for(t for low in sm_ranks for t in low.sm.tables))
         _check_resident(torch, device, launcher)
         if getattr(launcher, "_function", None) is not None:  # not under the simulator
             from purlin.atom.ce_driver import preload

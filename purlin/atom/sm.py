@@ -403,13 +403,16 @@ class SmBound:
     def _launch_tables(self, groups, blobs) -> None:
         """The executor per device: a lone rank launches on its block and prefetches it; a
         virtual cluster packs its ranks into one launch with a table of their descriptors."""
+        from purlin.kernels.executor import kernel_for
+
+        kernel = kernel_for(t for low in self.lowered for t in low.tables)
         for d, ranks in groups.items():
             k = RankKernel.interpreter(self.torch, self.torch.device("cuda", d), ranks,
                                        [blobs[r] for r in ranks],
                                        [self.control[r] for r in ranks],
                                        lanes=self.schedule.lanes,
                                        blocks_per_lane=self.blocks_per_lane,
-                                       threads=self.threads, pdl=self.pdl)
+                                       threads=self.threads, pdl=self.pdl, kernel=kernel)
             self._keep += k.keep
             self.launches.append(k)
 

@@ -130,10 +130,12 @@ class RankKernel:
 
     @classmethod
     def interpreter(cls, torch, device, ranks, blobs, control, *, lanes: int,
-                    blocks_per_lane: int, threads: int, pdl: bool = False, cache=None):
+                    blocks_per_lane: int, threads: int, pdl: bool = False, cache=None,
+                    kernel: str = "executor"):
         """The executor over ``ranks`` on ``device`` (a torch device), their blocks ``blobs``
         (:func:`purlin.atom.sm.rank_blob`): a lone rank launches on its block and prefetches
-        it; several share a launch through a table of their descriptors."""
+        it; several share a launch through a table of their descriptors. ``kernel``:
+        ``purlin.kernels.executor.kernel_for`` their tables."""
         from purlin.atom.lowering import HEAD_WORDS
 
         if len(ranks) == 1:
@@ -142,7 +144,7 @@ class RankKernel:
             table, head = torch.stack([b[:isa.DESC_WIDTH] for b in blobs]).contiguous(), 0
         run = launcher(cache, device=device.index, nranks_in_launch=len(ranks), nlanes=lanes,
                        blocks_per_lane=blocks_per_lane, threads=threads, head_words=head,
-                       pdl=pdl)
+                       pdl=pdl, kernel=kernel)
         return cls(device.index, ranks, run, table.data_ptr(), 0, control, keep=[table],
                    adds=blocks_per_lane)
 

@@ -112,10 +112,13 @@ class SmPrepared:
                                      desc.data_ptr(), counters.data_ptr(), [self.control],
                                      keep=[desc, counters])
         else:  # (without PDL: process mode launches the interpreter plainly)
+            from purlin.kernels.executor import kernel_for
+
             desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
             self.kernel = RankKernel.interpreter(torch, dev, [rank], [desc], [self.control],
                                                  lanes=lanes, blocks_per_lane=bpl,
-                                                 threads=threads, cache=path._launchers)
+                                                 threads=threads, cache=path._launchers,
+                                                 kernel=kernel_for(low.tables))
         self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
         self.output = path.view(offset + lay.offset(rank, "output"), sizing.output_count(rank),
                                 tdt)
