@@ -169,6 +169,9 @@ def main(argv=None) -> int:
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--before", required=True, help="source tree of the version to compare")
+    p.add_argument("--before-name", default=None,
+                   help="what the JSON calls that version (a commit; default: the tree's "
+                        "folder name, never its path)")
     p.add_argument("--ranks", default="4,8")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="bytes, comma-separated")
     p.add_argument("--out", default=None)
@@ -195,7 +198,8 @@ def main(argv=None) -> int:
     print(f"{len(rows)} binds, {len(wrong)} with wrong elements, "
           f"{sum('error' in r for r in rows)} refused")
     path = write_json(output(args.out, "versions.json"), {
-        "info": run_info(seconds=time.time() - t0, before=str(before)),
+        "info": run_info(seconds=time.time() - t0,
+                         before=args.before_name or Path(before).name),
         "summary": lines, "rows": rows})
     print(f"wrote {path}")
     return 0
