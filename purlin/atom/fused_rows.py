@@ -417,11 +417,12 @@ def segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False,
     ``ll``: polled by their tag), so a block still meets only its own items. None where
     nothing gathers or a check fails (then the rotated rows, :func:`rotations`).
 
-    With ``user`` (each rank's ``LoweredRank.user``), first the standard twin's order
-    (``_gather(..., bold=True)``: a peer's pieces copied right after its wait), kept where
-    :func:`race` finds the ranks still agree and it has no more ops. First tried on the ops with every rank's waits of one flag merged into the first and its
+    First tried on the ops with every rank's waits of one flag merged into the first and its
     notifies into the next of their flag (:func:`merged_flags`: a pulled piece's ready flags
-    and acknowledgements, one per piece, as one per peer), where that cannot deadlock."""
+    and acknowledgements, one per piece, as one per peer), where that cannot deadlock. With
+    ``user`` (each rank's ``LoweredRank.user``), the standard twin's order is tried on each
+    (``_gather(..., bold=True)``: a peer's pieces copied right after its wait), kept where
+    :func:`race` finds the ranks still ordered and it leaves no more ops."""
     merged = merged_flags(ops_by_rank)
     for ops in ((merged,) if merged is not None else ()) + (ops_by_rank,):
         got = _segmented(ops, unit, ll)
