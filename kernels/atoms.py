@@ -355,8 +355,8 @@ def reduce_row(dst, pool, nsrc, count, dt, op, divisor, tid, nthreads, fp8):
     """``dst[i] = op(src_0[i], ..., src_{nsrc-1}[i])`` for ``count`` elements of dtype ``dt``.
 
     ``pool`` is the address of ``nsrc`` consecutive int64 source addresses. ``fp8`` (a
-    constant of the kernel) compiles the FP8 path in: it takes registers enough to make the
-    whole interpreter spill, so only ``executor_fp8`` carries it.
+    constant of the kernel) compiles the FP8 path in: its code made the whole interpreter
+    slower on every dtype, so only ``executor_fp8`` carries it.
     """
     if fp8 and (dt == E4M3 or dt == E5M2):
         _reduce_fp8(dst, pool, nsrc, count, dt, op, divisor, tid, nthreads)

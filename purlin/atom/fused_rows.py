@@ -490,7 +490,7 @@ def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> bool:
     written: set = set()
     for ops in ops_by_rank:
         for op in ops:
-            parts = op.parts if op.kind in ("puts", "moves") else (op,)
+            parts = _parts(op)
             if op.kind not in ("puts", "moves", "put", "move"):
                 continue
             start = 0
@@ -600,7 +600,7 @@ def rounds(ops_by_rank: list[list[tuple]], calls: int = 3) -> int | None:
                     break
                 if op.kind == "notify":
                     counters[op.flag] = counters.get(op.flag, 0) + op.value
-                for part in op.parts if op.kind in ("puts", "moves") else (op,):
+                for part in _parts(op):
                     if part.kind == "put":
                         sent.add((part.dst_odd if call & 1 else part.dst_even, call))
                 pcs[r] += 1
@@ -615,7 +615,7 @@ def _runnable(op, call: int, counters: dict, sent: set) -> bool:
     if op.kind == "wait":
         target = (call + op.epoch_offset) * op.per_call + op.value
         return target <= 0 or counters.get(op.flag, 0) >= target
-    for part in op.parts if op.kind in ("puts", "moves") else (op,):
+    for part in _parts(op):
         if part.kind == "move" and any(
                 (s.odd if call & 1 else s.even, call) not in sent for s in part.sources
                 if s.is_ll):
@@ -725,6 +725,7 @@ class _Caller(NamedTuple):
 
 
 def _parts(op) -> tuple:
+    """The rows of a segmented op, or the op itself."""
     return op.parts if op.kind in ("puts", "moves") else (op,)
 
 
