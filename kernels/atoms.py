@@ -51,9 +51,43 @@ def copy_v16(dst, src, nvec, tid, nthreads):
         store_v4_u32(dst + (i + 2 * nthreads) * 16, c)
         store_v4_u32(dst + (i + 3 * nthreads) * 16, d)
         i += 4 * nthreads
-    while i < nvec:
+    # the last one to three words in flight together too (one after the other, each load
+    # would wait for the store before it: a round trip per word)
+    if i + 2 * nthreads < nvec:
+        a = load_v4_u32(src + i * 16)
+        b = load_v4_u32(src + (i + nthreads) * 16)
+        c = load_v4_u32(src + (i + 2 * nthreads) * 16)
+        store_v4_u32(dst + i * 16, a)
+        store_v4_u32(dst + (i + nthreads) * 16, b)
+        store_v4_u32(dst + (i + 2 * nthreads) * 16, c)
+    elif i + nthreads < nvec:
+        a = load_v4_u32(src + i * 16)
+        b = load_v4_u32(src + (i + nthreads) * 16)
+        store_v4_u32(dst + i * 16, a)
+        store_v4_u32(dst + (i + nthreads) * 16, b)
+    elif i < nvec:
         store_v4_u32(dst + i * 16, load_v4_u32(src + i * 16))
-        i += nthreads
+
+
+@device
+def copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3):
+    """The first ``n`` (1 to 4) 16-byte words at ``s0`` .. ``s3`` to ``d0`` .. ``d3``: every
+    load, then every store (in flight together)."""
+    a = load_v4_u32(s0)
+    b, c, d = a, a, a
+    if n > 1:
+        b = load_v4_u32(s1)
+    if n > 2:
+        c = load_v4_u32(s2)
+    if n > 3:
+        d = load_v4_u32(s3)
+    store_v4_u32(d0, a)
+    if n > 1:
+        store_v4_u32(d1, b)
+    if n > 2:
+        store_v4_u32(d2, c)
+    if n > 3:
+        store_v4_u32(d3, d)
 
 
 @device

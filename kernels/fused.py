@@ -15,8 +15,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, ll_tag, pack_half2,
-                                  unpack_half2)
+from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, copy_words, ll_tag,
+                                  pack_half2, unpack_half2)
 from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
@@ -943,6 +943,12 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     end = (nbytes + unit_bytes - 1) >> shift
     i = _rotated(g, _word(meta, head, at + SEG_ROTATE), stride)
     plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
+    # a plain copy's whole items go four at a time across segments (loads, then stores):
+    # a thread holds only one or two items of each of GQA's pieces, and copied one after the
+    # other each load would wait for the store before it
+    n = 0
+    s0, s1, s2, s3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
+    d0, d1, d2, d3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     while i < total:
         while i >= end:  # (segments in union order: a thread only walks forward)
             rec += OP_WIDTH
@@ -951,18 +957,27 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
             end = start + ((nbytes + unit_bytes - 1) >> shift)
             plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
         j = i - start
-        if plain:
-            whole = nbytes >> shift
-            first = _word(meta, head, rec + MOVE_SOURCES)
-            copy_v16(_word(meta, head, rec + MOVE_DST + odd),
-                     _word(meta, head, first + SOURCE_ADDR + odd), whole, j, stride)
-            while i < end:  # past the segment: this thread's first item of the next
-                i += stride
-            last = i - stride - start
-            if last == whole:  # a partial last item (a scalar tail) is this thread's
-                _move_item(meta, head, rec, last, odd, tag, dt, redop, divisor, timeout_ns,
-                           abort, nbytes - (last << shift))
+        if plain and j < nbytes >> shift:
+            src = _word(meta, head, _word(meta, head, rec + MOVE_SOURCES) + SOURCE_ADDR + odd)
+            src += j * 16
+            dst = _word(meta, head, rec + MOVE_DST + odd) + j * 16
+            if n == 0:
+                s0, d0 = src, dst
+            elif n == 1:
+                s1, d1 = src, dst
+            elif n == 2:
+                s2, d2 = src, dst
+            else:
+                s3, d3 = src, dst
+            n += 1
+            if n == 4:
+                copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
+                n = 0
+            i += stride
             continue
+        if n != 0:
+            copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
+            n = 0
         if kind == F_OP_PUTS and read:
             _put_words(_word(meta, head, rec + PUT_DST + odd), j, unit_bytes, tag, p0, p1, p2,
                        p3)
@@ -987,6 +1002,8 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
                 status[0] = 1
                 return
         i += stride
+    if n != 0:
+        copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
 
 
 @device
