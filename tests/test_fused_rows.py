@@ -157,18 +157,37 @@ def test_standard_collectives_keep_their_programs():
             assert ops == [rank_ops(x, 16) for x in low] and rot == [{}] * len(low)
 
 
+def _joined_as_rows(joined_ops, plain_ops):
+    """Are a rank's joined ops its plain ops with LL rows joined across flag operations:
+    the same rows in the same order, the same flag operations, each segmented op only PUTs
+    or only LL copies?"""
+    rows = [part for op in joined_ops for part in
+            (op.parts if op.kind in ("puts", "moves") else (op,)) if part.kind != "wait" and
+            part.kind != "notify"]
+    flags = sorted(repr(op) for op in joined_ops if op.kind in ("wait", "notify"))
+    for op in joined_ops:
+        if op.kind in ("puts", "moves"):
+            kinds = {p.kind if p.kind == "put" else ("ll" if p.sources[0].is_ll else "plain")
+                     for p in op.parts}
+            if kinds not in ({"put"}, {"ll"}):
+                return False
+    return rows == [op for op in plain_ops if op.kind not in ("wait", "notify")] and \
+        flags == sorted(repr(op) for op in plain_ops if op.kind in ("wait", "notify"))
+
+
 def test_standard_collectives_keep_their_programs_every_strategy():
     """Every standard collective x strategy x chunks x protocol that fuses: no rank sends a
     peer two LL transfers (``ll_pieces``), so no PUT or LL move rotates; unchunked, nothing
     merges and the programs' words are :func:`purlin.atom.fused.program`'s on the plain
-    ops (chunked plans merge their chunks' flags, as ``regroup`` did before)."""
+    ops -- with LL rows joined across flag operations (``joined``) where that holds (chunked
+    plans merge their chunks' flags, as ``regroup`` did before)."""
     from purlin.atom.fused import program
-    from purlin.atom.fused_rows import cluster_programs, ll_pieces
+    from purlin.atom.fused_rows import cluster_programs, joined, ll_pieces
     from purlin.kernels import isa
     from purlin.snac import STRATEGIES
     from purlin.spec import collectives
 
-    ran = 0
+    ran = joins = 0
     for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                  "reduce", "gather", "scatter"):
         for n in (2, 3, 4, 8):
@@ -198,9 +217,17 @@ def test_standard_collectives_keep_their_programs_every_strategy():
                         if chunks > 1:  # (chunks' flags merge: regroup's, as before)
                             continue
                         assert ops == plain and rot == [{}] * n, (name, strategy, protocol)
-                        for x, p in zip(low, got):
-                            assert np.array_equal(p.words, program(x, 0, 0, int, unit).words)
-    assert ran >= 400, ran
+                        join = joined(plain, unit, [x.user for x in low])
+                        if protocol == "fused":
+                            assert join is None, (name, strategy)
+                        joins += join is not None
+                        for r, (x, p) in enumerate(zip(low, got)):
+                            want = program(x, 0, 0, int, unit,
+                                           ops=None if join is None else join[r])
+                            assert np.array_equal(p.words, want.words)
+                            assert join is None or _joined_as_rows(join[r], plain[r]), \
+                                (name, strategy, r, join[r])
+    assert ran >= 400 and joins >= 50, (ran, joins)
 
 
 def test_rotations_keep_shared_bytes_on_one_thread():
@@ -485,9 +512,10 @@ def _twin(n, sizes):
 @pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
 def test_gqa_program_has_its_twins_op_count(n, protocol):
     """Segmented PUTs and MOVEs (a peer's q, k and v in one op): the GQA all-gather's
-    direct-push program has exactly the ops of its standard twin's (4 ranks, LL: 7 against
-    21 rows; flags: 13 against 27), with every segmented op on every rank; the twin holds
-    none (it runs the ``fused`` kernel, as before)."""
+    direct-push program has exactly the ops of its standard twin's (4 ranks, flags: 13
+    against 27 rows), with every segmented op on every rank; the twin holds none (it runs
+    the ``fused`` kernel, as before). On LL every rank's PUTs are one op and its copies of
+    LL units another (``joined``), the twin's too: 3 ops each (21 rows)."""
     for unit, extra in ((8, 0), (64, 0), (40, 3)):
         sizes = gqa_sizes(n, unit, extra)
         got = _programs(gqa(n), sizes, "direct-push", protocol)
@@ -496,10 +524,14 @@ def test_gqa_program_has_its_twins_op_count(n, protocol):
         assert got is not None and twin is not None
         for p, t, q in zip(got[0], twin[0], rows[0]):
             assert p.ops == t.ops, (unit, extra, p.ops, t.ops)
-            assert p.segments > 0 and t.segments == 0 and q.segments == 0
-            assert q.ops == (3 * t.ops if protocol == "fused-ll" else 2 * t.ops + 1)
+            if protocol == "fused":
+                assert p.segments > 0 and t.segments == 0 and q.segments == 0
+                assert q.ops == 2 * t.ops + 1
+            else:  # (one peer: nothing of the twin's to join)
+                assert p.ops == 3 and p.segments == 3 and q.ops > p.ops
+                assert t.segments == (0 if n == 2 else 2), t.segments
         if n == 4:
-            assert [p.ops for p in got[0]] == [7 if protocol == "fused-ll" else 13] * 4
+            assert [p.ops for p in got[0]] == [3 if protocol == "fused-ll" else 13] * 4
         # pulled (a ready flag and an acknowledgement per piece): merged across flags
         # (fused_rows.merged_flags), at most the twin's ops
         got = _programs(gqa(n), sizes, "direct-pull", protocol)
@@ -595,9 +627,10 @@ def test_segmented_random_layouts_are_right_on_host():
 
 def test_standard_collectives_hold_no_segmented_ops():
     """Every standard collective x strategy x chunks x protocol that fuses, as the sm
-    datapath builds its programs (segments only unchunked): no segmented op, so they run
-    the ``fused`` kernel as before."""
-    from purlin.atom.fused_rows import cluster_programs, several_pieces
+    datapath builds its programs (segments only unchunked): no segmented op on plain
+    transfers, so they run the ``fused`` kernel as before; on LL only the joined LL rows
+    (``joined``)."""
+    from purlin.atom.fused_rows import cluster_programs, joined, several_pieces
     from purlin.snac import STRATEGIES
     from purlin.spec import collectives
 
@@ -620,7 +653,15 @@ def test_standard_collectives_hold_no_segmented_ops():
                         assert not several_pieces(s), (name, strategy, chunks)
                         got = cluster_programs(low, lambda r: 0, 0, int, unit,
                                                segments=several_pieces(s))
-                        assert not any(p.segments for p in got), (name, strategy, chunks)
+                        if protocol == "fused":
+                            assert not any(p.segments for p in got), (name, strategy, chunks)
+                        else:
+                            plain = regrouped(low, unit)[0]
+                            join = joined(plain, unit, [x.user for x in low])
+                            assert [p.segments for p in got] == \
+                                [0 if join is None else
+                                 sum(op.kind in ("puts", "moves") for op in j)
+                                 for j in (join or [None] * len(low))], (name, strategy)
                         ran += 1
     assert ran >= 300, ran
 

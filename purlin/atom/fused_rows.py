@@ -39,8 +39,8 @@ from typing import NamedTuple
 from purlin.atom.fused import (Segments, Span, _Refused, _accesses, _check_rank, _clash, _meets,
                                program, rank_ops)
 
-__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "deadlock_free", "ll_pieces",
-           "merged_flags", "regroup", "regrouped", "rotations", "rounds", "segmented",
+__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "deadlock_free", "joined",
+           "ll_pieces", "merged_flags", "regroup", "regrouped", "rotations", "rounds", "segmented",
            "several_pieces"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
@@ -258,15 +258,21 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the
     :func:`regrouped` ops (``error_of(rank)``: the rank's error record address); with
     ``segments`` (for the layouts :func:`several_pieces` finds) one peer's rows gathered
-    into segmented ops where :func:`segmented` can, else the rotated rows;
+    into segmented ops where :func:`segmented` can, else the rotated rows; then LL rows
+    joined across flag operations (:func:`joined`) where a program has no NORM;
     ``regroup=False``: on :func:`purlin.atom.fused.rank_ops`'s, an op per table row (what a
     trace of the fused kernel names, ``purlin.atom.fused_trace.op_rows``)."""
     if regroup:
         ops, rot = regrouped(lowered, unit)
+        user = [low.user for low in lowered]
         if segments:
-            seg = segmented(ops, unit, ll_pieces(ops), [low.user for low in lowered])
+            seg = segmented(ops, unit, ll_pieces(ops), user)
             if seg is not None:
                 ops, rot = seg, [{} for _ in lowered]
+        if not any(op.kind == "norm" for rank in ops for op in rank):  # (fused_norm: no segments)
+            got = joined(ops, unit, user)
+            if got is not None:
+                ops, rot = got, [{} for _ in lowered]
     else:
         ops, rot = [rank_ops(low, unit) for low in lowered], [{} for _ in lowered]
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
@@ -507,6 +513,61 @@ def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> bool:
                         written.add(span)
                 start += -(-part.nbytes // unit)
     return all(len(firsts[span]) == 1 for span in written)
+
+
+# ---------------------------------------------------------------- LL rows joined across flags
+
+def _ll_row(op) -> str | None:
+    """What LL rows may share a segmented op: "put" (any peers), "move" (a copy of one
+    peer's LL units); None for the others."""
+    first = _parts(op)[0]
+    if first.kind == "put":
+        return "put"
+    if first.kind == "move" and first.how is None and len(first.sources) == 1 and \
+            first.sources[0].is_ll:
+        return "move"
+    return None
+
+
+def _joined_rank(ops: list[tuple]) -> list[tuple]:
+    """One rank's LL rows of a kind that only flag operations separate, joined: the waits
+    between them before the first, the notifies after the last (ordering added only)."""
+    ops = list(ops)
+    i = 0
+    while i < len(ops):
+        kind = _ll_row(ops[i]) if ops[i].kind in ("put", "move", "puts", "moves") else None
+        j = i + 1
+        while j < len(ops) and ops[j].kind in ("wait", "notify"):
+            j += 1
+        if kind is None or j >= len(ops) or ops[j].kind not in ("put", "move", "puts", "moves") \
+                or _ll_row(ops[j]) != kind or \
+                any(_conflict(a, b) for a in _parts(ops[i]) for b in _parts(ops[j])):
+            i += 1
+            continue
+        flags = ops[i + 1:j]
+        ops[i:j + 1] = [f for f in flags if f.kind == "wait"] + \
+            [Segments(kind + "s", _parts(ops[i]) + _parts(ops[j]))] + \
+            [f for f in flags if f.kind == "notify"]
+        i = 0  # (a joined op may join the next)
+    return ops
+
+
+def joined(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | None:
+    """Each rank's LL rows of a kind (its PUTs, whichever peers; its copies of LL units)
+    that only flag operations separate, as one segmented op: the waits between them moved
+    before it, the notifies after it. Every LL unit carries its call's tag, so any thread
+    may send or poll it (:func:`ll_pieces`), and ops get ordering only, never lose it; the
+    result is kept where it has fewer ops, every plain span still meets one first item
+    (:func:`_matched`), no interleaving deadlocks (:func:`deadlock_free`) and :func:`race`
+    finds the ranks ordered with their callers (``user``). None otherwise.
+
+    An all-gather on LL: a rank's PUTs to every peer become one op, and its copies of every
+    peer's units another, each with the threads of the whole union polling at once."""
+    out = [_joined_rank(ops) for ops in ops_by_rank]
+    if sum(map(len, out)) >= sum(map(len, ops_by_rank)) or not _matched(out, unit, True) \
+            or not deadlock_free(out) or race(out, user) is not None:
+        return None
+    return out
 
 
 # ---------------------------------------------------------------- flags merged across flags
