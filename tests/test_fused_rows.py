@@ -179,8 +179,9 @@ def test_standard_collectives_keep_their_programs_every_strategy():
     """Every standard collective x strategy x chunks x protocol that fuses: no rank sends a
     peer two LL transfers (``ll_pieces``), so no PUT or LL move rotates; unchunked, nothing
     merges and the programs' words are :func:`purlin.atom.fused.program`'s on the plain
-    ops -- with LL rows joined across flag operations (``joined``) where that holds (chunked
-    plans merge their chunks' flags, as ``regroup`` did before)."""
+    ops -- with LL rows joined across flag operations (``joined``) where that holds, never
+    where a program reduces (chunked plans merge their chunks' flags, as ``regroup`` did
+    before)."""
     from purlin.atom.fused import program
     from purlin.atom.fused_rows import cluster_programs, joined, ll_pieces
     from purlin.kernels import isa
@@ -218,7 +219,8 @@ def test_standard_collectives_keep_their_programs_every_strategy():
                             continue
                         assert ops == plain and rot == [{}] * n, (name, strategy, protocol)
                         join = joined(plain, unit, [x.user for x in low])
-                        if protocol == "fused":
+                        if protocol == "fused" or name in ("reduce_scatter", "all_reduce",
+                                                           "reduce"):
                             assert join is None, (name, strategy)
                         joins += join is not None
                         for r, (x, p) in enumerate(zip(low, got)):
@@ -227,7 +229,7 @@ def test_standard_collectives_keep_their_programs_every_strategy():
                             assert np.array_equal(p.words, want.words)
                             assert join is None or _joined_as_rows(join[r], plain[r]), \
                                 (name, strategy, r, join[r])
-    assert ran >= 400 and joins >= 50, (ran, joins)
+    assert ran >= 400 and joins >= 30, (ran, joins)
 
 
 def test_rotations_keep_shared_bytes_on_one_thread():
@@ -336,7 +338,8 @@ def test_gpu_gqa_all_gather(n, protocol, nbytes, strategy):
 @pytest.mark.parametrize("nbytes", [8 << 10, 64 << 10, 1 << 20, 16 << 20])
 def test_gpu_gqa_runs_segmented_ops_and_its_twin_does_not(n, protocol, nbytes):
     """The GQA all-gather's direct-push programs hold segmented ops and run on the
-    ``fused-seg`` kernel, right (three calls, an odd size too); its twin runs ``fused``."""
+    ``fused-seg`` kernel, right (three calls, an odd size too); its twin runs ``fused``, or
+    on LL ``fused-seg`` too (its LL rows joined: ``fused_rows.joined``)."""
     if protocol == "fused-ll" and nbytes > 256 << 10:
         pytest.skip("LL runs up to 256 KiB")
     e = 8
@@ -347,7 +350,7 @@ def test_gpu_gqa_runs_segmented_ops_and_its_twin_does_not(n, protocol, nbytes):
                           kernel="fused-seg")
         if extra == 0:
             assert _gpu_check(*_twin(n, sizes), "bfloat16", "direct-push", protocol,
-                              kernel="fused")
+                              kernel="fused-seg" if protocol == "fused-ll" else "fused")
 
 
 @pytest.mark.gpu

@@ -562,7 +562,12 @@ def joined(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | None
     finds the ranks ordered with their callers (``user``). None otherwise.
 
     An all-gather on LL: a rank's PUTs to every peer become one op, and its copies of every
-    peer's units another, each with the threads of the whole union polling at once."""
+    peer's units another, each with the threads of the whole union polling at once.
+    Programs that reduce are left as they are (measured: faster at 8 KiB, slower at 64 KiB
+    and with a scalar tail, where the joined PUTs size the grid; docs/PERF_NOTES.md)."""
+    if any(part.kind == "move" and part.how is not None
+           for ops in ops_by_rank for op in ops for part in _parts(op)):
+        return None
     out = [_joined_rank(ops) for ops in ops_by_rank]
     if sum(map(len, out)) >= sum(map(len, ops_by_rank)) or not _matched(out, unit, True) \
             or not deadlock_free(out) or race(out, user) is not None:
