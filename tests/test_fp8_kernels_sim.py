@@ -187,7 +187,7 @@ def fused_kernel_moves_fp8_rows_ending_on_any_byte():
                 low = bufs.lower()
                 unit, problem = fused_unit(low, protocol)
                 assert problem is None, (coll.name, tail, problem)
-                words = fused_programs(low, bufs, unit)[0].copy()
+                words = fused_programs(low, bufs, unit, segments=False)[0].copy()
                 rng = np.random.default_rng(tail)
                 xs = [rng.integers(0, 256, sizing.input_count(r), dtype=np.uint8)
                       for r in range(2)]

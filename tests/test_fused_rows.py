@@ -628,6 +628,38 @@ def test_segmented_random_layouts_are_right_on_host():
     assert ran >= 50 and segmented >= 8, (ran, segmented)
 
 
+def test_ll_rows_join_across_flags_up_to_merge_bytes():
+    """An all-gather on LL: every rank's PUTs become one op and its copies of LL units
+    another (3 ops on 4 ranks against 7 rows), right on host threads with a late block;
+    unions past ``MERGE_BYTES`` stay rows; programs that reduce are left as they are."""
+    from purlin.atom.fused_rows import MERGE_BYTES, joined
+    from purlin.kernels import isa
+    from purlin.spec import collectives
+
+    ag = collectives.all_gather(4)
+    for piece, want in ((4096, 3), (64 << 10, 3), (MERGE_BYTES, 7)):  # (bytes a peer gets)
+        s = plan(ag, "direct-push", count=4 * piece // 2, dtype="bfloat16")
+        low = HostBuffers(s, ll=True).lower()
+        ops = regrouped(low, 8)[0]
+        got = joined(ops, 8, [x.user for x in low])
+        assert [len(o) for o in (got or ops)] == [want] * 4, (piece, got)
+        if got is not None:
+            assert [op.kind for op in got[0]] == ["puts", "move", "moves"], got[0]
+            assert all(_joined_as_rows(j, o) for j, o in zip(got, ops))
+    s = plan(ag, "direct-push", count=4 * 256, dtype="bfloat16")
+    bufs = HostBuffers(s, ll=True)
+    low = bufs.lower()
+    programs = fused_programs(low, bufs, 8)
+    assert all(w[isa.F_NOPS] == 3 for w in programs), [w[isa.F_NOPS] for w in programs]
+    xs = _inputs(s.sizing, np.random.default_rng(3), calls=3)
+    outs = run_fused_calls(programs, bufs, xs, blocks=2, threads=3, slow_block_delay=0.001)
+    _compare(s.sizing, outs, xs, "joined all-gather")
+    for coll in (collectives.all_reduce(4), collectives.reduce_scatter(4)):
+        s = plan(coll, "direct-push", count=4 * 256, dtype="bfloat16")
+        low = HostBuffers(s, ll=True).lower()
+        assert joined(regrouped(low, 8)[0], 8, [x.user for x in low]) is None, coll.name
+
+
 def test_standard_collectives_hold_no_segmented_ops():
     """Every standard collective x strategy x chunks x protocol that fuses, as the sm
     datapath builds its programs (segments only unchunked): no segmented op on plain

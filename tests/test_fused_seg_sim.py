@@ -2,7 +2,8 @@
 in the Numba CUDA simulator: after the host emulation ran every rank's call 0 (its pushes,
 flags and LL units landed), each rank's program run again by the kernel -- its PUTs' LL
 units first wiped -- writes the same LL units and gives the reference. The GQA all-gather
-(q, k, v of 4:1:1 per rank, delivered interleaved) and seeded random layouts."""
+(q, k, v of 4:1:1 per rank, delivered interleaved), standard copies on LL (their LL rows
+joined) and seeded random layouts."""
 
 from __future__ import annotations
 
@@ -100,6 +101,25 @@ def segmented_gqa_all_gather():
             ran += _run_on_kernel(gqa(n), gqa_sizes(n, 16 // ITEM[dt] * m, extra), dt,
                                   strategy, protocol, blocks, threads, rng)
     assert ran == 18, ran
+
+
+@case
+def joined_standard_copies_on_ll():
+    """Standard copies on LL, their PUTs and LL copies joined across flags
+    (``fused_rows.joined``): all-gather, all-to-all, broadcast, gather (4-byte rows: half LL
+    units), 3..4 ranks."""
+    from purlin.spec import collectives
+
+    rng = np.random.default_rng(9)
+    ran = 0
+    for coll, each, blocks, threads in ((collectives.all_gather(3), 24, 2, 3),
+                                        (collectives.all_to_all(4), 16, 1, 4),
+                                        (collectives.broadcast(4), 40, 2, 2),
+                                        (collectives.gather(4), 10, 2, 3)):
+        sizes = {k: each for k in coll.input.names()}
+        ran += _run_on_kernel(coll, sizes, "bfloat16", "direct-push", "fused-ll", blocks,
+                              threads, rng)
+    assert ran == 4, ran
 
 
 @case

@@ -73,7 +73,7 @@ def _traced_rank0(coll, protocol, blocks=2, threads=3, count=24):
     low = bufs.lower()
     unit, problem = fused_unit(low, protocol)
     assert problem is None, problem
-    words = fused_programs(low, bufs, unit)[0].copy()
+    words = fused_programs(low, bufs, unit, segments=False)[0].copy()
     ops = int(words[isa.F_NOPS])
     outs = []
     trace = np.zeros((blocks, ops, isa.TRACE_WIDTH), np.int64)

@@ -341,8 +341,9 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None
     ``lowered`` on ``buffers``, with a flag slot per block (``buffers.block_flags``) and a
     throw-away error record and abort word; ``epilogues[r]``: rank r's
     :class:`purlin.atom.fused.Epilogue` for blocks of ``threads`` threads, if any;
-    segmented ops where the sm datapath makes them (``fused_rows.several_pieces``), unless
-    ``segments=False``: then the rotated rows (``fused_rows.cluster_programs``)."""
+    segmented ops where the sm datapath makes them (``fused_rows.several_pieces``,
+    ``fused_rows.joined``), unless ``segments=False``: then the rotated rows, none
+    segmented (``fused_rows.cluster_programs``: what the ``fused`` kernel runs)."""
     from purlin.atom.fused import program
 
     buffers.block_flags = [np.zeros(f.size * isa.F_MAX_BLOCKS, np.int64) for f in buffers.flags]
@@ -362,7 +363,7 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None
         return [p.words for p in cluster_programs(
             lowered, lambda r: buffers.fused_error.ctypes.data,
             buffers.fused_abort.ctypes.data, flag_slot, unit,
-            segments=segments and several_pieces(buffers.schedule))]
+            segments=segments and several_pieces(buffers.schedule), join=segments)]
     return [program(low, buffers.fused_error.ctypes.data, buffers.fused_abort.ctypes.data,
                     flag_slot, unit, epilogue=(epilogues or {}).get(low.rank),
                     threads=threads).words for low in lowered]
