@@ -11,8 +11,9 @@ rows touch the same bytes, so a block still meets only its own items. :func:`seg
 goes further: one peer's rows of a step become one segmented PUT or MOVE
 (``isa.F_OP_PUTS``, ``F_OP_MOVES``, run by the ``fused_seg`` kernels), its threads striding
 over the union of the rows' items, so the program has its standard twin's ops (the GQA
-all-gather on 4 ranks: 13 ops, or 7 on LL, against 27 and 21 a row each).
-ARCHITECTURE.md, "The fused kernel".
+all-gather on 4 ranks: 13 ops against 27 a row each). :func:`joined` then makes a rank's LL
+PUTs one op and its copies of LL units another, every layout's (an all-gather on 4 ranks:
+3 ops on LL, against 7 rows; the GQA all-gather's 21). ARCHITECTURE.md, "The fused kernel".
 
 >>> from purlin.spec import Collective
 >>> from purlin.snac import plan
