@@ -660,6 +660,31 @@ def test_ll_rows_join_across_flags_up_to_merge_bytes():
         assert joined(regrouped(low, 8)[0], 8, [x.user for x in low]) is None, coll.name
 
 
+def test_joined_standard_copies_are_right_on_host():
+    """Every standard copy collective x strategy on LL, 3, 4 and 8 ranks, their LL rows joined
+    (``joined``): three calls on host threads, a late block, against the reference."""
+    from purlin.snac import STRATEGIES
+    from purlin.spec import collectives
+
+    ran = joins = 0
+    for name in ("all_gather", "all_to_all", "broadcast", "gather", "scatter"):
+        for n in (3, 4, 8):
+            coll = getattr(collectives, name)(n, n - 1) if name in (
+                "broadcast", "gather", "scatter") else getattr(collectives, name)(n)
+            for strategy in STRATEGIES:
+                sizes = {k: 24 for k in coll.input.names()}
+                try:
+                    got = _programs(coll, sizes, strategy, "fused-ll")
+                except Exception:  # noqa: BLE001 - a strategy that does not plan it
+                    continue
+                if got is None:
+                    continue
+                joins += _segmented_on_host(coll, sizes, "bfloat16", strategy, "fused-ll", 2,
+                                            3, n, 0.0005)
+                ran += 1
+    assert ran >= 50 and joins >= 35, (ran, joins)
+
+
 def test_standard_collectives_hold_no_segmented_ops():
     """Every standard collective x strategy x chunks x protocol that fuses, as the sm
     datapath builds its programs (segments only unchunked): no segmented op on plain
