@@ -826,20 +826,8 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                                        _word(meta, head, at + MOVE_DST + odd), whole, gm, stride,
                                        odd, dt, redop, divisor)
             while i < items:
-                valid = min(unit_bytes, nbytes - (i << shift))
-                if unit_bytes == 4:
-                    code, seen, unit, entry = _move_four(meta, head, at, i, odd, tag, dt, redop,
-                                                         divisor, timeout_ns, abort, valid)
-                elif unit_bytes == 8:
-                    code, seen, unit, entry = _move_unit(meta, head, at, i, odd, tag, dt, redop,
-                                                         divisor, timeout_ns, abort, valid)
-                else:
-                    code, seen, unit, entry = _move_item(meta, head, at, i, odd, tag, dt, redop,
-                                                         divisor, timeout_ns, abort, valid)
-                if code != 0:
-                    _record(meta, head, code, _word(meta, head, entry + SOURCE_STEP), unit, tag,
-                            seen, _word(meta, head, entry + SOURCE_PEER), block)
-                    status[0] = 1
+                if _move_one(meta, head, at, i, odd, tag, dt, redop, divisor, timeout_ns, abort,
+                             min(unit_bytes, nbytes - (i << shift)), unit_bytes, status, block):
                     break
                 i += stride
         if trace != 0 and tid == 0:
@@ -849,6 +837,28 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     cuda.syncthreads()
     if tid == 0:
         store_i64(counter, epoch + 1)
+
+
+@device
+def _move_one(meta, head, at, i, odd, tag, dt, redop, divisor, timeout_ns, abort, valid,
+              unit_bytes, status, block):
+    """Item ``i`` of MOVE ``at`` (its first ``valid`` bytes) in units of ``unit_bytes``; where
+    a poll gave up, the error record written and ``status`` set: returns whether it did."""
+    if unit_bytes == 4:
+        code, seen, unit, entry = _move_four(meta, head, at, i, odd, tag, dt, redop, divisor,
+                                             timeout_ns, abort, valid)
+    elif unit_bytes == 8:
+        code, seen, unit, entry = _move_unit(meta, head, at, i, odd, tag, dt, redop, divisor,
+                                             timeout_ns, abort, valid)
+    else:
+        code, seen, unit, entry = _move_item(meta, head, at, i, odd, tag, dt, redop, divisor,
+                                             timeout_ns, abort, valid)
+    if code == 0:
+        return False
+    _record(meta, head, code, _word(meta, head, entry + SOURCE_STEP), unit, tag, seen,
+            _word(meta, head, entry + SOURCE_PEER), block)
+    status[0] = 1
+    return True
 
 
 @device
@@ -985,22 +995,9 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
         elif kind == F_OP_PUTS:
             _put_item(_word(meta, head, rec + PUT_SRC), _word(meta, head, rec + PUT_DST + odd),
                       j, unit_bytes, tag)
-        else:
-            valid = min(unit_bytes, nbytes - (j << shift))
-            if unit_bytes == 4:
-                code, seen, unit, entry = _move_four(meta, head, rec, j, odd, tag, dt, redop,
-                                                     divisor, timeout_ns, abort, valid)
-            elif unit_bytes == 8:
-                code, seen, unit, entry = _move_unit(meta, head, rec, j, odd, tag, dt, redop,
-                                                     divisor, timeout_ns, abort, valid)
-            else:
-                code, seen, unit, entry = _move_item(meta, head, rec, j, odd, tag, dt, redop,
-                                                     divisor, timeout_ns, abort, valid)
-            if code != 0:
-                _record(meta, head, code, _word(meta, head, entry + SOURCE_STEP), unit, tag,
-                        seen, _word(meta, head, entry + SOURCE_PEER), block)
-                status[0] = 1
-                return
+        elif _move_one(meta, head, rec, j, odd, tag, dt, redop, divisor, timeout_ns, abort,
+                       min(unit_bytes, nbytes - (j << shift)), unit_bytes, status, block):
+            return
         i += stride
     if n != 0:
         copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
