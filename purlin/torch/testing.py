@@ -35,6 +35,8 @@ def _entry(fn, rank, nprocs, backend, init_method, results, args, env, pg_timeou
         dist.init_process_group(backend, init_method=init_method, rank=rank,
                                 world_size=nprocs, timeout=timedelta(seconds=pg_timeout),
                                 **kwargs)
+        if backend == "gloo":  # every rank's mesh up before any rank may finish and leave
+            dist.barrier()  # (a rank leaving early closed a peer's half-made connection)
         value = fn(rank, nprocs, *args)
         results.put((rank, "ok", value))
     except BaseException:  # noqa: BLE001 - report everything to the parent
