@@ -521,7 +521,7 @@ def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> bool:
 
 def _ll_row(op) -> str | None:
     """What LL rows may share a segmented op: "put" (any peers), "move" (a copy of one
-    peer's LL units); None for the others."""
+    peer's LL units); None for the others (flag operations among them)."""
     first = _parts(op)[0]
     if first.kind == "put":
         return "put"
@@ -539,12 +539,11 @@ def _joined_rank(ops: list[tuple]) -> list[tuple]:
     ops = list(ops)
     i = 0
     while i < len(ops):
-        kind = _ll_row(ops[i]) if ops[i].kind in ("put", "move", "puts", "moves") else None
+        kind = _ll_row(ops[i])
         j = i + 1
         while j < len(ops) and ops[j].kind in ("wait", "notify"):
             j += 1
-        if kind is None or j >= len(ops) or ops[j].kind not in ("put", "move", "puts", "moves") \
-                or _ll_row(ops[j]) != kind or \
+        if kind is None or j >= len(ops) or _ll_row(ops[j]) != kind or \
                 sum(p.nbytes for p in _parts(ops[i]) + _parts(ops[j])) > MERGE_BYTES or \
                 any(_conflict(a, b) for a in _parts(ops[i]) for b in _parts(ops[j])):
             i += 1
