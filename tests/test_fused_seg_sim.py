@@ -86,7 +86,7 @@ def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng)
 def segmented_gqa_all_gather():
     """GQA on 2..8 ranks, pushed and pulled, both protocols, odd sizes, four dtypes, 8-, 4-
     and 16-byte units, 1..3 blocks (and threads holding more than four items of a plain copy's
-    segments, with a scalar tail)."""
+    segments: whole groups of four copied as a row's, the rest with the next segment's)."""
     from test_fused_rows import gqa, gqa_sizes
 
     rng = np.random.default_rng(5)
@@ -96,11 +96,12 @@ def segmented_gqa_all_gather():
             (4, "float16", 2, 0, "fused", 1, 8), (4, "bfloat16", 1, 3, "fused", 2, 4),
             (5, "int32", 1, 2, "fused-ll", 2, 4), (8, "bfloat16", 1, 0, "fused-ll", 2, 4),
             (8, "float32", 1, 0, "fused", 2, 3), (3, "bfloat16", 4, 0, "fused", 3, 5),
-            (4, "bfloat16", 6, 1, "fused", 1, 3)):
+            (4, "bfloat16", 6, 1, "fused", 1, 3), (3, "bfloat16", 8, 0, "fused", 1, 2),
+            (4, "float32", 5, 0, "fused", 2, 2)):
         for strategy in ("direct-push", "direct-pull"):
             ran += _run_on_kernel(gqa(n), gqa_sizes(n, 16 // ITEM[dt] * m, extra), dt,
                                   strategy, protocol, blocks, threads, rng)
-    assert ran == 18, ran
+    assert ran == 22, ran
 
 
 @case
