@@ -86,7 +86,7 @@ def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng)
 def segmented_gqa_all_gather():
     """GQA on 2..8 ranks, pushed and pulled, both protocols, odd sizes, four dtypes, 8-, 4-
     and 16-byte units, 1..3 blocks (and threads holding more than four items of a plain copy's
-    segments: whole groups of four copied as a row's, the rest with the next segment's)."""
+    segments, four in flight across segment boundaries)."""
     from test_fused_rows import gqa, gqa_sizes
 
     rng = np.random.default_rng(5)
