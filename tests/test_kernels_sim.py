@@ -822,8 +822,9 @@ def fused_times_out_naming_the_units_and_the_peer():
 def fused_scalar_tails_store_the_rows_bytes_only():
     """Rows one element (or a few) past whole items: rank 0's fused program, with its peers'
     LL units (or pushes and flags) already landed, gives the reference -- bfloat16 and int32
-    all-reduces on 16- and 8-byte items, an all-gather whose own-piece copy takes the
-    four-in-flight path, and no byte after an output row is touched."""
+    all-reduces on 16- and 8-byte items (a thread's last pair holding the partial item too),
+    an all-gather whose own-piece copy takes the four-in-flight path, and no byte after an
+    output row is touched."""
     import ctypes
 
     from purlin.atom.fused import fused_unit
@@ -836,11 +837,12 @@ def fused_scalar_tails_store_the_rows_bytes_only():
              (collectives.all_reduce(2), "bfloat16", 3, "fused-ll"),
              (collectives.all_reduce(2, op="max"), "int32", 1, "fused"),
              (collectives.all_reduce(2), "float32", 3, "fused-ll"),
-             (collectives.all_gather(2), "bfloat16", 5, "fused")]
-    for coll, dtype, tail, protocol in cases:
+             (collectives.all_gather(2), "bfloat16", 5, "fused"),
+             (collectives.all_reduce(2), "bfloat16", 1, "fused", 88)]  # (a pair with the tail)
+    for coll, dtype, tail, protocol, *each in cases:
         names = coll.input.names()
         item = isa.ITEMSIZE[isa.DTYPE_CODES[dtype]]
-        sizes = {k: 32 // item for k in names}
+        sizes = {k: each[0] if each else 32 // item for k in names}
         sizes[names[-1]] = tail
         sizing = coll.sized(chunk_sizes=sizes, dtype=dtype)
         s = plan(coll, "direct-push", sizing=sizing)
