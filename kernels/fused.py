@@ -240,11 +240,9 @@ def _store16(dst, w, valid):
 
 
 @device
-def _reduce_pairs_half(meta, head, at, nsrc, dst, items, nbytes, g, stride, odd, dt, redop,
-                       divisor):
-    """A plain bfloat16 / float16 reduction of ``nbytes``, two items per thread at a time
-    (each source's two loads in flight together; a partial last item read as the aligned 16
-    bytes holding it, stored in part); returns the first item left for the one-item path."""
+def _reduce_pairs_half(meta, head, at, nsrc, dst, items, g, stride, odd, dt, redop, divisor):
+    """A plain bfloat16 / float16 reduction, two items per thread at a time (each source's
+    two loads in flight together); returns the first item left for the one-item path."""
     div = np.float32(divisor)
     i = g
     while i + stride < items:
@@ -258,10 +256,7 @@ def _reduce_pairs_half(meta, head, at, nsrc, dst, items, nbytes, g, stride, odd,
             x = _fold_half(x, u, dt, redop)
             y = _fold_half(y, v, dt, redop)
         _store_half8(dst + i * 16, x, dt, redop, div)
-        if (j + 1) * 16 <= nbytes:
-            _store_half8(dst + j * 16, y, dt, redop, div)
-        else:
-            _store16(dst + j * 16, _pack_half8(y, dt, redop, div), nbytes - j * 16)
+        _store_half8(dst + j * 16, y, dt, redop, div)
         i += 2 * stride
     return i
 
@@ -821,21 +816,15 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             gm = _rotated(g, _word(meta, head, at + MOVE_ROTATE), stride)
             i = gm
             if plain and nsrc == 1:
-                src0 = _word(meta, head, first + SOURCE_ADDR + odd)
-                dst0 = _word(meta, head, at + MOVE_DST + odd)
-                if whole < items and (whole - gm) % stride == 0:
-                    # the tail's thread: the aligned 16 bytes holding the partial item read
-                    # before its whole items (in flight with them, not a round of its own)
-                    t = load_v4_u32(src0 + whole * 16)
-                    copy_v16(dst0, src0, whole, gm, stride)
-                    _store16(dst0 + whole * 16, t, nbytes - (whole << 4))
-                else:
-                    copy_v16(dst0, src0, whole, gm, stride)
+                copy_v16(_word(meta, head, at + MOVE_DST + odd),
+                         _word(meta, head, first + SOURCE_ADDR + odd), whole, gm, stride)
                 i = items
+                if whole < items and (whole - gm) % stride == 0:
+                    i = whole  # the tail's thread
             elif plain and (dt == BF16 or dt == F16):
                 i = _reduce_pairs_half(meta, head, first, nsrc,
-                                       _word(meta, head, at + MOVE_DST + odd), items, nbytes, gm,
-                                       stride, odd, dt, redop, divisor)
+                                       _word(meta, head, at + MOVE_DST + odd), whole, gm, stride,
+                                       odd, dt, redop, divisor)
             while i < items:
                 if _move_one(meta, head, at, i, odd, tag, dt, redop, divisor, timeout_ns, abort,
                              min(unit_bytes, nbytes - (i << shift)), unit_bytes, status, block):

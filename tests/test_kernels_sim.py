@@ -822,7 +822,7 @@ def fused_times_out_naming_the_units_and_the_peer():
 def fused_scalar_tails_store_the_rows_bytes_only():
     """Rows one element (or a few) past whole items: rank 0's fused program, with its peers'
     LL units (or pushes and flags) already landed, gives the reference -- bfloat16 and int32
-    all-reduces on 16- and 8-byte items (a thread's last pair holding the partial item too),
+    all-reduces on 16- and 8-byte items (threads holding whole items before the partial one),
     an all-gather whose own-piece copy takes the four-in-flight path, and no byte after an
     output row is touched."""
     import ctypes
@@ -838,7 +838,7 @@ def fused_scalar_tails_store_the_rows_bytes_only():
              (collectives.all_reduce(2, op="max"), "int32", 1, "fused"),
              (collectives.all_reduce(2), "float32", 3, "fused-ll"),
              (collectives.all_gather(2), "bfloat16", 5, "fused"),
-             (collectives.all_reduce(2), "bfloat16", 1, "fused", 88)]  # (a pair with the tail)
+             (collectives.all_reduce(2), "bfloat16", 1, "fused", 88)]  # (several items a thread)
     for coll, dtype, tail, protocol, *each in cases:
         names = coll.input.names()
         item = isa.ITEMSIZE[isa.DTYPE_CODES[dtype]]
