@@ -53,20 +53,10 @@ def copy_v16(dst, src, nvec, tid, nthreads):
         i += 4 * nthreads
     # the last one to three words in flight together too (one after the other, each load
     # would wait for the store before it: a round trip per word)
-    if i + 2 * nthreads < nvec:
-        a = load_v4_u32(src + i * 16)
-        b = load_v4_u32(src + (i + nthreads) * 16)
-        c = load_v4_u32(src + (i + 2 * nthreads) * 16)
-        store_v4_u32(dst + i * 16, a)
-        store_v4_u32(dst + (i + nthreads) * 16, b)
-        store_v4_u32(dst + (i + 2 * nthreads) * 16, c)
-    elif i + nthreads < nvec:
-        a = load_v4_u32(src + i * 16)
-        b = load_v4_u32(src + (i + nthreads) * 16)
-        store_v4_u32(dst + i * 16, a)
-        store_v4_u32(dst + (i + nthreads) * 16, b)
-    elif i < nvec:
-        store_v4_u32(dst + i * 16, load_v4_u32(src + i * 16))
+    if i < nvec:
+        n = 1 + (i + nthreads < nvec) + (i + 2 * nthreads < nvec)
+        copy_words(n, src + i * 16, src + (i + nthreads) * 16, src + (i + 2 * nthreads) * 16, 0,
+                   dst + i * 16, dst + (i + nthreads) * 16, dst + (i + 2 * nthreads) * 16, 0)
 
 
 @device
