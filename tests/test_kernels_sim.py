@@ -833,16 +833,17 @@ def fused_scalar_tails_store_the_rows_bytes_only():
     from purlin.snac import plan
     from purlin.spec import collectives, reference
 
-    cases = [(collectives.all_reduce(3), "bfloat16", 1, "fused"),
-             (collectives.all_reduce(2), "bfloat16", 3, "fused-ll"),
-             (collectives.all_reduce(2, op="max"), "int32", 1, "fused"),
-             (collectives.all_reduce(2), "float32", 3, "fused-ll"),
-             (collectives.all_gather(2), "bfloat16", 5, "fused"),
-             (collectives.all_reduce(2), "bfloat16", 1, "fused", 88)]  # (several items a thread)
-    for coll, dtype, tail, protocol, *each in cases:
+    # (collective, dtype, elements of each whole piece, of the last piece, protocol)
+    cases = [(collectives.all_reduce(3), "bfloat16", 16, 1, "fused"),
+             (collectives.all_reduce(2), "bfloat16", 16, 3, "fused-ll"),
+             (collectives.all_reduce(2, op="max"), "int32", 8, 1, "fused"),
+             (collectives.all_reduce(2), "float32", 8, 3, "fused-ll"),
+             (collectives.all_gather(2), "bfloat16", 16, 5, "fused"),
+             (collectives.all_reduce(2), "bfloat16", 88, 1, "fused")]  # (several items a thread)
+    for coll, dtype, each, tail, protocol in cases:
         names = coll.input.names()
         item = isa.ITEMSIZE[isa.DTYPE_CODES[dtype]]
-        sizes = {k: each[0] if each else 32 // item for k in names}
+        sizes = {k: each for k in names}
         sizes[names[-1]] = tail
         sizing = coll.sized(chunk_sizes=sizes, dtype=dtype)
         s = plan(coll, "direct-push", sizing=sizing)
