@@ -177,13 +177,14 @@ def _joined_as_rows(joined_ops, plain_ops):
 
 def test_standard_collectives_keep_their_programs_every_strategy():
     """Every standard collective x strategy x chunks x protocol that fuses: no rank sends a
-    peer two LL transfers (``ll_pieces``), so no PUT or LL move rotates; unchunked, nothing
-    merges and the programs' words are :func:`purlin.atom.fused.program`'s on the plain
-    ops -- with LL rows joined across flag operations (``joined``) where that holds, never
-    where a program reduces (chunked plans merge their chunks' flags, as ``regroup`` did
-    before)."""
+    peer two LL transfers (``ll_pieces``), so no PUT or LL move rotates but where joined
+    rows put an acknowledged transfer's units on the threads that read them (``aligned``);
+    unchunked, nothing merges and the programs' words are :func:`purlin.atom.fused.program`'s
+    on the plain ops -- with LL rows joined across flag operations (``joined``) where that
+    holds, never where a program reduces (chunked plans merge their chunks' flags, as
+    ``regroup`` did before)."""
     from purlin.atom.fused import program
-    from purlin.atom.fused_rows import cluster_programs, joined, ll_pieces
+    from purlin.atom.fused_rows import aligned, cluster_programs, joined, ll_pieces
     from purlin.kernels import isa
     from purlin.snac import STRATEGIES
     from purlin.spec import collectives
@@ -208,7 +209,9 @@ def test_standard_collectives_keep_their_programs_every_strategy():
                         ops, rot = regrouped(low, unit)
                         assert not ll_pieces(plain), (name, n, strategy, chunks, protocol)
                         got = cluster_programs(low, lambda r: 0, 0, int, unit)
-                        for p in got:  # (no PUT rotated)
+                        join = joined(plain, unit, [x.user for x in low]) if chunks == 1 \
+                            else None
+                        for p in got if join is None else ():  # (no PUT rotated)
                             w = p.words
                             assert not any(
                                 w[at + isa.PUT_ROTATE] for at in
@@ -218,14 +221,15 @@ def test_standard_collectives_keep_their_programs_every_strategy():
                         if chunks > 1:  # (chunks' flags merge: regroup's, as before)
                             continue
                         assert ops == plain and rot == [{}] * n, (name, strategy, protocol)
-                        join = joined(plain, unit, [x.user for x in low])
                         if protocol == "fused" or name in ("reduce_scatter", "all_reduce",
                                                            "reduce"):
                             assert join is None, (name, strategy)
                         joins += join is not None
+                        turn = [{}] * n if join is None else aligned(join, unit)
                         for r, (x, p) in enumerate(zip(low, got)):
                             want = program(x, 0, 0, int, unit,
-                                           ops=None if join is None else join[r])
+                                           ops=None if join is None else join[r],
+                                           rotation=turn[r])
                             assert np.array_equal(p.words, want.words)
                             assert join is None or _joined_as_rows(join[r], plain[r]), \
                                 (name, strategy, r, join[r])
@@ -545,8 +549,8 @@ def test_gqa_program_has_its_twins_op_count(n, protocol):
 
 def _segmented_on_host(coll, sizes, dtype, strategy, protocol, blocks, threads, seed,
                        delay=0.0):
-    """Run the programs on host threads (``delay``: rank 0's last block late before every
-    move) against the reference; did they hold segmented ops?"""
+    """Run the programs on host threads (``delay``: the last block of rank ``seed`` mod n
+    late before every move) against the reference; did they hold segmented ops?"""
     got = _programs(coll, sizes, strategy, protocol, dtype)
     if got is None:
         return False
@@ -556,7 +560,7 @@ def _segmented_on_host(coll, sizes, dtype, strategy, protocol, blocks, threads, 
     programs = fused_programs(low, bufs, unit)
     xs = _inputs(s.sizing, np.random.default_rng(seed), calls=3)
     outs = run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads,
-                           slow_block_delay=delay)
+                           slow_block_delay=delay, slow_rank=seed % coll.nranks)
     _compare(s.sizing, outs, xs, f"{coll.name} {strategy} {protocol} {dtype} segmented")
     return any(p.segments for p in progs)
 
@@ -683,6 +687,45 @@ def test_joined_standard_copies_are_right_on_host():
                                             3, n, 0.0005)
                 ran += 1
     assert ran >= 50 and joins >= 35, (ran, joins)
+
+
+def test_acked_units_stay_on_the_blocks_that_read_them():
+    """A broadcast's root hears nothing from its peers in a call: its acknowledgement waits
+    (two calls back, a flag slot per block) are all that keep its PUTs from rewriting units
+    a peer's block still polls, so every unit it writes must be read by the same block.
+    Joined, the root's PUTs put peer p's piece at item (p - 1) * piece of the union: each
+    peer's copy starts there (``aligned``); a two-root broadcast keeps its roots' PUTs
+    joined and its copies as rows, each aligned to its root. On host threads with a
+    peer's last block late, four calls: right (a peer's block used to poll units the root's
+    next-but-one call had rewritten, and never returned)."""
+    from purlin.atom.fused import Segments
+    from purlin.atom.fused_rows import acked, aligned, joined
+    from purlin.spec import Collective, collectives
+
+    bc = collectives.broadcast(4)
+    two = Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy", name="two roots")
+    for coll, sizes, turned in ((bc, {"x": 4 * 100}, [2, 3]), (two, {"a": 200, "b": 200}, [])):
+        s = plan(coll, "direct-push", chunk_sizes=sizes, dtype="bfloat16")
+        bufs = HostBuffers(s, ll=True)
+        low = bufs.lower()
+        ops = regrouped(low, 8)[0]
+        got = joined(ops, 8, [x.user for x in low])
+        assert got is not None and acked(got)
+        rot = aligned(got, 8)
+        assert rot is not None and sorted(r for r, x in enumerate(rot) if x) == (
+            turned or [2, 3]), rot
+        roots = [r for r, rank in enumerate(got) if any(op.kind == "puts" for op in rank)]
+        assert roots == [0] if coll is bc else roots == [0, 1], roots
+        if coll is two:  # (the peers' copies stay rows: two roots, two starts)
+            assert not any(isinstance(op, Segments) and op.kind == "moves"
+                           for rank in got for op in rank)
+        for slow in (2, 3):
+            bufs = HostBuffers(s, ll=True)
+            programs = fused_programs(bufs.lower(), bufs, 8)
+            xs = _inputs(s.sizing, np.random.default_rng(slow), calls=4)
+            outs = run_fused_calls(programs, bufs, xs, blocks=2, threads=3,
+                                   slow_block_delay=0.004, slow_rank=slow)
+            _compare(s.sizing, outs, xs, f"{coll.name} slow rank {slow}")
 
 
 def test_standard_collectives_hold_no_segmented_ops():

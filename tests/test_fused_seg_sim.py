@@ -108,19 +108,21 @@ def segmented_gqa_all_gather():
 def joined_standard_copies_on_ll():
     """Standard copies on LL, their PUTs and LL copies joined across flags
     (``fused_rows.joined``): all-gather, all-to-all, broadcast, gather (4-byte rows: half LL
-    units), 3..4 ranks."""
-    from purlin.spec import collectives
+    units), 3..4 ranks; and a two-root broadcast (the roots' PUTs joined, each peer's copies
+    rows rotated to where its piece lies in them: ``fused_rows.aligned``)."""
+    from purlin.spec import Collective, collectives
 
+    two = Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy", name="two roots")
     rng = np.random.default_rng(9)
     ran = 0
     for coll, each, blocks, threads in ((collectives.all_gather(3), 24, 2, 3),
                                         (collectives.all_to_all(4), 16, 1, 4),
                                         (collectives.broadcast(4), 40, 2, 2),
-                                        (collectives.gather(4), 10, 2, 3)):
+                                        (collectives.gather(4), 10, 2, 3), (two, 36, 2, 3)):
         sizes = {k: each for k in coll.input.names()}
         ran += _run_on_kernel(coll, sizes, "bfloat16", "direct-push", "fused-ll", blocks,
                               threads, rng)
-    assert ran == 4, ran
+    assert ran == 5, ran
 
 
 @case

@@ -56,7 +56,10 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
 # * COPY / REDUCE rows read an LL_GET's destination whole, so they can poll the LL units in
 #   place and the LL_GET and its scratch disappear.
 # * A rank sending LL units to a peer hears from it in the same call (an LL unit or a flag), so
-#   the peer cannot run two calls ahead into the LL parity still being read.
+#   the peer cannot run two calls ahead into the LL parity still being read -- or waits for
+#   the peer's acknowledgement of an earlier call (a broadcast's root), which orders block b's
+#   units after block b's reads only: item i stays block b's on both sides (rows do;
+#   ``fused_rows.aligned`` where rows are joined).
 
 __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Segments",
            "Source", "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",

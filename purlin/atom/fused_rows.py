@@ -40,9 +40,9 @@ from typing import NamedTuple
 from purlin.atom.fused import (Segments, Span, _Refused, _accesses, _check_rank, _clash, _meets,
                                program, rank_ops)
 
-__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "cluster_programs", "deadlock_free", "joined",
-           "ll_pieces", "merged_flags", "regroup", "regrouped", "rotations", "rounds", "segmented",
-           "several_pieces"]
+__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "acked", "aligned", "cluster_programs",
+           "deadlock_free", "joined", "ll_pieces", "merged_flags", "regroup", "regrouped",
+           "rotations", "rounds", "segmented", "several_pieces"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -126,11 +126,12 @@ def rotations(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> li
     share their rotation, so each item stays with one block (its flag slot orders it) and,
     inside a segment, with one thread. Rows touching a PUT's or LL transfer's bytes keep 0
     unless ``ll`` (then PUTs and LL moves rotate too, :func:`ll_pieces`, and an LL area's
-    units tie no rotations: each is polled by its tag); rows past :data:`ROTATE_ITEMS`
-    keep 0."""
+    units tie no rotations: each is polled by its tag -- except an :func:`acked` one's);
+    rows past :data:`ROTATE_ITEMS` keep 0."""
     rows = [(r, k) for r, ops in enumerate(ops_by_rank) for k, op in enumerate(ops)
             if op.kind in ("put", "move")]
     parent = {row: row for row in rows}
+    tied = acked(ops_by_rank) if ll else frozenset()
 
     def find(x):
         while parent[x] != x:
@@ -151,9 +152,9 @@ def rotations(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> li
             segment[(r, k)] = (r, seg)
             w, reads = _accesses(op)
             if ll:  # (LL units are polled by their tag: writer and reader need not match)
-                w = None if op.kind == "put" else w
+                w = None if op.kind == "put" and w not in tied else w
                 reads = reads if op.kind == "put" else \
-                    tuple(x for x, src in zip(reads, op.sources) if not src.is_ll)
+                    tuple(x for x, src in zip(reads, op.sources) if not src.is_ll or x in tied)
             if w is not None:
                 touching.setdefault(w, []).append(((r, k), True))
             for x in reads:
@@ -196,7 +197,9 @@ def ll_pieces(ops_by_rank: list[list[tuple]]) -> bool:
     a peer hears from it in the same call" holds per rank, not per block -- a rank's next
     call starts only after every block of its call ended, and what it heard from the peer
     in that call was written after the peer's previous call had ended on every block, so no
-    block of the peer can still be reading the parity the next-but-one call rewrites."""
+    block of the peer can still be reading the parity the next-but-one call rewrites. Where
+    the rank hears nothing from the peer in the call, that holds per block only
+    (:func:`acked`), and those units stay on the blocks that read them."""
     for ops in ops_by_rank:
         peers = [op.peer for op in ops if op.kind == "put"]
         if len(peers) != len(set(peers)):
@@ -269,12 +272,12 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
         if segments:
             seg = segmented(ops, unit, ll_pieces(ops), user)
             if seg is not None:
-                ops, rot = seg, [{} for _ in lowered]
+                ops, rot = seg, aligned(seg, unit)
         norm = any(op.kind == "norm" for rank in ops for op in rank)  # (fused_norm: no segments)
         if join and not norm:
             got = joined(ops, unit, user)
             if got is not None:
-                ops, rot = got, [{} for _ in lowered]
+                ops, rot = got, aligned(got, unit)
     else:
         ops, rot = [rank_ops(low, unit) for low in lowered], [{} for _ in lowered]
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
@@ -469,7 +472,8 @@ def _segmented(ops_by_rank: list[list[tuple]], unit: int, ll: bool,
         out.append(merged)
     if all(len(a) == len(b) for a, b in zip(out, ops_by_rank)):
         return None
-    return out if _matched(out, unit, ll) else None
+    return out if (aligned(out, unit) is not None if ll else _matched(out, unit, False)) \
+        else None
 
 
 def _segment_rule(ops: list[tuple]) -> bool:
@@ -490,31 +494,103 @@ def _segment_rule(ops: list[tuple]) -> bool:
     return True
 
 
-def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool) -> bool:
-    """Does every span written by some row meet only rows with the same first item in their
-    union (0 outside segmented ops)? LL spans (a PUT's units, an LL move's source) are free
-    where ``ll``."""
-    firsts: dict = {}  # span -> {first item}
-    written: set = set()
+def acked(ops_by_rank: list[list[tuple]]) -> frozenset:
+    """The LL areas (:class:`Span`) a PUT writes on a peer that its rank hears nothing from
+    in the same call (no wait for the peer's notify of this call, no LL units of the peer):
+    a broadcast's root. What keeps its next-but-one call from rewriting units the peer still
+    polls is then the peer's acknowledgement, a flag slot per block: block b of the writer
+    waits for block b of the reader, so each unit must be written and read by one block.
+
+    >>> from purlin.atom.fused import Put, Wait
+    >>> root = [Wait("wait", 0, 1, 1, -2, 1, 0), Put("put", 0, 64, 128, 32, 1, 1)]
+    >>> sorted(acked([root, []]))
+    [Span(even=64, odd=128, nbytes=64)]
+    """
+    out = set()
     for ops in ops_by_rank:
-        for op in ops:
+        heard = {op.peer for op in ops
+                 if op.kind == "wait" and op.epoch_offset == 0 and op.value > 0}
+        heard |= {s.peer for op in ops for part in _parts(op) if part.kind == "move"
+                  for s in part.sources if s.is_ll}
+        out |= {_accesses(part)[0] for op in ops for part in _parts(op)
+                if part.kind == "put" and part.peer not in heard}
+    return frozenset(out)
+
+
+def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool,
+             rotation: list | None = None) -> bool:
+    """Does every span written by some row meet only rows that give its items the same
+    threads -- the same first item in their union (0 outside segmented ops) plus the row's
+    ``rotation`` (none: 0)? LL spans (a PUT's units, an LL move's source) are free where
+    ``ll``, but for :func:`acked` ones."""
+    tied = acked(ops_by_rank) if ll else frozenset()
+    firsts: dict = {}  # span -> {first thread's item offset}
+    written: set = set()
+    for r, ops in enumerate(ops_by_rank):
+        for k, op in enumerate(ops):
             parts = _parts(op)
             if op.kind not in ("puts", "moves", "put", "move"):
                 continue
-            start = 0
+            start = rotation[r].get(k, 0) if rotation else 0
             for part in parts:
                 w, reads = _accesses(part)
                 if part.kind == "put":
-                    spans = [(reads[0], False)] + ([] if ll else [(w, True)])
+                    spans = [(reads[0], False)] + ([] if ll and w not in tied else [(w, True)])
                 else:
                     spans = [(w, True)] + [(x, False) for x, src in zip(reads, part.sources)
-                                           if not (ll and src.is_ll)]
+                                           if not (ll and src.is_ll and x not in tied)]
                 for span, writes in spans:
                     firsts.setdefault(span, set()).add(start)
                     if writes:
                         written.add(span)
                 start += -(-part.nbytes // unit)
     return all(len(firsts[span]) == 1 for span in written)
+
+
+def aligned(ops_by_rank: list[list[tuple]], unit: int) -> list[dict] | None:
+    """{op index: rotation} for each rank that puts every :func:`acked` LL unit on the
+    thread that reads it: a row (not a segmented op) outside takes the first item its
+    partner's segment starts at (a broadcast's readers that of their piece in the root's
+    joined PUTs, a gather's senders that of theirs in the root's joined copies); None where
+    both sides lie in segmented ops at different items or a row would need two rotations.
+
+    >>> from purlin.atom.fused import Move, Put, Segments, Source, Wait
+    >>> put = lambda peer, at: Put("put", 0, at, at + 512, 32, peer, 1)
+    >>> read = lambda at: Move("move", 2 * at, 2 * at, 32, (Source(1, at, at + 512, 0, 1),),
+    ...                        0, None)
+    >>> root = [Wait("wait", 0, 1, 1, -2, 1, 0), Wait("wait", 8, 1, 1, -2, 2, 0),
+    ...         Segments("puts", (put(1, 64), put(2, 128)))]
+    >>> aligned([root, [read(64)], [read(128)]], 16)
+    [{}, {}, {0: 2}]
+    """
+    tied = acked(ops_by_rank)
+    if not tied:
+        return [{} for _ in ops_by_rank]
+    ends: dict = {}  # acked span -> [(rank, op index, first item or None: a row)]
+    for r, ops in enumerate(ops_by_rank):
+        for k, op in enumerate(ops):
+            if op.kind not in ("puts", "moves", "put", "move"):
+                continue
+            start = 0
+            for part in _parts(op):
+                w, reads = _accesses(part)
+                for span in ([w] if part.kind == "put" else
+                             [x for x, src in zip(reads, part.sources) if src.is_ll]):
+                    if span in tied:
+                        ends.setdefault(span, []).append(
+                            (r, k, start if op.kind in ("puts", "moves") else None))
+                start += -(-part.nbytes // unit)
+    out: list = [{} for _ in ops_by_rank]
+    for who in ends.values():
+        fixed = {at for _, _, at in who if at is not None}
+        if len(fixed) > 1:
+            return None
+        want = fixed.pop() if fixed else 0
+        for r, k, at in who:
+            if at is None and out[r].setdefault(k, want) != want:
+                return None
+    out = [{k: v for k, v in rot.items() if v} for rot in out]
+    return out if _matched(ops_by_rank, unit, True, out) else None
 
 
 # ---------------------------------------------------------------- LL rows joined across flags
@@ -531,15 +607,16 @@ def _ll_row(op) -> str | None:
     return None
 
 
-def _joined_rank(ops: list[tuple]) -> list[tuple]:
-    """One rank's LL rows of a kind that only flag operations separate, joined: the waits
-    between them before the first, the notifies after the last (ordering added only), up to
-    :data:`MERGE_BYTES` an op (an all-gather of 1 MiB on 4 ranks measured 1.06x slower
-    joined)."""
+def _joined_rank(ops: list[tuple], kinds: tuple = ("put", "move")) -> list[tuple]:
+    """One rank's LL rows of a kind (of ``kinds``) that only flag operations separate,
+    joined: the waits between them before the first, the notifies after the last (ordering
+    added only), up to :data:`MERGE_BYTES` an op (an all-gather of 1 MiB on 4 ranks measured
+    1.06x slower joined)."""
     ops = list(ops)
     i = 0
     while i < len(ops):
         kind = _ll_row(ops[i])
+        kind = kind if kind in kinds else None
         j = i + 1
         while j < len(ops) and ops[j].kind in ("wait", "notify"):
             j += 1
@@ -562,8 +639,11 @@ def joined(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | None
     before it, the notifies after it. Every LL unit carries its call's tag, so any thread
     may send or poll it (:func:`ll_pieces`), and ops get ordering only, never lose it; the
     result is kept where it has fewer ops, every plain span still meets one first item
-    (:func:`_matched`), no interleaving deadlocks (:func:`deadlock_free`) and :func:`race`
-    finds the ranks ordered with their callers (``user``). None otherwise.
+    (:func:`_matched`), every :func:`acked` unit one thread (:func:`aligned`), no
+    interleaving deadlocks (:func:`deadlock_free`) and :func:`race` finds the ranks ordered
+    with their callers (``user``); else with only the PUTs joined (a two-root broadcast:
+    each copy of a root's acknowledged units then starts where its piece lies in the root's
+    joined PUTs), else only the copies. None otherwise.
 
     An all-gather on LL: a rank's PUTs to every peer become one op, and its copies of every
     peer's units another, each with the threads of the whole union polling at once.
@@ -572,11 +652,13 @@ def joined(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | None
     if any(part.kind == "move" and part.how is not None
            for ops in ops_by_rank for op in ops for part in _parts(op)):
         return None
-    out = [_joined_rank(ops) for ops in ops_by_rank]
-    if sum(map(len, out)) >= sum(map(len, ops_by_rank)) or not _matched(out, unit, True) \
-            or not deadlock_free(out) or race(out, user) is not None:
-        return None
-    return out
+    for kinds in (("put", "move"), ("put",), ("move",)):
+        out = [_joined_rank(ops, kinds) for ops in ops_by_rank]
+        if sum(map(len, out)) < sum(map(len, ops_by_rank)) and \
+                aligned(out, unit) is not None and deadlock_free(out) and \
+                race(out, user) is None:
+            return out
+    return None
 
 
 # ---------------------------------------------------------------- flags merged across flags

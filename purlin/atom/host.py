@@ -518,16 +518,18 @@ def _norm_block(head, op, tag, mem: _Memory, block: int, blocks: int, threads: i
 
 
 def run_fused_calls(programs, buffers: HostBuffers, inputs_per_call, blocks: int = 2,
-                    threads: int = 1, timeout: float = 10.0, slow_block_delay: float = 0.0):
+                    threads: int = 1, timeout: float = 10.0, slow_block_delay: float = 0.0,
+                    slow_rank: int = 0):
     """:func:`run_calls` for fused programs: a thread per (rank, block), each rank's calls in
-    turn, so ranks drift apart; with ``slow_block_delay`` rank 0's last block sleeps before
-    each MOVE, so its other blocks and the ranks that wait for it run ahead as far as their
-    own flag slots let them. Returns outputs[call][rank]; raises the first error."""
+    turn, so ranks drift apart; with ``slow_block_delay`` rank ``slow_rank``'s last block
+    sleeps before each MOVE, so its other blocks and the ranks that wait for it run ahead as
+    far as their own flag slots let them. Returns outputs[call][rank]; raises the first
+    error."""
     mem = _Memory(timeout)
     errors: list = []
 
     def block_guard(rank, call, block):
-        slow = rank == 0 and block == blocks - 1 and blocks > 1
+        slow = rank == slow_rank and block == blocks - 1 and blocks > 1
         try:
             _run_fused_block(programs[rank], call, mem, rank, block, blocks, threads,
                              slow_block_delay if slow else 0.0)
