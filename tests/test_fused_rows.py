@@ -157,22 +157,40 @@ def test_standard_collectives_keep_their_programs():
             assert ops == [rank_ops(x, 16) for x in low] and rot == [{}] * len(low)
 
 
+def _local(part) -> bool:
+    """A plain copy of the rank's own memory (no peer's bytes)?"""
+    return part.kind == "move" and len(part.sources) == 1 and not part.sources[0].is_ll and \
+        part.sources[0].peer < 0
+
+
 def _joined_as_rows(joined_ops, plain_ops):
     """Are a rank's joined ops its plain ops with LL rows joined across flag operations:
-    the same rows in the same order, the same flag operations, each segmented op only PUTs
-    or only LL copies?"""
+    the same rows, in the same order but for plain copies of the rank's own memory (which may
+    only move later, past PUTs), the same flag operations, each segmented op only PUTs or
+    copies of which at least one copies LL units and the rest are local?"""
     rows = [part for op in joined_ops for part in
             (op.parts if op.kind in ("puts", "moves") else (op,)) if part.kind != "wait" and
             part.kind != "notify"]
+    plain_rows = [op for op in plain_ops if op.kind not in ("wait", "notify")]
     flags = sorted(repr(op) for op in joined_ops if op.kind in ("wait", "notify"))
     for op in joined_ops:
-        if op.kind in ("puts", "moves"):
-            kinds = {p.kind if p.kind == "put" else ("ll" if p.sources[0].is_ll else "plain")
-                     for p in op.parts}
-            if kinds not in ({"put"}, {"ll"}):
-                return False
-    return rows == [op for op in plain_ops if op.kind not in ("wait", "notify")] and \
-        flags == sorted(repr(op) for op in plain_ops if op.kind in ("wait", "notify"))
+        if op.kind == "puts" and any(p.kind != "put" for p in op.parts):
+            return False
+        if op.kind == "moves" and not (
+                any(p.sources[0].is_ll for p in op.parts) and
+                all(p.sources[0].is_ll or _local(p) for p in op.parts)):
+            return False
+    if sorted(map(repr, rows)) != sorted(map(repr, plain_rows)) or \
+            [r for r in rows if not _local(r)] != [r for r in plain_rows if not _local(r)]:
+        return False
+    for i, row in enumerate(plain_rows):  # a local copy still after what it came after
+        if _local(row) and not {repr(r) for r in plain_rows[:i]} <= \
+                {repr(r) for r in rows[:rows.index(row)]}:
+            return False
+        if _local(row) and any(r.kind != "put" for r in rows[:rows.index(row)]
+                               if plain_rows.index(r) > i):  # (what it moved past: PUTs)
+            return False
+    return flags == sorted(repr(op) for op in plain_ops if op.kind in ("wait", "notify"))
 
 
 def test_standard_collectives_keep_their_programs_every_strategy():
@@ -522,7 +540,8 @@ def test_gqa_program_has_its_twins_op_count(n, protocol):
     direct-push program has exactly the ops of its standard twin's (4 ranks, flags: 13
     against 27 rows), with every segmented op on every rank; the twin holds none (it runs
     the ``fused`` kernel, as before). On LL every rank's PUTs are one op and its copies of
-    LL units another (``joined``), the twin's too: 3 ops each (21 rows)."""
+    LL units another with its copy of its own pieces (``joined``), the twin's too: 2 ops
+    each (21 rows), with the rows-only program joined to the same."""
     for unit, extra in ((8, 0), (64, 0), (40, 3)):
         sizes = gqa_sizes(n, unit, extra)
         got = _programs(gqa(n), sizes, "direct-push", protocol)
@@ -534,11 +553,11 @@ def test_gqa_program_has_its_twins_op_count(n, protocol):
             if protocol == "fused":
                 assert p.segments > 0 and t.segments == 0 and q.segments == 0
                 assert q.ops == 2 * t.ops + 1
-            else:  # (one peer: nothing of the twin's to join)
-                assert p.ops == 3 and p.segments == 3 and q.ops > p.ops
-                assert t.segments == (0 if n == 2 else 2), t.segments
+            else:  # (one peer: the twin's PUT stays a row)
+                assert p.ops == 2 and p.segments == 2 and q.ops >= p.ops
+                assert t.segments == (1 if n == 2 else 2), t.segments
         if n == 4:
-            assert [p.ops for p in got[0]] == [3 if protocol == "fused-ll" else 13] * 4
+            assert [p.ops for p in got[0]] == [2 if protocol == "fused-ll" else 13] * 4
         # pulled (a ready flag and an acknowledgement per piece): merged across flags
         # (fused_rows.merged_flags), at most the twin's ops
         got = _programs(gqa(n), sizes, "direct-pull", protocol)
@@ -634,27 +653,28 @@ def test_segmented_random_layouts_are_right_on_host():
 
 def test_ll_rows_join_across_flags_up_to_merge_bytes():
     """An all-gather on LL: every rank's PUTs become one op and its copies of LL units
-    another (3 ops on 4 ranks against 7 rows), right on host threads with a late block;
+    another with its local copy (2 ops on 4 ranks against 7 rows), right on host threads
+    with a late block;
     unions past ``MERGE_BYTES`` stay rows; programs that reduce are left as they are."""
     from purlin.atom.fused_rows import MERGE_BYTES, joined
     from purlin.kernels import isa
     from purlin.spec import collectives
 
     ag = collectives.all_gather(4)
-    for piece, want in ((4096, 3), (64 << 10, 3), (MERGE_BYTES, 7)):  # (bytes a peer gets)
+    for piece, want in ((4096, 2), (64 << 10, 2), (MERGE_BYTES, 7)):  # (bytes a peer gets)
         s = plan(ag, "direct-push", count=4 * piece // 2, dtype="bfloat16")
         low = HostBuffers(s, ll=True).lower()
         ops = regrouped(low, 8)[0]
         got = joined(ops, 8, [x.user for x in low])
         assert [len(o) for o in (got or ops)] == [want] * 4, (piece, got)
         if got is not None:
-            assert [op.kind for op in got[0]] == ["puts", "move", "moves"], got[0]
+            assert [op.kind for op in got[0]] == ["puts", "moves"], got[0]
             assert all(_joined_as_rows(j, o) for j, o in zip(got, ops))
     s = plan(ag, "direct-push", count=4 * 256, dtype="bfloat16")
     bufs = HostBuffers(s, ll=True)
     low = bufs.lower()
     programs = fused_programs(low, bufs, 8)
-    assert all(w[isa.F_NOPS] == 3 for w in programs), [w[isa.F_NOPS] for w in programs]
+    assert all(w[isa.F_NOPS] == 2 for w in programs), [w[isa.F_NOPS] for w in programs]
     xs = _inputs(s.sizing, np.random.default_rng(3), calls=3)
     outs = run_fused_calls(programs, bufs, xs, blocks=2, threads=3, slow_block_delay=0.001)
     _compare(s.sizing, outs, xs, "joined all-gather")

@@ -12,8 +12,8 @@ goes further: one peer's rows of a step become one segmented PUT or MOVE
 (``isa.F_OP_PUTS``, ``F_OP_MOVES``, run by the ``fused_seg`` kernels), its threads striding
 over the union of the rows' items, so the program has its standard twin's ops (the GQA
 all-gather on 4 ranks: 13 ops against 27 a row each). :func:`joined` then makes a rank's LL
-PUTs one op and its copies of LL units another, every layout's (an all-gather on 4 ranks:
-3 ops on LL, against 7 rows; the GQA all-gather's 21). ARCHITECTURE.md, "The fused kernel".
+PUTs one op and its copies of LL units (with its copy of its own memory) another, every
+layout's (an all-gather on 4 ranks: 2 ops on LL, against 7 rows; the GQA all-gather's 21). ARCHITECTURE.md, "The fused kernel".
 
 >>> from purlin.spec import Collective
 >>> from purlin.snac import plan
@@ -596,31 +596,68 @@ def aligned(ops_by_rank: list[list[tuple]], unit: int) -> list[dict] | None:
 # ---------------------------------------------------------------- LL rows joined across flags
 
 def _ll_row(op) -> str | None:
-    """What LL rows may share a segmented op: "put" (any peers), "move" (a copy of one
-    peer's LL units); None for the others (flag operations among them)."""
+    """What rows may share a segmented op: "put" (LL PUTs, any peers), "move" (a copy of one
+    peer's LL units), "local" (a plain copy of the rank's own memory: it joins a "move" op
+    holding LL units, never another local copy on its own, so plain programs stay as they
+    are); None for the others (flag operations among them)."""
     first = _parts(op)[0]
     if first.kind == "put":
         return "put"
-    if first.kind == "move" and first.how is None and len(first.sources) == 1 and \
-            first.sources[0].is_ll:
+    if first.kind != "move" or first.how is not None:
+        return None
+    kinds = {_copy_kind(part) for part in _parts(op)}
+    if None in kinds:
+        return None
+    return "move" if "move" in kinds else "local"
+
+
+def _copy_kind(part) -> str | None:
+    if len(part.sources) != 1:
+        return None
+    src = part.sources[0]
+    return "move" if src.is_ll else "local" if src.peer < 0 else None
+
+
+def _joins(a: str | None, b: str | None, kinds: tuple) -> str | None:
+    """The kind of rows of kinds ``a`` and ``b`` joined, where they may join."""
+    if a == b == "put" and "put" in kinds:
+        return "put"
+    if "move" in kinds and {a, b} <= {"move", "local"} and "move" in (a, b):
         return "move"
     return None
 
 
+def _puts_first(ops: list[tuple]) -> list[tuple]:
+    """``ops`` with each plain copy of the rank's own memory after the LL PUTs that follow it
+    with no flag operation between (none reads what it writes): the PUTs then join, and the
+    copy joins the copies of LL units after them. Only rows swap, never a flag operation, so
+    every wait and notify keeps what it orders."""
+    ops = list(ops)
+    moved = True
+    while moved:
+        moved = False
+        for i in range(len(ops) - 1):
+            if _ll_row(ops[i]) == "local" and _ll_row(ops[i + 1]) == "put" and not any(
+                    _conflict(a, b) for a in _parts(ops[i]) for b in _parts(ops[i + 1])):
+                ops[i:i + 2] = ops[i + 1], ops[i]
+                moved = True
+    return ops
+
+
 def _joined_rank(ops: list[tuple], kinds: tuple = ("put", "move")) -> list[tuple]:
     """One rank's LL rows of a kind (of ``kinds``) that only flag operations separate,
-    joined: the waits between them before the first, the notifies after the last (ordering
-    added only), up to :data:`MERGE_BYTES` an op (an all-gather of 1 MiB on 4 ranks measured
-    1.06x slower joined)."""
-    ops = list(ops)
+    joined (a plain copy of the rank's own memory with its copies of LL units): the waits
+    between them before the first, the notifies after the last (ordering added only), up to
+    :data:`MERGE_BYTES` an op (an all-gather of 1 MiB on 4 ranks measured 1.06x slower
+    joined)."""
+    ops = _puts_first(ops) if "put" in kinds else list(ops)
     i = 0
     while i < len(ops):
-        kind = _ll_row(ops[i])
-        kind = kind if kind in kinds else None
         j = i + 1
         while j < len(ops) and ops[j].kind in ("wait", "notify"):
             j += 1
-        if kind is None or j >= len(ops) or _ll_row(ops[j]) != kind or \
+        kind = None if j >= len(ops) else _joins(_ll_row(ops[i]), _ll_row(ops[j]), kinds)
+        if kind is None or \
                 sum(p.nbytes for p in _parts(ops[i]) + _parts(ops[j])) > MERGE_BYTES or \
                 any(_conflict(a, b) for a in _parts(ops[i]) for b in _parts(ops[j])):
             i += 1
