@@ -564,8 +564,9 @@ def aligned(ops_by_rank: list[list[tuple]], unit: int) -> list[dict] | None:
     [{}, {}, {0: 2}]
     """
     tied = acked(ops_by_rank)
-    if not tied:
-        return [{} for _ in ops_by_rank]
+    if not tied:  # (plain spans still meet one first item each: a joined plain copy's)
+        none = [{} for _ in ops_by_rank]
+        return none if _matched(ops_by_rank, unit, True, none) else None
     ends: dict = {}  # acked span -> [(rank, op index, first item or None: a row)]
     for r, ops in enumerate(ops_by_rank):
         for k, op in enumerate(ops):
@@ -597,9 +598,10 @@ def aligned(ops_by_rank: list[list[tuple]], unit: int) -> list[dict] | None:
 
 def _ll_row(op) -> str | None:
     """What rows may share a segmented op: "put" (LL PUTs, any peers), "move" (a copy of one
-    peer's LL units), "local" (a plain copy of the rank's own memory: it joins a "move" op
-    holding LL units, never another local copy on its own, so plain programs stay as they
-    are); None for the others (flag operations among them)."""
+    peer's LL units), "plain" (a plain copy that pulls from no peer -- the rank's own chunk,
+    a push into a peer's scratch, a read of its own scratch: it joins a "move" op holding LL
+    units, never another plain copy on its own, so plain programs stay as they are); None
+    for the others (flag operations among them)."""
     first = _parts(op)[0]
     if first.kind == "put":
         return "put"
@@ -608,36 +610,36 @@ def _ll_row(op) -> str | None:
     kinds = {_copy_kind(part) for part in _parts(op)}
     if None in kinds:
         return None
-    return "move" if "move" in kinds else "local"
+    return "move" if "move" in kinds else "plain"
 
 
 def _copy_kind(part) -> str | None:
     if len(part.sources) != 1:
         return None
     src = part.sources[0]
-    return "move" if src.is_ll else "local" if src.peer < 0 else None
+    return "move" if src.is_ll else "plain" if src.peer < 0 else None
 
 
 def _joins(a: str | None, b: str | None, kinds: tuple) -> str | None:
     """The kind of rows of kinds ``a`` and ``b`` joined, where they may join."""
     if a == b == "put" and "put" in kinds:
         return "put"
-    if "move" in kinds and {a, b} <= {"move", "local"} and "move" in (a, b):
+    if "move" in kinds and {a, b} <= {"move", "plain"} and "move" in (a, b):
         return "move"
     return None
 
 
 def _puts_first(ops: list[tuple]) -> list[tuple]:
-    """``ops`` with each plain copy of the rank's own memory after the LL PUTs that follow it
-    with no flag operation between (none reads what it writes): the PUTs then join, and the
-    copy joins the copies of LL units after them. Only rows swap, never a flag operation, so
+    """``ops`` with each plain copy that pulls from no peer after the LL PUTs that follow it
+    with no flag operation between (none touching what the other writes): the PUTs then
+    join, and the copy joins the copies of LL units after them. Only rows swap, never a flag operation, so
     every wait and notify keeps what it orders."""
     ops = list(ops)
     moved = True
     while moved:
         moved = False
         for i in range(len(ops) - 1):
-            if _ll_row(ops[i]) == "local" and _ll_row(ops[i + 1]) == "put" and not any(
+            if _ll_row(ops[i]) == "plain" and _ll_row(ops[i + 1]) == "put" and not any(
                     _conflict(a, b) for a in _parts(ops[i]) for b in _parts(ops[i + 1])):
                 ops[i:i + 2] = ops[i + 1], ops[i]
                 moved = True
@@ -646,7 +648,7 @@ def _puts_first(ops: list[tuple]) -> list[tuple]:
 
 def _joined_rank(ops: list[tuple], kinds: tuple = ("put", "move")) -> list[tuple]:
     """One rank's LL rows of a kind (of ``kinds``) that only flag operations separate,
-    joined (a plain copy of the rank's own memory with its copies of LL units): the waits
+    joined (a plain copy that pulls from no peer with its copies of LL units): the waits
     between them before the first, the notifies after the last (ordering added only), up to
     :data:`MERGE_BYTES` an op (an all-gather of 1 MiB on 4 ranks measured 1.06x slower
     joined)."""
