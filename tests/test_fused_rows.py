@@ -158,16 +158,16 @@ def test_standard_collectives_keep_their_programs():
 
 
 def _local(part) -> bool:
-    """A plain copy of the rank's own memory (no peer's bytes)?"""
+    """A plain copy that pulls from no peer (the rank's own chunk, a push into scratch)?"""
     return part.kind == "move" and len(part.sources) == 1 and not part.sources[0].is_ll and \
         part.sources[0].peer < 0
 
 
 def _joined_as_rows(joined_ops, plain_ops):
     """Are a rank's joined ops its plain ops with LL rows joined across flag operations:
-    the same rows, in the same order but for plain copies of the rank's own memory (which may
+    the same rows, in the same order but for plain copies that pull from no peer (which may
     only move later, past PUTs), the same flag operations, each segmented op only PUTs or
-    copies of which at least one copies LL units and the rest are local?"""
+    copies of which at least one copies LL units and the rest are such plain copies?"""
     rows = [part for op in joined_ops for part in
             (op.parts if op.kind in ("puts", "moves") else (op,)) if part.kind != "wait" and
             part.kind != "notify"]
@@ -654,8 +654,8 @@ def test_segmented_random_layouts_are_right_on_host():
 def test_ll_rows_join_across_flags_up_to_merge_bytes():
     """An all-gather on LL: every rank's PUTs become one op and its copies of LL units
     another with its local copy (2 ops on 4 ranks against 7 rows), right on host threads
-    with a late block;
-    unions past ``MERGE_BYTES`` stay rows; programs that reduce are left as they are."""
+    with a late block; unions past ``MERGE_BYTES`` stay rows; programs that reduce are left
+    as they are."""
     from purlin.atom.fused_rows import MERGE_BYTES, joined
     from purlin.kernels import isa
     from purlin.spec import collectives

@@ -12,8 +12,9 @@ goes further: one peer's rows of a step become one segmented PUT or MOVE
 (``isa.F_OP_PUTS``, ``F_OP_MOVES``, run by the ``fused_seg`` kernels), its threads striding
 over the union of the rows' items, so the program has its standard twin's ops (the GQA
 all-gather on 4 ranks: 13 ops against 27 a row each). :func:`joined` then makes a rank's LL
-PUTs one op and its copies of LL units (with its copy of its own memory) another, every
-layout's (an all-gather on 4 ranks: 2 ops on LL, against 7 rows; the GQA all-gather's 21). ARCHITECTURE.md, "The fused kernel".
+PUTs one op and its copies of LL units (with its plain copies that pull from no peer)
+another, every layout's (an all-gather on 4 ranks: 2 ops on LL, against 7 rows; the GQA
+all-gather's 21). ARCHITECTURE.md, "The fused kernel".
 
 >>> from purlin.spec import Collective
 >>> from purlin.snac import plan
@@ -614,6 +615,8 @@ def _ll_row(op) -> str | None:
 
 
 def _copy_kind(part) -> str | None:
+    """A one-source copy's :func:`_ll_row` kind ("move": of LL units; "plain": pulling from
+    no peer); None for the rest (reductions' several sources, plain pulls)."""
     if len(part.sources) != 1:
         return None
     src = part.sources[0]
@@ -632,8 +635,8 @@ def _joins(a: str | None, b: str | None, kinds: tuple) -> str | None:
 def _puts_first(ops: list[tuple]) -> list[tuple]:
     """``ops`` with each plain copy that pulls from no peer after the LL PUTs that follow it
     with no flag operation between (none touching what the other writes): the PUTs then
-    join, and the copy joins the copies of LL units after them. Only rows swap, never a flag operation, so
-    every wait and notify keeps what it orders."""
+    join, and the copy joins the copies of LL units after them. Only rows swap, never a flag
+    operation, so every wait and notify keeps what it orders."""
     ops = list(ops)
     moved = True
     while moved:
