@@ -714,8 +714,9 @@ def test_acked_units_stay_on_the_blocks_that_read_them():
     (two calls back, a flag slot per block) are all that keep its PUTs from rewriting units
     a peer's block still polls, so every unit it writes must be read by the same block.
     Joined, the root's PUTs put peer p's piece at item (p - 1) * piece of the union: each
-    peer's copy starts there (``aligned``); a two-root broadcast keeps its roots' PUTs
-    joined and its copies as rows, each aligned to its root. On host threads with a
+    peer's copy starts there (``aligned``); a two-root broadcast's peers join their two
+    copies too, the second root's PUTs turned so that both pieces land where its peers'
+    joined copies read them. On host threads with a
     peer's last block late, four calls: right (a peer's block used to poll units the root's
     next-but-one call had rewritten, and never returned)."""
     from purlin.atom.fused import Segments
@@ -724,7 +725,8 @@ def test_acked_units_stay_on_the_blocks_that_read_them():
 
     bc = collectives.broadcast(4)
     two = Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy", name="two roots")
-    for coll, sizes, turned in ((bc, {"x": 4 * 100}, [2, 3]), (two, {"a": 200, "b": 200}, [])):
+    for coll, sizes, turned in ((bc, {"x": 4 * 100}, [2, 3]),
+                                (two, {"a": 200, "b": 200}, [1, 2, 3])):
         s = plan(coll, "direct-push", chunk_sizes=sizes, dtype="bfloat16")
         bufs = HostBuffers(s, ll=True)
         low = bufs.lower()
@@ -732,13 +734,12 @@ def test_acked_units_stay_on_the_blocks_that_read_them():
         got = joined(ops, 8, [x.user for x in low])
         assert got is not None and acked(got)
         rot = aligned(got, 8)
-        assert rot is not None and sorted(r for r, x in enumerate(rot) if x) == (
-            turned or [2, 3]), rot
+        assert rot is not None and sorted(r for r, x in enumerate(rot) if x) == turned, rot
         roots = [r for r, rank in enumerate(got) if any(op.kind == "puts" for op in rank)]
         assert roots == [0] if coll is bc else roots == [0, 1], roots
-        if coll is two:  # (the peers' copies stay rows: two roots, two starts)
-            assert not any(isinstance(op, Segments) and op.kind == "moves"
-                           for rank in got for op in rank)
+        if coll is two:  # (each peer copies both roots' pieces in one op)
+            assert all(sum(isinstance(op, Segments) and op.kind == "moves" for op in got[r]) == 1
+                       and len(got[r]) == 3 for r in (2, 3)), got[2:]
         for slow in (2, 3):
             bufs = HostBuffers(s, ll=True)
             programs = fused_programs(bufs.lower(), bufs, 8)

@@ -549,11 +549,14 @@ def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool,
 
 
 def aligned(ops_by_rank: list[list[tuple]], unit: int) -> list[dict] | None:
-    """{op index: rotation} for each rank that puts every :func:`acked` LL unit on the
-    thread that reads it: a row (not a segmented op) outside takes the first item its
-    partner's segment starts at (a broadcast's readers that of their piece in the root's
-    joined PUTs, a gather's senders that of theirs in the root's joined copies); None where
-    both sides lie in segmented ops at different items or a row would need two rotations.
+    """{op index: rotation} for each rank that gives every span which must stay on one
+    thread -- an :func:`acked` LL unit, a plain span some op writes -- the same threads at
+    every op touching it: the op's first item of the span in its union plus the op's
+    rotation. The rotations are differences solved over the ops that share spans (a
+    two-root broadcast's readers take their first piece where it lies in its root's joined
+    PUTs, the second root's joined PUTs where that puts the second piece); each group's
+    first segmented op (else its first op) keeps 0, and no rotation is below 0. None where
+    two spans ask one op for different rotations.
 
     >>> from purlin.atom.fused import Move, Put, Segments, Source, Wait
     >>> put = lambda peer, at: Put("put", 0, at, at + 512, 32, peer, 1)
@@ -565,33 +568,63 @@ def aligned(ops_by_rank: list[list[tuple]], unit: int) -> list[dict] | None:
     [{}, {}, {0: 2}]
     """
     tied = acked(ops_by_rank)
-    if not tied:  # (plain spans still meet one first item each: a joined plain copy's)
-        none = [{} for _ in ops_by_rank]
-        return none if _matched(ops_by_rank, unit, True, none) else None
-    ends: dict = {}  # acked span -> [(rank, op index, first item or None: a row)]
+    touching: dict = {}  # span -> [(rank, op index, first item in the op's union)]
+    written: set = set()
+    segmented_ops = set()
     for r, ops in enumerate(ops_by_rank):
         for k, op in enumerate(ops):
             if op.kind not in ("puts", "moves", "put", "move"):
                 continue
+            if op.kind in ("puts", "moves"):
+                segmented_ops.add((r, k))
             start = 0
             for part in _parts(op):
                 w, reads = _accesses(part)
-                for span in ([w] if part.kind == "put" else
-                             [x for x, src in zip(reads, part.sources) if src.is_ll]):
-                    if span in tied:
-                        ends.setdefault(span, []).append(
-                            (r, k, start if op.kind in ("puts", "moves") else None))
+                if part.kind == "put":  # (a PUT's units are polled by their tag but for acked)
+                    spans = [(reads[0], False)] + ([(w, True)] if w in tied else [])
+                else:
+                    spans = [(w, True)] + [(x, False) for x, src in zip(reads, part.sources)
+                                           if not src.is_ll or x in tied]
+                for span, writes in spans:
+                    touching.setdefault(span, []).append((r, k, start))
+                    if writes:
+                        written.add(span)
                 start += -(-part.nbytes // unit)
+    parent: dict = {}  # op -> (parent op, rotation of op minus rotation of parent)
+
+    def find(x):
+        up, diff = parent.get(x, (x, 0))
+        if up == x:
+            return x, 0
+        root, above = find(up)
+        parent[x] = (root, diff + above)
+        return root, diff + above
+
+    for span in written:
+        (r0, k0, s0), *rest = touching[span]
+        parent.setdefault((r0, k0), ((r0, k0), 0))
+        for r, k, s in rest:  # (rotation(r, k) + s == rotation(r0, k0) + s0)
+            parent.setdefault((r, k), ((r, k), 0))
+            a, da = find((r, k))
+            b, db = find((r0, k0))
+            want = s0 - s  # rotation(r, k) - rotation(r0, k0)
+            if a == b:
+                if da - db != want:
+                    return None
+                continue
+            parent[a] = (b, want + db - da)
+    groups: dict = {}
+    for x in parent:
+        groups.setdefault(find(x)[0], []).append(x)
     out: list = [{} for _ in ops_by_rank]
-    for who in ends.values():
-        fixed = {at for _, _, at in who if at is not None}
-        if len(fixed) > 1:
-            return None
-        want = fixed.pop() if fixed else 0
-        for r, k, at in who:
-            if at is None and out[r].setdefault(k, want) != want:
-                return None
-    out = [{k: v for k, v in rot.items() if v} for rot in out]
+    for members in groups.values():
+        members.sort()
+        anchor = next((x for x in members if x in segmented_ops), members[0])
+        rel = {x: find(x)[1] - find(anchor)[1] for x in members}
+        low = min(rel.values())
+        for (r, k), v in rel.items():
+            if v - min(low, 0):
+                out[r][k] = v - min(low, 0)
     return out if _matched(ops_by_rank, unit, True, out) else None
 
 
