@@ -141,8 +141,9 @@ def test_cluster_bind_passes_the_tables_blocks_per_lane_to_sm(table, monkeypatch
     gpus = Cluster("local", 2, (0, 1))
     assert gpus.bind(collectives.all_reduce(2), "auto", nbytes=16 * MiB,
                      dtype="bfloat16") == "bound"
+    # the table's protocol named, "simple" too: a bind that names none takes the fast path
     assert seen == {"timeout": 5.0, "blocks_per_lane": 8, "strategy": "two-phase",
-                    "chunks": 4, "lanes": 8, "fit": True}
+                    "chunks": 4, "lanes": 8, "fit": True, "protocol": "simple", "pdl": False}
     seen.clear()
     gpus.bind(collectives.all_reduce(2), "auto", nbytes=16 * MiB, dtype="bfloat16",
               blocks_per_lane=2)  # given by the caller: kept

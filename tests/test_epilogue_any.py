@@ -299,7 +299,9 @@ def test_sm_bind_routes_an_epilogue_to_the_one_shot_kernel_or_the_epilogue_kerne
     assert bind("direct-push", small) == "fused-ll kernel with epilogue"
     assert bind("direct-push", small, protocol="simple") == "fused-ll kernel with epilogue"
     assert bind("direct-push", big) == "interpreter then epilogue kernel"
-    assert made == [("simple", False)]  # (no one-shot attempt past LL sizes)
+    assert made == [("fused", False)]  # no protocol: the fast path (no one-shot past LL sizes)
+    assert bind("direct-push", big, protocol="simple") == "interpreter then epilogue kernel"
+    assert made == [("simple", False)]
     assert bind("ring", small, protocol="ll") == "interpreter then epilogue kernel"
     assert made == [("fused-ll", True), ("ll", False)]
     assert bind("direct-push", big, protocol="fused", fallback=True) == \

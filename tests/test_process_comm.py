@@ -434,8 +434,8 @@ def test_killed_peer_makes_survivors_time_out_naming_it(strategy):
 def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     """protocol="ll": small direct-push messages on the sm datapath get LL areas; large ones,
     ring plans and the cpu datapath keep flags. The fused protocols run where the fused kernel
-    can run the plan (LL up to LL_MAX_BYTES), else the interpreter's protocol; "auto" takes a
-    tuning table's protocol and PDL, else the simple protocol."""
+    can run the plan (LL up to LL_MAX_BYTES), else the interpreter's protocol; "auto" takes
+    the choice's protocol and PDL for its own plan, else the fast path."""
     from types import SimpleNamespace
 
     from purlin.runtime.shm import layout
@@ -467,11 +467,15 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     assert runs(ring, "fused-ll") == ("simple", False)  # two lanes: the interpreter
     assert runs(tail, "fused-ll") == ("fused-ll", True)
     assert runs(odd, "fused-ll") == ("ll", False)
-    table = SimpleNamespace(source="table nvidia-h200", protocol="fused-ll", pdl=True)
-    rules = SimpleNamespace(source="rules", protocol="simple", pdl=False)
+    table = SimpleNamespace(strategy="direct-push", protocol="fused-ll", pdl=True)
+    rules = SimpleNamespace(strategy="direct-push", protocol="simple", pdl=False)
     assert runs(small, "auto", choice=table) == ("fused-ll", True)
     assert runs(big, "auto", choice=table) == ("fused", True)
     assert runs(small, "auto", choice=rules) == ("simple", False)
+    # a choice for another plan (the communicator's own strategy), or none: the fast path
+    other = SimpleNamespace(strategy="ring", protocol="simple", pdl=False)
+    assert runs(small, "auto", choice=other) == runs(small, "auto") == ("fused-ll", True)
+    assert runs(big, "auto") == ("fused", True) and runs(ring, "auto") == ("simple", False)
     with_ll, without = layout(small, ll=True), layout(small)
     assert with_ll.has_ll and not without.has_ll and with_ll.size > without.size
     slots = layout(small, ll=True, block_flags=True)

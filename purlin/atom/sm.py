@@ -120,14 +120,39 @@ def check_device(device) -> None:
         raise CapabilityError(f"GPU {device} is not visible ({torch.cuda.device_count()} GPUs)")
 
 
-PROTOCOLS = ("simple", "ll", "fused", "fused-ll")
+PROTOCOLS = ("simple", "ll", "fused", "fused-ll")  # overrides; not naming one is the fast path
 LL_MAX_BYTES = 256 << 10  # where LL can pay: it doubles the bytes on the wire
 FUSED_MAX_BYTES = 16 << 20  # where the fused kernel is tried (tuning candidates)
 
 
+def fast_protocol(schedule) -> str:
+    """The protocol a bind runs ``schedule`` with when none is named: the fused kernel where
+    it runs the plan (on LL transfers up to :data:`LL_MAX_BYTES`, else 16-byte items), else
+    the interpreter (LL up to that size where the lowering sends pairs so, else "simple").
+
+    >>> from purlin.snac import plan
+    >>> from purlin.spec import collectives
+    >>> fast_protocol(plan(collectives.all_reduce(4), "direct-push", nbytes=8192))
+    'fused-ll'
+    >>> fast_protocol(plan(collectives.all_reduce(4), "direct-push", nbytes=1 << 20))
+    'fused'
+    >>> fast_protocol(plan(collectives.all_reduce(4), "direct-push", nbytes=8192, lanes=2))
+    'll'
+    """
+    from purlin.atom.fused import fused_problems
+    from purlin.atom.lowering import ll_transfers
+
+    small = schedule.sizing.message_bytes <= LL_MAX_BYTES
+    problems = fused_problems(schedule)
+    for protocol in ("fused-ll", "fused") if small else ("fused",):
+        if problems[protocol] is None:
+            return protocol
+    return "ll" if small and ll_transfers(schedule) else "simple"
+
+
 def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None = None,
          threads: int | None = None, trace_rows: int = 0, protocol: str | None = None,
-         pdl: bool = False, fallback: bool = False, fit: bool = False, epilogue=None):
+         pdl: bool | None = None, fallback: bool = False, fit: bool = False, epilogue=None):
     """Bind ``schedule`` on the sm datapath. ``protocol="ll"`` sends each Stage + Notify pair
     that ``purlin.atom.lowering.ll_transfers`` finds safe as LL units (flags inside the data:
     no release fence, no separate flag hop; twice the bytes on the wire), by default with one
@@ -156,18 +181,28 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
     for all) run on the sums -- inside the one-shot kernel where it runs (asked for with
     ``"fused-ll"``, else tried at an LL size), otherwise by the epilogue kernel after the
     all-reduce's own launch on ``protocol`` (:func:`purlin.atom.sm_epilogue.bind_epilogue`);
-    ``kernel`` on the result says which. ``protocol`` not given: ``"simple"``."""
+    ``kernel`` on the result says which.
+
+    ``protocol`` not given: the fast path, :func:`fast_protocol` (the fused kernel where it
+    runs the plan, else the interpreter; with PDL on the fused kernel where the GPU has it),
+    falling back to the interpreter where the fused bind refuses a launch no one asked for.
+    Name a protocol to compare paths (``PROTOCOLS``); ``pdl`` not given is then off."""
     if protocol is not None and protocol not in PROTOCOLS:
-        raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)}, got "
-                              f"{protocol!r}")
+        raise CapabilityError(f"protocol must be one of {', '.join(PROTOCOLS)} (or none: the "
+                              f"fast path), got {protocol!r}")
+    if protocol is None and epilogue is None:
+        protocol = fast_protocol(schedule)
+        fallback = fallback or (blocks_per_lane is None and threads is None)
+        if pdl is None:
+            pdl = protocol.startswith("fused") and _has_pdl(cluster)
+    pdl = pdl if epilogue is not None else bool(pdl)
     options = dict(timeout=timeout, trace_rows=trace_rows, pdl=pdl, fit=fit)
-    if epilogue is not None:
+    if epilogue is not None:  # (it binds the all-reduce here again, without the epilogue)
         from purlin.atom.sm_epilogue import bind_epilogue
 
         return bind_epilogue(cluster, schedule, protocol=protocol, fallback=fallback,
                              epilogue=epilogue, blocks_per_lane=blocks_per_lane,
                              threads=threads, **options)
-    protocol = protocol or "simple"
     try:
         return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
                        protocol=protocol, **options)
@@ -176,6 +211,16 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
             raise
     return SmBound(cluster, schedule, blocks_per_lane=None, threads=None,
                    protocol="ll" if protocol == "fused-ll" else "simple", **options)
+
+
+def _has_pdl(cluster) -> bool:
+    """Do all of ``cluster``'s GPUs launch with programmatic dependent launch (sm_90+)? (No
+    GPU visible: no; the bind then says what is missing.)"""
+    try:
+        torch = _torch()
+    except CapabilityError:
+        return False
+    return all(torch.cuda.get_device_capability(d) >= (9, 0) for d in set(cluster.devices))
 
 
 def default_blocks_per_lane(message_bytes: int, lanes: int, sms: int = 132) -> int:
@@ -431,8 +476,8 @@ class SmBound:
         # (several pieces per peer: one flag each and rows side by side, purlin.atom.fused_rows)
         progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
                                  self.abort.data_ptr(), self.flag_map.slot, unit,
-                                 regroup=not self.trace_rows,  # (a trace names table rows)
                                  segments=several_pieces(self.schedule))
+        self._unit = unit  # (a trace names the table rows each op stands for)
         size = max(p.items for p in progs)
         per_launch = max(len(r) for r in groups.values())
         self.blocks_per_lane, self.threads = fused_launch(
@@ -462,20 +507,22 @@ class SmBound:
         """With ``trace_rows``: the traced fused kernel's Launcher options and its records for
         the ranks of one launch (every op of every block: ``trace_rows`` only switches it
         on), kept in ``self._fused_traces``; without, the untraced kernel."""
-        if not self.trace_rows:  # (segmented ops: the kernel compiled with them)
-            return {"kernel": "fused-seg" if any(progs[r].segments for r in ranks) else "fused"}
+        # (segmented ops: the kernel compiled with them; traced, its twin runs the same ops)
+        kernel = "fused-seg" if any(progs[r].segments for r in ranks) else "fused"
+        if not self.trace_rows:
+            return {"kernel": kernel}
         from purlin.atom.fused_trace import traced_kernel
 
         ops = max(progs[r].ops for r in ranks)
         buffer = self.torch.zeros(len(ranks) * self.blocks_per_lane * ops * isa.TRACE_WIDTH,
                                   dtype=self.torch.int64, device=self.torch.device("cuda", device))
         self._fused_traces = getattr(self, "_fused_traces", []) + [(ranks, buffer, progs)]
-        return dict(kernel=traced_kernel("fused"), trace=buffer.data_ptr(), trace_rows=ops)
+        return dict(kernel=traced_kernel(kernel), trace=buffer.data_ptr(), trace_rows=ops)
 
     def _read_fused_trace(self):
         """The traced fused kernel's records per rank, as the interpreter's (table row, block,
         start, end): int64[blocks, table rows, 4] (:mod:`purlin.atom.fused_trace`)."""
-        from purlin.atom.fused_trace import as_row_records, op_rows
+        from purlin.atom.fused_trace import as_row_records, program_rows
 
         out = [None] * self.schedule.nranks
         for ranks, buffer, progs in self._fused_traces:
@@ -483,8 +530,8 @@ class SmBound:
                                                    isa.TRACE_WIDTH)
             for k, r in enumerate(ranks):
                 low = self.lowered[r]
-                out[r] = as_row_records(records[k], op_rows(low, progs[r].ops),
-                                        len(low.tables[0]))
+                rows = program_rows(low, progs[r].op_list, self._unit)
+                out[r] = as_row_records(records[k], rows, len(low.tables[0]))
         return out
 
     # -- running -----------------------------------------------------------------------------

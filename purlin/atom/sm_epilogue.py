@@ -84,14 +84,15 @@ def bind_epilogue(cluster, schedule, *, protocol, fallback, epilogue, blocks_per
     """``purlin.atom.sm.bind`` with ``epilogue``: the one-shot kernel with the epilogue inside
     where it runs -- asked for (``protocol="fused-ll"``: that or a refusal), or tried at an
     LL size whatever the protocol (``strategy="auto"``'s included) -- else the all-reduce
-    bound as without an epilogue, on its protocol, then one epilogue launch per device on the
+    bound as without an epilogue, on its protocol (none named: the fast path), then one epilogue launch per device on the
     outputs (and a prologue launch on the inputs before it): :func:`add_device_epilogue`."""
     from purlin.atom import sm
     from purlin.atom.epilogue import per_rank
 
     epis = per_rank(epilogue, schedule)
+    pdl = options.pop("pdl")  # None: the one-shot kernel without, the path below its default
     oneshot = dict(blocks_per_lane=blocks_per_lane, threads=threads, protocol="fused-ll",
-                   epilogue=epilogue, **options)
+                   epilogue=epilogue, pdl=bool(pdl), **options)
     if protocol == "fused-ll" and not fallback:
         try:
             return sm.SmBound(cluster, schedule, **oneshot)
@@ -109,7 +110,7 @@ def bind_epilogue(cluster, schedule, *, protocol, fallback, epilogue, blocks_per
             # not one shot (a strategy, rows or a grid it cannot run): the path below
     if epis[0].wire:
         raise CapabilityError(wire_refusal(epis[0], schedule.sizing.message_bytes))
-    bound = sm.bind(cluster, schedule, protocol=protocol or "simple", fallback=fallback,
+    bound = sm.bind(cluster, schedule, protocol=protocol, fallback=fallback, pdl=pdl,
                     blocks_per_lane=blocks_per_lane, threads=threads, **options)
     add_device_epilogue(bound, epis)
     return bound

@@ -145,9 +145,11 @@ def time_purlin(cluster, collective, nbytes: int, dtype: str = "bfloat16",
 
     coll = collective
     sizing = coll.sized(nbytes=fit_nbytes(coll, nbytes, dtype), dtype=dtype)
+    how = launch_options(blocks_per_lane, protocol, pdl)
+    if strategy != "auto":  # named: a bind that names no protocol takes the fast path
+        how.update(protocol=protocol, pdl=pdl)
     bound = cluster.bind(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
-                         lanes_by=lanes_by, threads=threads,
-                         **launch_options(blocks_per_lane, protocol, pdl),
+                         lanes_by=lanes_by, threads=threads, **how,
                          **({"fallback": True} if fallback else {}))
     wrong = count_wrong(torch, bound)
     sched = bound.schedule

@@ -53,8 +53,10 @@ class Choice:
                 f"from {self.source})")
 
     def sm_options(self) -> dict:
-        """What the sm datapath's bind takes from this choice beyond strategy, chunks, lanes."""
-        return launch_options(self.blocks_per_lane, self.protocol, self.pdl)
+        """What the sm datapath's bind takes from this choice beyond strategy, chunks, lanes
+        (its protocol and PDL always named: a bind that names none takes the fast path)."""
+        return {**launch_options(self.blocks_per_lane, self.protocol, self.pdl),
+                "protocol": self.protocol, "pdl": bool(self.pdl)}
 
 
 def launch_options(blocks_per_lane, protocol: str = "simple", pdl: bool = False) -> dict:

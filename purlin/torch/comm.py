@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from purlin.atom.sm import LL_MAX_BYTES  # LL transfers up to this size; larger: flags
+from purlin.atom.sm import PROTOCOLS as SM_PROTOCOLS
+from purlin.atom.sm import fast_protocol
 from purlin.errors import CallMismatchError, CapabilityError, CountError, ExecutionError, \
     OpDtypeError, PurlinError, PurlinTimeoutError, SpecError
 from purlin.runtime.fingerprint import Call
@@ -35,7 +37,7 @@ DEFAULT_STAGING = 256 << 20
 DEFAULT_TIMEOUT = 10.0
 PROCESS_PATHS = {"cpu": ("purlin.torch.cpu_path", "CpuPath"),  # process-mode paths
                  "sm": ("purlin.torch.sm_path", "SmPath")}
-PROTOCOLS = ("simple", "ll", "fused", "fused-ll", "auto")  # of the sm datapath
+PROTOCOLS = (*SM_PROTOCOLS, "auto")  # of the sm datapath
 _NO_OP = object()  # a function without a reduce op
 
 
@@ -932,7 +934,8 @@ class Communicator:
 
     def _protocol(self, schedule, choice) -> tuple[str, bool]:
         """(protocol, PDL) this schedule runs with on the sm datapath: the communicator's
-        protocol (under "auto" the table's), LL only up to LL_MAX_BYTES (LL doubles the bytes
+        protocol (under "auto" the choice's for its plan, else the fast path:
+        ``purlin.atom.sm.fast_protocol``), LL only up to LL_MAX_BYTES (LL doubles the bytes
         on the wire) and where the lowering can send pairs so, a fused protocol only where the
         fused kernel can run the plan (else the interpreter's protocol)."""
         from purlin.atom.fused import fused_problems
@@ -941,10 +944,10 @@ class Communicator:
         if self.datapath != "sm":
             return "simple", False
         protocol, pdl = self.protocol, self.pdl
-        if protocol == "auto":
-            tabled = choice is not None and choice.source.startswith("table")
-            protocol = choice.protocol if tabled else "simple"
-            pdl = (choice.pdl if tabled else False) if pdl is None else pdl
+        if protocol == "auto":  # the choice's (a table's, else the fast path) for its plan
+            same = choice is not None and choice.strategy == schedule.strategy
+            protocol = choice.protocol if same else fast_protocol(schedule)
+            pdl = (choice.pdl if same else None) if pdl is None else pdl
         if protocol in ("ll", "fused-ll") and not (
                 schedule.sizing.message_bytes <= LL_MAX_BYTES and ll_transfers(schedule)):
             protocol = {"ll": "simple", "fused-ll": "fused"}[protocol]
