@@ -188,10 +188,8 @@ def fused_timelines(out_dir, ops: int = 50, repeats: int = 15) -> int:
     import numpy as np
     import torch
 
-    from purlin.atom.fused_trace import fused_protocol
     from purlin.bench.providers import time_graph
     from purlin.runtime import Cluster
-    from purlin.snac import plan
     from purlin.trace import from_sm, to_perfetto
     from purlin.viz import timeline_figure, to_html
 
@@ -199,12 +197,11 @@ def fused_timelines(out_dir, ops: int = 50, repeats: int = 15) -> int:
     rows = []
     for stem, coll in fused_layouts(cluster.nranks):
         for nbytes in FUSED_SIZES:
-            protocol = fused_protocol(plan(coll, "direct-push", nbytes=nbytes,
-                                           dtype="bfloat16"))
-            row = {"layout": coll.name, "nbytes": nbytes, "protocol": protocol}
-            for label, trace_rows in (("off", 0), ("on", 64)):
+            row = {"layout": coll.name, "nbytes": nbytes}
+            for label, trace_rows in (("off", 0), ("on", 64)):  # no protocol: the fast path
                 bound = cluster.bind(coll, "direct-push", nbytes=nbytes, dtype="bfloat16",
-                                     protocol=protocol, trace_rows=trace_rows)
+                                     trace_rows=trace_rows)
+                row["protocol"], row["pdl"] = bound.protocol, bound.pdl
                 times = time_graph(torch, bound, ops, repeats)
                 row[f"trace_{label}_us"] = float(np.median(times))
                 row[f"trace_{label}_p20_p80"] = [float(np.percentile(times, 20)),

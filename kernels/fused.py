@@ -1109,4 +1109,22 @@ def fused_norm_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns
          True, False, trace, trace_rows)
 
 
+@_kernel
+def fused_seg_trace(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                    counters, trace, trace_rows):
+    """``fused_seg`` that records every op (a segmented one as one record) as
+    ``fused_trace`` does: the traced twin of the kernel that runs segmented programs."""
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
+         False, True, trace, trace_rows)
+
+
+@_kernel
+def fused_seg_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                        counters, trace, trace_rows):
+    """``fused_seg_trace`` for programmatic dependent launch."""
+    griddep_launch_dependents()
+    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
+         False, True, trace, trace_rows)
+
+
 LL_ITEM = 8  # bytes of a thread's item in the one-shot epilogue kernels: one LL unit's data

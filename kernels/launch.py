@@ -49,8 +49,11 @@ KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
            "fused-seg": (fused.fused_seg, fused.fused_seg_pdl, fused.SIGNATURE),
            "fused-trace": (fused.fused_trace, fused.fused_trace_pdl, fused.TRACE_SIGNATURE),
            "fused-norm-trace": (fused.fused_norm_trace, fused.fused_norm_trace_pdl,
-                                fused.TRACE_SIGNATURE)}
-TRACED = ("fused-trace", "fused-norm-trace")  # + the trace buffer's address and rows per block
+                                fused.TRACE_SIGNATURE),
+           "fused-seg-trace": (fused.fused_seg_trace, fused.fused_seg_trace_pdl,
+                               fused.TRACE_SIGNATURE)}
+TRACED = ("fused-trace", "fused-norm-trace", "fused-seg-trace")  # + the trace buffer's
+# address and rows per block
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 

@@ -454,13 +454,13 @@ def run_command(args: argparse.Namespace) -> int:
              help="also run it (GPUs where present, else the cpu datapath) and draw the "
                   "measured timeline under the predicted one"),
          arg("--protocol", default="auto", choices=("auto", "simple", "ll", "fused", "fused-ll"),
-             help="on GPUs, the sm protocol measured: auto (default) traces the fused kernel "
-                  "where it runs the plan (fused-ll up to 256 KiB), else the interpreter"))
+             help="on GPUs, the sm protocol measured: auto (default) traces the fast path (the "
+                  "fused kernel where it runs the plan, fused-ll up to 256 KiB), else the "
+                  "interpreter"))
 def trace_command(args: argparse.Namespace) -> int:
     """Draw the predicted (and optionally measured) SNAC timeline of a collective."""
     import numpy as np
 
-    from purlin.atom.fused_trace import fused_protocol
     from purlin.bench.clusters import choose, describe
     from purlin.snac import verify
     from purlin.trace import from_cpu, from_sm, predict, to_perfetto
@@ -477,8 +477,9 @@ def trace_command(args: argparse.Namespace) -> int:
     shown, fig = predicted, None
     if args.measure:
         cluster = choose(schedule.nranks)
-        options = {} if cluster.kind == "cpu" else \
-            {"trace_rows": 256, "protocol": fused_protocol(schedule, args.protocol)}
+        options = {} if cluster.kind == "cpu" else {"trace_rows": 256}
+        if cluster.kind != "cpu" and args.protocol != "auto":
+            options["protocol"] = args.protocol
         bound = cluster.bind(schedule.collective, schedule.strategy, sizing=schedule.sizing,
                              chunks=schedule.chunks, lanes=schedule.lanes,
                              lanes_by=schedule.lanes_by, **options)

@@ -30,9 +30,13 @@ def _layouts():
 
     rev = Collective([[r] for r in range(4)], [list(range(3, -1, -1))] * 4, "copy",
                      name="reversed all-gather")
+    qkv = Collective([[(r, t) for t in "qkv"] for r in range(4)],
+                     [[(r, t) for t in "qkv" for r in range(4)]] * 4, "copy", name="gqa")
     return [("all-reduce", collectives.all_reduce(4), "fused"),
             ("all-reduce-ll", collectives.all_reduce(4), "fused-ll"),
-            ("reversed-all-gather", rev, "fused")]
+            ("reversed-all-gather", rev, "fused"),
+            ("reversed-all-gather-ll-joined", rev, "fused-ll"),  # the program that runs
+            ("gqa-segmented", qkv, "fused")]
 
 
 def _landed_rank0(low, bufs, item):
@@ -55,11 +59,15 @@ def _landed_rank0(low, bufs, item):
         f[:] = 1 << 40
 
 
-def _traced_rank0(coll, protocol, blocks=2, threads=3, count=24):
+def _traced_rank0(coll, protocol, blocks=2, threads=3, count=24, segments=False):
     """Rank 0 of ``coll`` (bfloat16, direct-push) on the fused kernel, its peers' data landed:
-    untraced, then traced. Returns (schedule, lowered, program ops, outputs untraced, traced,
-    trace records int64[blocks, ops, 4])."""
+    untraced, then traced; ``segments``: the program the sm datapath runs (segmented,
+    joined) on ``fused_seg`` and its traced twin, else one op per row on ``fused``. Returns
+    (schedule, lowered, the rows each op names, outputs untraced, traced, trace records
+    int64[blocks, ops, 4])."""
     from purlin.atom.fused import fused_unit
+    from purlin.atom.fused_rows import cluster_programs, several_pieces
+    from purlin.atom.fused_trace import program_rows
     from purlin.atom.host import HostBuffers, fused_programs
     from purlin.kernels import fused
     from purlin.snac import plan
@@ -73,8 +81,15 @@ def _traced_rank0(coll, protocol, blocks=2, threads=3, count=24):
     low = bufs.lower()
     unit, problem = fused_unit(low, protocol)
     assert problem is None, problem
-    words = fused_programs(low, bufs, unit, segments=False)[0].copy()
+    words = fused_programs(low, bufs, unit, segments=segments)[0].copy()
     ops = int(words[isa.F_NOPS])
+    if segments:  # (the same ops, on addresses that do not matter here)
+        prog = cluster_programs(low, lambda r: 0, 0, int, unit, segments=several_pieces(s))[0]
+        rows = program_rows(low[0], prog.op_list, unit)
+    else:
+        rows = op_rows(low[0], ops)
+    plain_kernel, traced_kernel = (fused.fused_seg, fused.fused_seg_trace) if segments else \
+        (fused.fused, fused.fused_trace)
     outs = []
     trace = np.zeros((blocks, ops, isa.TRACE_WIDTH), np.int64)
     for traced in (False, True):
@@ -83,22 +98,25 @@ def _traced_rank0(coll, protocol, blocks=2, threads=3, count=24):
         counters = np.zeros(isa.F_MAX_BLOCKS, np.int64)
         args = (words.ctypes.data, 1, blocks, 10_000_000, words.size, counters.ctypes.data)
         if traced:
-            fused.fused_trace[blocks, threads](*args, trace.ctypes.data, ops)
+            traced_kernel[blocks, threads](*args, trace.ctypes.data, ops)
         else:
-            fused.fused[blocks, threads](*args)
+            plain_kernel[blocks, threads](*args)
         assert bufs.fused_error[isa.E_CODE] == 0, bufs.fused_error
         assert (counters[:blocks] == 1).all()
         outs.append(bufs.outputs[0].copy())
-    return s, low, ops, outs[0], outs[1], trace
+    return s, low, rows, outs[0], outs[1], trace
 
 
 def _check_case(name, coll, protocol):
     from purlin.trace import from_sm_records
     from purlin.viz import timeline_figure
 
-    s, low, ops, plain, traced, rec = _traced_rank0(coll, protocol)
+    segments = name.endswith(("-joined", "-segmented"))
+    s, low, rows, plain, traced, rec = _traced_rank0(coll, protocol, segments=segments)
+    ops = len(rows)
     assert np.array_equal(plain, traced), (name, "the traced kernel computes otherwise")
-    rows = op_rows(low[0], ops)
+    if segments:
+        assert any(len(r) > 1 for r in rows), (name, "no op stands for several rows", rows)
     for b, block in enumerate(rec):  # one record per op, stamps in program order
         assert block[:, 0].tolist() == list(range(ops)) and (block[:, 1] == b).all(), block
         starts, ends = block[:, 2], block[:, 3]
@@ -130,11 +148,13 @@ def verdicts(tmp_path_factory):
     return simulator_verdicts(__file__, tmp_path_factory, timeout=600)
 
 
-@pytest.mark.parametrize("name", ["all-reduce", "all-reduce-ll", "reversed-all-gather"])
+@pytest.mark.parametrize("name", [name for name, _, _ in _layouts()])
 def test_the_traced_fused_kernel_records_every_op_in_the_simulator(name, verdicts):
-    """Rank 0 of a 4-rank all-reduce (flags; LL) and of a rank-reversed all-gather, two blocks:
-    the traced kernel gives the untraced one's output, one record per op per block with
-    start <= end <= the next op's start, and the records draw as a measured timeline."""
+    """Rank 0 of a 4-rank all-reduce (flags; LL) and of a rank-reversed all-gather, two blocks,
+    one op per row on ``fused``, and the programs the sm datapath runs on ``fused_seg`` (the
+    all-gather's LL rows joined, GQA's pieces segmented): the traced kernel gives the
+    untraced one's output, one record per op per block with start <= end <= the next op's
+    start, and the records draw as a measured timeline."""
     assert verdicts.get(name) == "ok", verdicts.get(name, f"case {name} did not run")
 
 
@@ -159,6 +179,53 @@ def test_records_become_table_rows_and_a_norm_has_none():
     assert not out[1].any()
     with pytest.raises(ExecutionError, match="2 ops but its table 3 rows"):
         op_rows(_table(isa.WAIT, isa.NOTIFY, isa.COPY), 2)
+
+
+def test_every_table_row_is_named_by_one_op_of_the_program_that_runs():
+    """A traced bind runs the program the untraced one runs (regrouped, segmented, joined):
+    each of its ops names the rows it stands for, and every row that becomes an op (all but
+    the LL_GET rows the moves read) is named exactly once -- the standard collectives and the
+    custom layouts, every strategy that fuses, both protocols, 2, 4 and 8 ranks."""
+    from purlin.atom.fused import fused_unit
+    from purlin.atom.fused_rows import cluster_programs, several_pieces
+    from purlin.atom.fused_trace import program_rows
+    from purlin.atom.host import HostBuffers
+    from purlin.snac import plan
+    from purlin.spec import Collective, collectives
+
+    joined = segmented = 0
+    for n in (2, 4, 8):
+        layouts = [getattr(collectives, name)(n) for name in (
+            "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")]
+        layouts += [
+            Collective([[r] for r in range(n)], [list(range(n - 1, -1, -1))] * n, "copy"),
+            Collective([[(r, t) for t in "qkv"] for r in range(n)],
+                       [[(r, t) for t in "qkv" for r in range(n)]] * n, "copy"),
+            Collective([["a"], ["b"]] + [[] for _ in range(n - 2)], [["a", "b"]] * n, "copy")]
+        for coll in layouts:
+            for strategy in ("direct-push", "direct-pull", "two-phase"):
+                for protocol in ("fused", "fused-ll"):
+                    try:
+                        s = plan(coll, strategy, dtype="bfloat16", sizing=coll.sized(
+                            chunk_sizes={k: 64 for k in coll.input.names()},
+                            dtype="bfloat16"))
+                    except Exception:  # noqa: BLE001 - a strategy this layout has not
+                        continue
+                    low = HostBuffers(s, ll=protocol == "fused-ll").lower()
+                    unit, problem = fused_unit(low, protocol)
+                    if problem is not None:
+                        continue
+                    progs = cluster_programs(low, lambda r: 0, 0, int, unit,
+                                             segments=several_pieces(s))
+                    for lr, prog in zip(low, progs):
+                        named = program_rows(lr, prog.op_list, unit)
+                        assert len(named) == prog.ops
+                        flat = sorted(row for rows in named for row in rows)
+                        assert flat == op_rows(lr).tolist(), (coll.name, strategy, protocol,
+                                                              lr.rank, named)
+                        joined += any(len(rows) > 1 for rows in named)
+                        segmented += prog.segments > 0
+    assert joined and segmented  # (the joined and segmented programs were among them)
 
 
 def test_block_matched_flows_pair_each_block_with_its_own_notify():
@@ -320,13 +387,16 @@ def test_the_bench_fused_mode_writes_its_table_json_and_figures(tmp_path, monkey
     spec.loader.exec_module(script)
     binds = []
 
-    def bind(self, coll, strategy, **kw):
+    def bind(self, coll, strategy, **kw):  # no protocol named: the fast path's
+        from purlin.atom.sm import fast_protocol
         from purlin.snac import plan
 
-        binds.append((coll.name, kw["nbytes"], kw["protocol"], kw["trace_rows"]))
+        assert "protocol" not in kw
         s = plan(coll, strategy, nbytes=kw["nbytes"], dtype=kw["dtype"])
-        return SimpleNamespace(schedule=s, kernel=f"{kw['protocol']} kernel",
-                               blocks_per_lane=4, trace_rows=kw["trace_rows"])
+        protocol = fast_protocol(s)
+        binds.append((coll.name, kw["nbytes"], protocol, kw["trace_rows"]))
+        return SimpleNamespace(schedule=s, kernel=f"{protocol} kernel", protocol=protocol,
+                               pdl=True, blocks_per_lane=4, trace_rows=kw["trace_rows"])
 
     monkeypatch.setattr(clusters, "gpu_count", lambda: 1)
     monkeypatch.setattr(Cluster, "virtual", classmethod(lambda cls, n: Cluster("virtual", n,
@@ -370,9 +440,15 @@ def test_gpu_a_traced_fused_bind_runs_the_fused_kernel_and_draws(layout, protoco
     from purlin.trace import from_sm
     from purlin.viz import timeline_figure
 
+    from purlin.atom.fused_trace import TRACED
+
+    plain = _bind(64 << 10, layout, False, protocol)
     bound = _bind(64 << 10, layout, True, protocol)
-    assert bound.kernel == f"{protocol} kernel"
-    assert bound.launches[0].launcher.kernel == "fused-trace"
+    assert bound.kernel == plain.kernel == f"{protocol} kernel"
+    # the traced twin of the kernel that runs untraced (the LL all-gather's joined program:
+    # fused-seg), on the same program
+    assert bound.launches[0].launcher.kernel == TRACED[plain.launches[0].launcher.kernel]
+    del plain
     sizing = bound.schedule.sizing
     gen = np.random.default_rng(0)
     xs = [gen.standard_normal(sizing.input_count(r)).astype(np.float32) for r in range(4)]

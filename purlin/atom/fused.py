@@ -166,12 +166,14 @@ class Span(NamedTuple):
 @dataclass(frozen=True)
 class FusedProgram:
     """One rank's fused program: ``words`` (int64: header, ops, sources), the number of ops,
-    and ``items``, its largest row in items of its unit (what the grid is sized for)."""
+    and ``items``, its largest row in items of its unit (what the grid is sized for);
+    ``op_list``: the ops it was written from (what a trace's records name)."""
 
     words: np.ndarray
     ops: int
     items: int
     segments: int = 0  # segmented ops (isa.F_OP_PUTS, F_OP_MOVES): only fused_seg runs them
+    op_list: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -491,7 +493,7 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
     segs = [op for op in ops if op.kind in ("puts", "moves")]
     if segs:
         items = max([items] + [_union_items(op, unit) for op in segs])
-    return FusedProgram(words, len(ops), items, len(segs))
+    return FusedProgram(words, len(ops), items, len(segs), tuple(ops))
 
 
 def _union_items(op: Segments, unit: int) -> int:

@@ -259,28 +259,25 @@ def _runs(row, out) -> int:
 
 
 def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
-                     regroup: bool = True, segments: bool = False, join: bool = True) -> list:
+                     segments: bool = False, join: bool = True) -> list:
     """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the
     :func:`regrouped` ops (``error_of(rank)``: the rank's error record address); with
     ``segments`` (for the layouts :func:`several_pieces` finds) one peer's rows gathered
     into segmented ops where :func:`segmented` can, else the rotated rows; then (``join``)
-    LL rows joined across flag operations (:func:`joined`) where a program has no NORM;
-    ``regroup=False``: on :func:`purlin.atom.fused.rank_ops`'s, an op per table row (what a
-    trace of the fused kernel names, ``purlin.atom.fused_trace.op_rows``)."""
-    if regroup:
-        ops, rot = regrouped(lowered, unit)
-        user = [low.user for low in lowered]
-        if segments:
-            seg = segmented(ops, unit, ll_pieces(ops), user)
-            if seg is not None:
-                ops, rot = seg, aligned(seg, unit)
-        norm = any(op.kind == "norm" for rank in ops for op in rank)  # (fused_norm: no segments)
-        if join and not norm:
-            got = joined(ops, unit, user)
-            if got is not None:
-                ops, rot = got, aligned(got, unit)
-    else:
-        ops, rot = [rank_ops(low, unit) for low in lowered], [{} for _ in lowered]
+    LL rows joined across flag operations (:func:`joined`) where a program has no NORM. A
+    trace of the program names the table rows of each op
+    (``purlin.atom.fused_trace.program_rows``)."""
+    ops, rot = regrouped(lowered, unit)
+    user = [low.user for low in lowered]
+    if segments:
+        seg = segmented(ops, unit, ll_pieces(ops), user)
+        if seg is not None:
+            ops, rot = seg, aligned(seg, unit)
+    norm = any(op.kind == "norm" for rank in ops for op in rank)  # (fused_norm: no segments)
+    if join and not norm:
+        got = joined(ops, unit, user)
+        if got is not None:
+            ops, rot = got, aligned(got, unit)
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
                     rotation=rot[i]) for i, low in enumerate(lowered)]
 

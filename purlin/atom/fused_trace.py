@@ -32,10 +32,11 @@ from purlin.atom.lowering import LoweredRank
 from purlin.errors import ExecutionError
 from purlin.kernels.isa import LL_GET, OP, OPCODE_NAMES, TRACE_WIDTH
 
-__all__ = ["as_row_records", "fused_protocol", "op_rows", "traced_kernel"]
+__all__ = ["as_row_records", "op_rows", "program_rows", "traced_kernel"]
 
 # the Launcher's name of each fused kernel's traced twin
-TRACED = {"fused": "fused-trace", "fused-norm": "fused-norm-trace"}
+TRACED = {"fused": "fused-trace", "fused-norm": "fused-norm-trace",
+          "fused-seg": "fused-seg-trace"}
 
 
 def op_rows(low: LoweredRank, ops: int | None = None) -> np.ndarray:
@@ -51,19 +52,74 @@ def op_rows(low: LoweredRank, ops: int | None = None) -> np.ndarray:
     return np.concatenate([rows, np.full(ops - rows.size, -1, dtype=np.int64)])
 
 
+def program_rows(low: LoweredRank, ops, unit: int = 16) -> list[tuple[int, ...]]:
+    """The table rows each op of rank ``low``'s fused program stands for, in program order,
+    for programs regrouped, segmented or joined (``purlin.atom.fused_rows``): a data op its
+    row, a segmented op each of its parts' rows, a wait merged into another (the larger
+    value) the rows of its flag's waits up to its value, a notify merged into another the
+    rows of its flag's notifies whose values it sums; a NORM none. ``unit``: the program's.
+
+    >>> from purlin.atom.fused import Segments, rank_ops
+    >>> from purlin.spec import collectives
+    >>> from purlin.snac import plan
+    >>> from purlin.atom.lowering import lower
+    >>> s = plan(collectives.all_gather(2), "direct-push", count=64, dtype="bfloat16")
+    >>> bases = {(r, b): (1 + 4 * r + i) << 20 for r in range(2)
+    ...          for i, b in enumerate(("input", "output", "scratch", "ll"))}
+    >>> low = lower(s, bases, {r: (9 + r) << 20 for r in range(2)})[0]
+    >>> ops = rank_ops(low)
+    >>> [op.kind for op in ops], program_rows(low, ops)
+    (['move', 'notify', 'move', 'wait', 'move'], [(0,), (1,), (2,), (3,), (4,)])
+    >>> program_rows(low, [Segments("moves", (ops[0], ops[2])), ops[1], ops[3], ops[4]])
+    [(0, 2), (1,), (3,), (4,)]
+    """
+    from purlin.atom.fused import _Refused, _rank_ops
+
+    try:
+        base = _rank_ops(low, unit)
+    except _Refused as exc:
+        raise ExecutionError(f"rank {low.rank}'s trace cannot name its rows: {exc}") from None
+    rows = op_rows(low)
+    data: dict = {}  # a data op -> its indices in base (in order)
+    flags: dict = {}  # (kind, flag) -> its indices in base (in order)
+    for j, op in enumerate(base):
+        key = (op.kind, op.flag) if op.kind in ("wait", "notify") else op
+        (flags if op.kind in ("wait", "notify") else data).setdefault(key, []).append(j)
+    out = []
+    for op in ops:
+        took = []
+        if op.kind in ("wait", "notify"):
+            pending = flags.get((op.kind, op.flag), [])
+            total = 0
+            while pending and (base[pending[0]].value <= op.value if op.kind == "wait"
+                               else total < op.value):
+                total += base[pending[0]].value
+                took.append(pending.pop(0))
+        elif op.kind != "norm":
+            for part in (op.parts if op.kind in ("puts", "moves") else (op,)):
+                if data.get(part):
+                    took.append(data[part].pop(0))
+        out.append(tuple(int(rows[j]) for j in took))
+    return out
+
+
 def as_row_records(records, rows, nrows: int) -> np.ndarray:
     """The fused kernel's records of one rank (int64[blocks, ops, 4]: op index, block, start,
     end) as the interpreter's (int64[blocks, nrows, 4]: table row, block, start, end), each at
-    its row's index; an op never reached (start 0) or without a row stays all zero."""
+    its row's index: ``rows[k]``, op k's row (:func:`op_rows`; -1: none) or rows
+    (:func:`program_rows`: an op standing for several rows gives each its span); an op never
+    reached (start 0) or without a row leaves its rows all zero."""
     records = np.asarray(records, dtype=np.int64).reshape(-1, np.shape(records)[-2],
                                                           TRACE_WIDTH)
-    rows = np.asarray(rows, dtype=np.int64)
+    rows = [(int(x),) if np.ndim(x) == 0 else tuple(x) for x in rows]
     out = np.zeros((records.shape[0], nrows, TRACE_WIDTH), dtype=np.int64)
     for b, block in enumerate(records):
         for k, (op, sub, start, end) in enumerate(block):
-            if start <= 0 or not 0 <= op < rows.size or rows[op] < 0:
+            if start <= 0 or not 0 <= op < len(rows):
                 continue
-            out[b, rows[op]] = (rows[op], sub, start, end)
+            for row in rows[op]:
+                if row >= 0:
+                    out[b, row] = (row, sub, start, end)
     return out
 
 
@@ -73,26 +129,3 @@ def traced_kernel(kernel: str) -> str:
         raise ExecutionError(f"the {kernel} kernel has no traced twin; "
                              f"{', '.join(TRACED)} do")
     return TRACED[kernel]
-
-
-def fused_protocol(schedule, asked: str = "auto") -> str:
-    """The sm protocol that traces ``schedule`` on the kernel the benchmarks time: ``asked``,
-    or for "auto" the fused kernel where it runs the schedule (on LL transfers up to
-    ``purlin.atom.sm.LL_MAX_BYTES``), else the interpreter ("simple").
-
-    >>> from purlin.snac import plan
-    >>> from purlin.spec import collectives
-    >>> fused_protocol(plan(collectives.all_reduce(4), "direct-push", nbytes=8192))
-    'fused-ll'
-    >>> fused_protocol(plan(collectives.all_reduce(4), "ring", nbytes=8192, lanes=2))
-    'simple'
-    """
-    if asked != "auto":
-        return asked
-    from purlin.atom.fused import fused_problems
-    from purlin.atom.sm import LL_MAX_BYTES
-
-    problems = fused_problems(schedule)
-    order = ("fused-ll", "fused") if schedule.sizing.message_bytes <= LL_MAX_BYTES else \
-        ("fused", "fused-ll")
-    return next((p for p in order if problems[p] is None), "simple")

@@ -196,9 +196,10 @@ class Timeline:
 
     def check(self, tolerance_ns: float = 0.0) -> list[str]:
         """What is inconsistent, one sentence each (empty when all is well): an event that
-        ends before it starts, two events of one (rank, lane, block) that overlap, a released
-        wait or consume that ends before its notify started, or a Consume's data part that
-        starts before its notify started."""
+        ends before it starts, two events of one (rank, lane, block) that overlap (events of
+        one span are one op that ran them together: the fused kernel's segmented or joined
+        op, a merged wait or notify), a released wait or consume that ends before its notify
+        started, or a Consume's data part that starts before its notify started."""
         problems = []
         lanes: dict[tuple, list[Event]] = {}
         for e in self.events:
@@ -208,6 +209,8 @@ class Timeline:
         for key, events in lanes.items():
             events.sort(key=lambda e: (e.start_ns, e.end_ns))
             for a, b in zip(events, events[1:]):
+                if (a.start_ns, a.end_ns) == (b.start_ns, b.end_ns):
+                    continue
                 if b.start_ns < a.end_ns - tolerance_ns:
                     problems.append(f"rank {key[0]} lane {key[1]} block {key[2]}: {b!r} starts "
                                     f"before {a!r} ends")
