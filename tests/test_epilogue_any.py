@@ -426,6 +426,7 @@ def test_gpu_a_prologue_runs_before_the_all_reduce_beyond_the_one_shot_kernel():
 
 @pytest.mark.gpu
 def test_gpu_an_ll_size_keeps_the_one_shot_kernel_and_fused_ll_elsewhere_is_refused():
+    from purlin.atom.sm import fast_protocol
     from purlin.errors import CapabilityError
 
     hidden = 4096
@@ -442,6 +443,11 @@ def test_gpu_an_ll_size_keeps_the_one_shot_kernel_and_fused_ll_elsewhere_is_refu
     assert c.bind(ar, count=8 * hidden, dtype="bfloat16", protocol="fused",
                   epilogue=e).kernel == "fused-ll kernel with epilogue"  # (any protocol)
     ring = c.bind(ar, "ring", count=8 * hidden, dtype="bfloat16", epilogue=e)
+    # (no protocol named: the ring on its fast path, then the epilogue kernel)
+    assert ring.kernel == f"{fast_protocol(ring.schedule)} kernel then epilogue kernel", \
+        ring.kernel
+    ring = c.bind(ar, "ring", count=8 * hidden, dtype="bfloat16", protocol="simple",
+                  epilogue=e)
     assert ring.kernel == "interpreter then epilogue kernel", ring.kernel
     with pytest.raises(CapabilityError, match=r"bind without protocol= \(or with "
                                               r"strategy='auto'\) to run"):

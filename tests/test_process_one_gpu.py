@@ -81,7 +81,8 @@ def _worker(rank, n):
     if wrong:
         bad.append(f"reduce_scatter_tensor: {wrong} wrong")
     comm.check()
-    kernels = sorted((p["count"], p.get("epilogues", 0), str(p.get("protocol")))
+    kernels = sorted((p["count"], p.get("epilogues", 0), str(p.get("protocol")),
+                      p.get("strategy"))
                      for p in comm.plans() if p["function"] == "all-reduce-add-rms-norm")
     comm.close()
     return bad, kernels
@@ -97,8 +98,11 @@ def test_process_mode_with_every_rank_on_one_gpu(n):
     for rank, (bad, kernels) in enumerate(results):
         assert bad == [], (rank, bad)
         # the epilogue ran inside the all-reduce's kernel wherever that is the fused kernel
-        # (the protocol is the tuning table's or cost model's for the rank count)
+        # on a direct-push plan, whose last op is the sum into the output (the strategy and
+        # protocol are the tuning table's or the fast path's for the rank count; a two-phase
+        # plan ends with its all-gather: all_reduce and then PyTorch)
         assert len(kernels) == 3, kernels
-        assert all(k[1] > 0 for k in kernels if k[2].startswith("fused")), kernels
+        assert all(k[1] > 0 for k in kernels if k[2].startswith("fused") and
+                   k[3] == "direct-push"), kernels
         if n == 2:
             assert all(k[1] > 0 for k in kernels), kernels
