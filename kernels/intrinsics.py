@@ -32,7 +32,8 @@ from purlin.kernels.compat import ensure_numpy_compat
 # ``store_volatile_v4_u32``   ``st.volatile.global.v4.u32`` (LL senders: two (data, tag) pairs;
 #                             ``_v2``: one)
 # ``load_acquire(a)``         ``ld.acquire.sys.global.u64``
-# ``red_release_add(a, v)``   ``red.release.sys.global.add.u64``
+# ``red_release_add(a, v)``   ``red.release.sys.global.add.u64`` (``red_relaxed_add``: ``.relaxed``,
+#                             after a ``fence_system()``: a release without a fence of its own)
 # ``atomic_add(a, v)``        ``atom.acq_rel.gpu.global.add.u64``, returns the old value
 # ``atomic_cas(a, old, new)`` ``atom.acq_rel.gpu.global.cas.b64``, returns the value found
 # ``fence_system()``          ``fence.acq_rel.sys``
@@ -167,6 +168,17 @@ def _compiled() -> SimpleNamespace:
             a = address(context, builder, sig.args[0], args[0])
             v = context.cast(builder, args[1], sig.args[1], types.int64)
             asm(builder, ir.VoidType(), [i64, i64], "red.release.sys.global.add.u64 [$0], $1;",
+                "l,l,~{memory}", [a, v])
+            return context.get_dummy_value()
+
+        return types.void(addr, value), codegen
+
+    @intrinsic
+    def red_relaxed_add(typingctx, addr, value):
+        def codegen(context, builder, sig, args):
+            a = address(context, builder, sig.args[0], args[0])
+            v = context.cast(builder, args[1], sig.args[1], types.int64)
+            asm(builder, ir.VoidType(), [i64, i64], "red.relaxed.sys.global.add.u64 [$0], $1;",
                 "l,l,~{memory}", [a, v])
             return context.get_dummy_value()
 
@@ -338,6 +350,7 @@ def _compiled() -> SimpleNamespace:
         store_f64=scalar_store(64, types.float64),
         load_acquire=load_acquire,
         red_release_add=red_release_add,
+        red_relaxed_add=red_relaxed_add,
         atomic_add=atomic_add,
         atomic_cas=atomic_cas,
         fence_system=fence_system,
@@ -402,6 +415,8 @@ def _simulated() -> SimpleNamespace:
 
     def red_release_add(addr, value):
         atomic_add(addr, value)
+
+    red_relaxed_add = red_release_add
 
     def atomic_cas(addr, old, new):
         with lock:
@@ -477,6 +492,7 @@ def _simulated() -> SimpleNamespace:
         store_f64=store("<d"),
         load_acquire=load_acquire,
         red_release_add=red_release_add,
+        red_relaxed_add=red_relaxed_add,
         atomic_add=atomic_add,
         atomic_cas=atomic_cas,
         fence_system=lambda: None,
@@ -540,6 +556,7 @@ store_f32 = _impl.store_f32
 store_f64 = _impl.store_f64
 load_acquire = _impl.load_acquire
 red_release_add = _impl.red_release_add
+red_relaxed_add = _impl.red_relaxed_add
 atomic_add = _impl.atomic_add
 atomic_cas = _impl.atomic_cas
 fence_system = _impl.fence_system

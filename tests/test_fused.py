@@ -244,7 +244,9 @@ def test_the_fused_kernel_compiles_to_the_intended_ptx(fused_ptx):
     assert "ld.volatile.global.v4.u32" in ptx          # LL polls
     assert "ld.global.v4.u32" in ptx                   # 16-byte plain loads
     assert "ld.acquire.sys.global.u64" in ptx          # flag waits
-    assert "red.release.sys.global.add.u64" in ptx     # notifies, and ABORT after a timeout
+    assert "red.release.sys.global.add.u64" in ptx     # ABORT after a timeout
+    assert "fence.acq_rel.sys" in ptx                  # a run of notifies: one fence, then
+    assert "red.relaxed.sys.global.add.u64" in ptx     # an add per flag that does not fence
     assert "%globaltimer" in ptx                       # time-limited waits and polls
     assert ".local" not in ptx                         # no spills to local memory
     assert "bar.sync" in ptx                           # around flags, before the counter
