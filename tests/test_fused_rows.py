@@ -200,14 +200,15 @@ def test_standard_collectives_keep_their_programs_every_strategy():
     unchunked, nothing merges and the programs' words are :func:`purlin.atom.fused.program`'s
     on the plain ops -- with LL rows joined across flag operations (``joined``) where that
     holds, never where a program reduces (chunked plans merge their chunks' flags, as
-    ``regroup`` did before)."""
+    ``regroup`` did before), and on plain programs their flags gathered around the copies
+    (``gathered``) where that holds: the same ops, reordered."""
     from purlin.atom.fused import program
-    from purlin.atom.fused_rows import aligned, cluster_programs, joined, ll_pieces
+    from purlin.atom.fused_rows import aligned, cluster_programs, gathered, joined, ll_pieces
     from purlin.kernels import isa
     from purlin.snac import STRATEGIES
     from purlin.spec import collectives
 
-    ran = joins = 0
+    ran = joins = gathers = 0
     for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                  "reduce", "gather", "scatter"):
         for n in (2, 3, 4, 8):
@@ -243,15 +244,21 @@ def test_standard_collectives_keep_their_programs_every_strategy():
                                                            "reduce"):
                             assert join is None, (name, strategy)
                         joins += join is not None
-                        turn = [{}] * n if join is None else aligned(join, unit)
+                        gather = gathered(plain if join is None else join, unit,
+                                          [x.user for x in low])
+                        gathers += gather is not None
+                        final = gather if gather is not None else join
+                        turn = [{}] * n if final is None else aligned(final, unit)
                         for r, (x, p) in enumerate(zip(low, got)):
                             want = program(x, 0, 0, int, unit,
-                                           ops=None if join is None else join[r],
+                                           ops=None if final is None else final[r],
                                            rotation=turn[r])
                             assert np.array_equal(p.words, want.words)
                             assert join is None or _joined_as_rows(join[r], plain[r]), \
                                 (name, strategy, r, join[r])
-    assert ran >= 400 and joins >= 30, (ran, joins)
+                            assert gather is None or sorted(map(repr, gather[r])) == sorted(
+                                map(repr, plain[r] if join is None else join[r]))
+    assert ran >= 400 and joins >= 30 and gathers >= 30, (ran, joins, gathers)
 
 
 def test_rotations_keep_shared_bytes_on_one_thread():

@@ -14,7 +14,9 @@ over the union of the rows' items, so the program has its standard twin's ops (t
 all-gather on 4 ranks: 13 ops against 27 a row each). :func:`joined` then makes a rank's LL
 PUTs one op and its copies of LL units (with its plain copies that pull from no peer)
 another, every layout's (an all-gather on 4 ranks: 2 ops on LL, against 7 rows; the GQA
-all-gather's 21). ARCHITECTURE.md, "The fused kernel".
+all-gather's 21). :func:`gathered` then moves a plain program's waits before the copies
+between them and its notifies after, so that they run as one poll round and one fence.
+ARCHITECTURE.md, "The fused kernel".
 
 >>> from purlin.spec import Collective
 >>> from purlin.snac import plan
@@ -42,8 +44,8 @@ from purlin.atom.fused import (Segments, Span, _Refused, _accesses, _check_rank,
                                program, rank_ops)
 
 __all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "acked", "aligned", "cluster_programs",
-           "deadlock_free", "joined", "ll_pieces", "merged_flags", "regroup", "regrouped",
-           "rotations", "rounds", "segmented", "several_pieces"]
+           "deadlock_free", "gathered", "joined", "ll_pieces", "merged_flags", "regroup",
+           "regrouped", "rotations", "rounds", "segmented", "several_pieces"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -264,7 +266,8 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     :func:`regrouped` ops (``error_of(rank)``: the rank's error record address); with
     ``segments`` (for the layouts :func:`several_pieces` finds) one peer's rows gathered
     into segmented ops where :func:`segmented` can, else the rotated rows; then (``join``)
-    LL rows joined across flag operations (:func:`joined`) where a program has no NORM. A
+    LL rows joined across flag operations (:func:`joined`) and a plain program's flags
+    gathered around its copies (:func:`gathered`) where a program has no NORM. A
     trace of the program names the table rows of each op
     (``purlin.atom.fused_trace.program_rows``)."""
     ops, rot = regrouped(lowered, unit)
@@ -276,6 +279,9 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     norm = any(op.kind == "norm" for rank in ops for op in rank)  # (fused_norm: no segments)
     if join and not norm:
         got = joined(ops, unit, user)
+        if got is not None:
+            ops, rot = got, aligned(got, unit)
+        got = gathered(ops, unit, user)
         if got is not None:
             ops, rot = got, aligned(got, unit)
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
@@ -731,6 +737,100 @@ def joined(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | None
                 race(out, user) is None:
             return out
     return None
+
+
+# ---------------------------------------------------------------- flags gathered around copies
+
+def _free_waits(ops_by_rank: list[list[tuple]]) -> tuple[set, set]:
+    """(rank, op index) of every wait that nothing on this rank's side holds up -- the
+    notify that brings its flag to its value comes, in the notifying peer's program, before
+    any wait of that peer (a ready flag sent at the start of a call) -- and of those
+    notifies, which no wait may then move before."""
+    free, sends = set(), set()
+    for r, ops in enumerate(ops_by_rank):
+        for i, w in enumerate(ops):
+            if w.kind != "wait" or not 0 <= w.peer < len(ops_by_rank):
+                continue
+            total = 0
+            for j, op in enumerate(ops_by_rank[w.peer]):
+                if op.kind == "wait":
+                    break
+                if op.kind == "notify" and op.flag == w.flag:
+                    total += op.value
+                    if total >= w.value:
+                        free.add((r, i))
+                        sends.add((w.peer, j))
+                        break
+    return free, sends
+
+
+def _flag_runs(ops: list[tuple]) -> int:
+    return sum(1 for a, b in zip([None] + ops, ops)
+               if b.kind in ("wait", "notify") and (a is None or a.kind != b.kind))
+
+
+def _gathered_rank(ops: list[tuple], free: set, sends: set) -> list[tuple]:
+    """One rank's plain ops with each wait moved before the plain copies before it (and
+    before the notifies before it where it is free and they free no one: :func:`_free_waits`),
+    and each notify after the plain copies after it -- kept where that leaves fewer runs of
+    flag operations (a wait and a copy, a wait and a copy become two waits polled at once
+    and two copies; the notifies between them one fence), else ``ops``."""
+    tagged = [(op, op.kind == "wait" and i in free, op.kind == "notify" and i in sends)
+              for i, op in enumerate(ops)]
+
+    def crosses(notify, wait) -> bool:  # a free wait before a notify that frees no one
+        return wait[1] and not notify[2]
+
+    def flag_past_copies(i: int, step: int):  # the first flag operation from i on, or None
+        while 0 <= i < len(tagged) and tagged[i][0].kind in ("move", "moves"):
+            i += step
+        return tagged[i] if 0 <= i < len(tagged) else None
+
+    moved = True
+    while moved:
+        moved = False
+        for i in range(len(tagged) - 1):
+            a, b = tagged[i], tagged[i + 1]
+            if b[0].kind == "wait" and a[0].kind in ("move", "moves"):
+                # (only towards a wait it joins, or a notify it then passes)
+                got = flag_past_copies(i, -1)
+                ok = got is not None and (got[0].kind == "wait" or
+                                          (got[0].kind == "notify" and crosses(got, b)))
+            elif b[0].kind == "wait" and a[0].kind == "notify":
+                ok = crosses(a, b)
+            elif a[0].kind == "notify" and b[0].kind in ("move", "moves"):
+                got = flag_past_copies(i + 1, 1)  # (only towards a notify it joins)
+                ok = got is not None and (got[0].kind == "notify" or
+                                          (got[0].kind == "wait" and crosses(a, got)))
+            else:
+                ok = False
+            if ok:
+                tagged[i], tagged[i + 1] = b, a
+                moved = True
+    out = [op for op, _, _ in tagged]
+    return out if _flag_runs(out) < _flag_runs(ops) else list(ops)
+
+
+def gathered(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | None:
+    """Each rank's flags gathered around its plain copies (:func:`_gathered_rank`): runs of
+    waits and of notifies where they alternated with copies (a peer of a two-root
+    broadcast: wait, copy, notify, twice; a pulling rank: the same per peer), which the
+    fused kernel runs as one poll round and one fence each (``kernels/fused.py``). Ordering
+    is only added; kept where the copies still meet their rotations (:func:`aligned`), no
+    interleaving deadlocks (:func:`deadlock_free`) and :func:`race` finds the ranks ordered
+    with their callers. None where nothing moves, the programs hold LL transfers (their
+    polls order themselves) or a check fails."""
+    if any(part.kind == "put" or (part.kind == "move" and any(x.is_ll for x in part.sources))
+           for ops in ops_by_rank for op in ops for part in _parts(op)):
+        return None
+    free, sends = _free_waits(ops_by_rank)
+    out = [_gathered_rank(ops, {i for (q, i) in free if q == r},
+                          {i for (q, i) in sends if q == r}) for r, ops in enumerate(ops_by_rank)]
+    if out == [list(ops) for ops in ops_by_rank]:
+        return None
+    if aligned(out, unit) is None or not deadlock_free(out) or race(out, user) is not None:
+        return None
+    return out
 
 
 # ---------------------------------------------------------------- flags merged across flags
