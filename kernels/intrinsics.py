@@ -162,27 +162,23 @@ def _compiled() -> SimpleNamespace:
 
         return types.int64(addr), codegen
 
-    @intrinsic
-    def red_release_add(typingctx, addr, value):
-        def codegen(context, builder, sig, args):
-            a = address(context, builder, sig.args[0], args[0])
-            v = context.cast(builder, args[1], sig.args[1], types.int64)
-            asm(builder, ir.VoidType(), [i64, i64], "red.release.sys.global.add.u64 [$0], $1;",
-                "l,l,~{memory}", [a, v])
-            return context.get_dummy_value()
+    def red_add(order):
+        """``red.<order>.sys.global.add.u64``: an add to a flag that returns nothing."""
+        @intrinsic
+        def red(typingctx, addr, value):
+            def codegen(context, builder, sig, args):
+                a = address(context, builder, sig.args[0], args[0])
+                v = context.cast(builder, args[1], sig.args[1], types.int64)
+                asm(builder, ir.VoidType(), [i64, i64],
+                    f"red.{order}.sys.global.add.u64 [$0], $1;", "l,l,~{memory}", [a, v])
+                return context.get_dummy_value()
 
-        return types.void(addr, value), codegen
+            return types.void(addr, value), codegen
 
-    @intrinsic
-    def red_relaxed_add(typingctx, addr, value):
-        def codegen(context, builder, sig, args):
-            a = address(context, builder, sig.args[0], args[0])
-            v = context.cast(builder, args[1], sig.args[1], types.int64)
-            asm(builder, ir.VoidType(), [i64, i64], "red.relaxed.sys.global.add.u64 [$0], $1;",
-                "l,l,~{memory}", [a, v])
-            return context.get_dummy_value()
+        return red
 
-        return types.void(addr, value), codegen
+    red_release_add = red_add("release")
+    red_relaxed_add = red_add("relaxed")
 
     @intrinsic
     def atomic_add(typingctx, addr, value):
