@@ -477,7 +477,6 @@ class SmBound:
         progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
                                  self.abort.data_ptr(), self.flag_map.slot, unit,
                                  segments=several_pieces(self.schedule))
-        self._unit = unit  # (a trace names the table rows each op stands for)
         size = max(p.items for p in progs)
         per_launch = max(len(r) for r in groups.values())
         self.blocks_per_lane, self.threads = fused_launch(
@@ -530,7 +529,7 @@ class SmBound:
                                                    isa.TRACE_WIDTH)
             for k, r in enumerate(ranks):
                 low = self.lowered[r]
-                rows = program_rows(low, progs[r].op_list, self._unit)
+                rows = program_rows(low, progs[r].op_list, int(progs[r].words[isa.F_UNIT]))
                 out[r] = as_row_records(records[k], rows, len(low.tables[0]))
         return out
 

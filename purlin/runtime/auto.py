@@ -55,8 +55,8 @@ class Choice:
     def sm_options(self) -> dict:
         """What the sm datapath's bind takes from this choice beyond strategy, chunks, lanes
         (its protocol and PDL always named: a bind that names none takes the fast path)."""
-        return {**launch_options(self.blocks_per_lane, self.protocol, self.pdl),
-                "protocol": self.protocol, "pdl": bool(self.pdl)}
+        return {"blocks_per_lane": self.blocks_per_lane, "protocol": self.protocol,
+                "pdl": bool(self.pdl)}
 
 
 def launch_options(blocks_per_lane, protocol: str = "simple", pdl: bool = False) -> dict:
@@ -325,18 +325,24 @@ def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32"
     return rules(collective, size)
 
 
-def _fused_problem(sizing, choice: Choice, protocol: str):
-    """Why the fused kernel cannot run ``choice``'s plan with ``protocol`` (None: it can)."""
-    from purlin.atom.fused import fused_problems
+def _choice_plan(sizing, choice: Choice):
+    """``choice``'s plan for ``sizing`` (unverified: the bind verifies it; the fused kernel's
+    question is about the lowered rows only), or why there is none."""
     from purlin.snac import plan
 
     try:
-        schedule = plan(sizing.collective, choice.strategy, sizing=sizing, chunks=choice.chunks,
-                        lanes=choice.lanes, lanes_by=choice.lanes_by, check=False)  # (the
-        # bind verifies it; the fused kernel's question is about the lowered rows only)
+        return plan(sizing.collective, choice.strategy, sizing=sizing, chunks=choice.chunks,
+                    lanes=choice.lanes, lanes_by=choice.lanes_by, check=False)
     except Exception as exc:  # a plan that does not verify is nothing to run
         return str(exc)
-    return fused_problems(schedule)[protocol]
+
+
+def _fused_problem(sizing, choice: Choice, protocol: str):
+    """Why the fused kernel cannot run ``choice``'s plan with ``protocol`` (None: it can)."""
+    from purlin.atom.fused import fused_problems
+
+    schedule = _choice_plan(sizing, choice)
+    return schedule if isinstance(schedule, str) else fused_problems(schedule)[protocol]
 
 
 def runnable(choice: Choice, sizing, strategy: str | None = None) -> Choice:
@@ -420,11 +426,10 @@ def fast_choice(sizing, strategy: str | None = None, profile: str = MODEL_PROFIL
     >>> fast_choice(collectives.all_reduce(4).sized(4096, dtype="bfloat16")).protocol
     'fused-ll'
     """
-    from purlin.atom.sm import LL_MAX_BYTES
+    from purlin.atom.sm import LL_MAX_BYTES, fast_protocol
 
     coll, size = sizing.collective, sizing.message_bytes
     pdl = size <= PDL_MAX_BYTES
-    protocols = ("fused-ll", "fused") if size <= LL_MAX_BYTES else ("fused",)
     if strategy:
         r = rules(coll, size, strategy)
         ranked = (Choice(strategy, r.chunks if strategy == "two-phase" else 1, 1),)
@@ -433,11 +438,11 @@ def fast_choice(sizing, strategy: str | None = None, profile: str = MODEL_PROFIL
     for cand in ranked:
         chunks = cand.chunks if cand.strategy == "two-phase" else 1
         where = cand.source if cand.source.startswith("model") else "rules"
-        for protocol in protocols:
-            choice = Choice(cand.strategy, chunks, 1, None, f"fast path, {where}", protocol,
-                            True)
-            if _fused_problem(sizing, choice, protocol) is None:
-                return choice
+        schedule = _choice_plan(sizing, Choice(cand.strategy, chunks, 1))
+        protocol = "" if isinstance(schedule, str) else fast_protocol(schedule)
+        if protocol.startswith("fused"):  # (the one rule for the fused kernel's protocol)
+            return Choice(cand.strategy, chunks, 1, None, f"fast path, {where}", protocol,
+                          True)
     base = ranked[0]
     where = base.source if base.source.startswith("model") else "rules"
     r = rules(coll, size, base.strategy)  # the interpreter's chunks and lanes
