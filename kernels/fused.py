@@ -39,8 +39,8 @@ from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
 from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
 from purlin.kernels.isa import PUT_ROTATE  # (a PUT's rotation: _rotated)
 from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
-from purlin.kernels.isa import (F_OP_MOVES, F_OP_PUTS, SEG_ITEMS, SEG_ROTATE,  # fused_seg
-                                SEG_TABLE)
+from purlin.kernels.isa import (F_OP_MOVES, F_OP_PUTS, SEG_INDEX, SEG_ITEMS,  # fused_seg
+                                SEG_ROTATE, SEG_SHIFT)
 
 SPINS_PER_CHECK = 64
 WARPS = MAX_THREADS // 32
@@ -920,19 +920,21 @@ def _put_words(dst, i, unit_bytes, tag, p0, p1, p2, p3):
 
 
 @device
-def _segment_of(meta, head, at, i, unit_bytes, shift):
-    """(record word, first item) of the segment holding item ``i`` of segmented op ``at``'s
-    union (``i`` below its items)."""
-    rec = _word(meta, head, at + SEG_TABLE)
-    first_word = PUT_ROTATE if _word(meta, head, at + OP_KIND) == F_OP_PUTS else MOVE_ROTATE
-    bytes_word = PUT_BYTES if _word(meta, head, at + OP_KIND) == F_OP_PUTS else MOVE_BYTES
-    start = np.int64(0)
-    end = (_word(meta, head, rec + bytes_word) + unit_bytes - 1) >> shift
+def _segment_of(meta, head, at, i, first_word, bytes_word, unit_bytes, shift):
+    """(record word, first item, bytes, end item) of the segment holding item ``i`` of
+    segmented op ``at``'s union (``i`` below its items): from the record its bucket index
+    names for ``i`` (``isa.SEG_INDEX``), forward."""
+    rec = _word(meta, head, _word(meta, head, at + SEG_INDEX) +
+                (i >> _word(meta, head, at + SEG_SHIFT)))
+    start = _word(meta, head, rec + first_word)
+    nbytes = _word(meta, head, rec + bytes_word)
+    end = start + ((nbytes + unit_bytes - 1) >> shift)
     while i >= end:
         rec += OP_WIDTH
         start = _word(meta, head, rec + first_word)
-        end = start + ((_word(meta, head, rec + bytes_word) + unit_bytes - 1) >> shift)
-    return rec, start
+        nbytes = _word(meta, head, rec + bytes_word)
+        end = start + ((nbytes + unit_bytes - 1) >> shift)
+    return rec, start, nbytes, end
 
 
 @device
@@ -943,7 +945,8 @@ def _first_segment_item(meta, head, g, stride, unit_bytes, shift):
     i = _rotated(g, meta[F_HEAD + SEG_ROTATE], stride)
     if i >= meta[F_HEAD + SEG_ITEMS]:
         return z, z, z, z
-    rec, start = _segment_of(meta, head, F_HEAD, i, unit_bytes, shift)
+    rec, start, _, _ = _segment_of(meta, head, F_HEAD, i, PUT_ROTATE, PUT_BYTES, unit_bytes,
+                                   shift)
     src = _word(meta, head, rec + PUT_SRC) + (i - start) * unit_bytes
     if unit_bytes == 4:
         return load_u32(src), z, z, z
@@ -962,14 +965,11 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     flight, as a MOVE's (``copy_v16``); ``read``: this thread's first PUT item is ``p0`` ..
     ``p3``, read at block start. Sets ``status`` when a poll gave up."""
     total = _word(meta, head, at + SEG_ITEMS)
-    rec = _word(meta, head, at + SEG_TABLE)
     first_word = PUT_ROTATE if kind == F_OP_PUTS else MOVE_ROTATE
     bytes_word = PUT_BYTES if kind == F_OP_PUTS else MOVE_BYTES
-    start = np.int64(0)
-    nbytes = _word(meta, head, rec + bytes_word)
-    end = (nbytes + unit_bytes - 1) >> shift
+    rec, start, nbytes, end = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     i = _rotated(g, _word(meta, head, at + SEG_ROTATE), stride)
-    plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
+    plain = False
     # a plain copy's whole items go four at a time across segments (loads, then stores):
     # a thread holds only one or two items of each of GQA's pieces, and copied one after the
     # other each load would wait for the store before it
@@ -977,11 +977,9 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     s0, s1, s2, s3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     d0, d1, d2, d3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     while i < total:
-        while i >= end:  # (segments in union order: a thread only walks forward)
-            rec += OP_WIDTH
-            start = _word(meta, head, rec + first_word)
-            nbytes = _word(meta, head, rec + bytes_word)
-            end = start + ((nbytes + unit_bytes - 1) >> shift)
+        if i >= end:  # (segments in union order: a thread's items only move forward)
+            rec, start, nbytes, end = _segment_of(meta, head, at, i, first_word, bytes_word,
+                                                  unit_bytes, shift)
             plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
         j = i - start
         if plain and j < nbytes >> shift:

@@ -134,10 +134,13 @@ SOURCE_LL, SOURCE_ADDR, SOURCE_PEER, SOURCE_STEP = 0, 1, 3, 4
 # Segmented ops (purlin.atom.fused_rows): several PUT or several MOVE rows of one peer as one op,
 # the block's threads striding over the union of the rows' items as over one row (item u of
 # the union is thread (u + rotation) mod the rank's threads'):
-#   kind, segments, word of the first segment record, items of the union, rotation
+#   kind, segments, word of the first segment record, items of the union, rotation,
+#   word of its bucket index, log2 of a bucket's items
 # A segment record is the row's own PUT / MOVE words (OP_WIDTH of them, its sources where the
 # program keeps sources) with its rotation word (PUT_ROTATE, MOVE_ROTATE) holding the row's
-# first item in the union; records follow each other in union order. Only the fused_seg
-# kernels run them: the others' code is the same as before segments existed.
+# first item in the union; records follow each other in union order. The bucket index holds,
+# for each run of 2**shift items of the union, the word of the record holding its first item:
+# a thread finds an item's segment from there (a few records at most), not from the first.
+# Only the fused_seg kernels run them: the others' code is the same as before segments existed.
 F_OP_PUTS, F_OP_MOVES = 6, 7
-SEG_COUNT, SEG_TABLE, SEG_ITEMS, SEG_ROTATE = 1, 2, 3, 4
+SEG_COUNT, SEG_TABLE, SEG_ITEMS, SEG_ROTATE, SEG_INDEX, SEG_SHIFT = 1, 2, 3, 4, 5, 6

@@ -573,6 +573,51 @@ def test_gqa_program_has_its_twins_op_count(n, protocol):
             assert p.ops <= t.ops and p.segments > 0 and t.segments == 0, (p.ops, t.ops)
 
 
+def _segment_walks(w, unit):
+    """For every segmented op of program ``w`` and every item of its union: the records a
+    thread steps over from its bucket's (``isa.SEG_INDEX``) to the one holding the item,
+    checking on the way that the bucket's record starts at or before the item."""
+    from purlin.kernels import isa
+
+    walks = []
+    for k in range(int(w[isa.F_NOPS])):
+        at = isa.F_HEAD + k * isa.OP_WIDTH
+        if w[at + isa.OP_KIND] not in (isa.F_OP_PUTS, isa.F_OP_MOVES):
+            continue
+        puts = w[at + isa.OP_KIND] == isa.F_OP_PUTS
+        first_word = isa.PUT_ROTATE if puts else isa.MOVE_ROTATE
+        bytes_word = isa.PUT_BYTES if puts else isa.MOVE_BYTES
+        table, count = int(w[at + isa.SEG_TABLE]), int(w[at + isa.SEG_COUNT])
+        records = [table + s * isa.OP_WIDTH for s in range(count)]
+        spans = [(int(w[r + first_word]),
+                  int(w[r + first_word]) - (-int(w[r + bytes_word]) // unit)) for r in records]
+        for u in range(int(w[at + isa.SEG_ITEMS])):
+            rec = int(w[int(w[at + isa.SEG_INDEX]) + (u >> int(w[at + isa.SEG_SHIFT]))])
+            s = records.index(rec)
+            assert spans[s][0] <= u, (k, u, spans[s])
+            steps = 0
+            while u >= spans[s][1]:
+                s, steps = s + 1, steps + 1
+            assert spans[s][0] <= u < spans[s][1]
+            walks.append(steps)
+    return walks
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_segment_index_leaves_a_short_walk(n):
+    """A segmented op's bucket index sends a thread to a record at or before its item and at
+    most a few records short of it, where walking from the first record crossed up to every
+    segment (GQA on 8 ranks: 21 in the joined LL PUT)."""
+    from purlin.kernels import isa
+
+    for protocol, unit in (("fused-ll", 8), ("fused", 64), ("fused", 40)):
+        got = _programs(gqa(n), gqa_sizes(n, unit, 3 if unit == 40 else 0), "direct-push",
+                        protocol)
+        assert got is not None
+        walks = [step for p in got[0] for step in _segment_walks(p.words, p.words[isa.F_UNIT])]
+        assert walks and max(walks) <= 3, (protocol, unit, max(walks))
+
+
 def _segmented_on_host(coll, sizes, dtype, strategy, protocol, blocks, threads, seed,
                        delay=0.0):
     """Run the programs on host threads (``delay``: the last block of rank ``seed`` mod n
@@ -880,3 +925,4 @@ def test_gqa_pushes_copy_each_peer_after_its_wait(n, protocol):
     for r in range(n):
         assert _kinds(got[r]) == _kinds(twin[r]), (r, _kinds(got[r]), _kinds(twin[r]))
     assert any(op.kind == "moves" for op in got[0])
+

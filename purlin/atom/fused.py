@@ -450,8 +450,12 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
         [part for op in ops if op.kind == "moves" for part in op.parts]
     dt = moves[0].dtype if moves else 0
     how = next((op.how for op in moves if op.how is not None), Reduction(0, 1))
-    records = sum(len(op.parts) for op in ops if op.kind in ("puts", "moves"))
-    records_at = F_HEAD + OP_WIDTH * len(ops)  # segment records (none: as before segments)
+    segs = [op for op in ops if op.kind in ("puts", "moves")]
+    records = sum(len(op.parts) for op in segs)
+    # segmented ops' bucket indexes right after the ops (in the words a block keeps in shared
+    # memory), then their records (none of either: as before segments)
+    index_at = F_HEAD + OP_WIDTH * len(ops)
+    records_at = index_at + sum(_index_shape(op, unit)[1] for op in segs)
     sources_at = records_at + OP_WIDTH * records
     nsources = sum(len(op.sources) for op in moves) + (epilogue is not None)
     if epilogue is not None:  # its extra words, in whole source entries
@@ -470,8 +474,8 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
             row = (F_OP_PUT, op.source, op.dst_even, op.dst_odd, op.nbytes, op.peer, op.step,
                    (rotation or {}).get(k, 0))
         elif op.kind in ("puts", "moves"):
-            row, records_at, at = _segmented_row(words, op, records_at, at, unit,
-                                                 (rotation or {}).get(k, 0))
+            row, index_at, records_at, at = _segmented_row(words, op, index_at, records_at,
+                                                           at, unit, (rotation or {}).get(k, 0))
         elif op.kind == "norm":  # its parameters take one source entry
             e = op.epilogue
             nbytes, chunk = moves[-1].nbytes, unit * threads
@@ -490,7 +494,6 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
         words[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
     items = -(-max([op.nbytes for op in ops if op.kind == "put"]
                    + [op.nbytes for op in moves] + [unit]) // unit)  # a partial item counts
-    segs = [op for op in ops if op.kind in ("puts", "moves")]
     if segs:
         items = max([items] + [_union_items(op, unit) for op in segs])
     return FusedProgram(words, len(ops), items, len(segs), tuple(ops))
@@ -502,12 +505,29 @@ def _union_items(op: Segments, unit: int) -> int:
     return sum(-(-part.nbytes // unit) for part in op.parts)
 
 
-def _segmented_row(words: np.ndarray, op: Segments, records_at: int, at: int, unit: int,
-                   rotation: int) -> tuple:
-    """A segmented op's words, its records written at ``records_at`` (and its moves' sources
-    at ``at``): (its row, the next record's word, the next source's word)."""
+def _index_shape(op: Segments, unit: int) -> tuple[int, int]:
+    """(log2 of a bucket's items, buckets) of a segmented op's bucket index
+    (``isa.SEG_INDEX``): about two buckets a segment, so a thread's walk from its bucket's
+    record crosses a segment or two.
+
+    >>> _index_shape(Segments("moves", (Move("move", 0, 0, 16 * 100, (), 0, None),) * 3), 16)
+    (5, 10)
+    """
+    items = _union_items(op, unit)
+    shift = max(0, (items // (2 * len(op.parts))).bit_length() - 1)
+    return shift, max(1, -(-items // (1 << shift)))
+
+
+def _segmented_row(words: np.ndarray, op: Segments, index_at: int, records_at: int, at: int,
+                   unit: int, rotation: int) -> tuple:
+    """A segmented op's words: its bucket index written at ``index_at``, its records at
+    ``records_at`` (and its moves' sources at ``at``): (its row, the next index's word, the
+    next record's word, the next source's word)."""
     first, start = records_at, 0
+    shift, buckets = _index_shape(op, unit)
+    firsts = []  # each record's first item in the union
     for part in op.parts:
+        firsts.append(start)
         if part.kind == "put":
             rec = (F_OP_PUT, part.source, part.dst_even, part.dst_odd, part.nbytes, part.peer,
                    part.step, start)
@@ -520,8 +540,14 @@ def _segmented_row(words: np.ndarray, op: Segments, records_at: int, at: int, un
         words[records_at: records_at + len(rec)] = rec
         records_at += OP_WIDTH
         start += -(-part.nbytes // unit)
+    # bucket b's record: the last one starting at or before its first item (an empty
+    # segment's record starts where the next one does; the walk steps over it)
+    bucket_firsts = np.arange(buckets, dtype=np.int64) << shift
+    holder = np.searchsorted(np.asarray(firsts, dtype=np.int64), bucket_firsts, "right") - 1
+    words[index_at: index_at + buckets] = first + OP_WIDTH * holder
     kind = F_OP_PUTS if op.kind == "puts" else F_OP_MOVES
-    return (kind, len(op.parts), first, start, rotation), records_at, at
+    row = (kind, len(op.parts), first, start, rotation, index_at, shift)
+    return row, index_at + buckets, records_at, at
 
 
 def segmented_program(words: np.ndarray) -> bool:
