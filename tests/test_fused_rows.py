@@ -926,3 +926,29 @@ def test_gqa_pushes_copy_each_peer_after_its_wait(n, protocol):
         assert _kinds(got[r]) == _kinds(twin[r]), (r, _kinds(got[r]), _kinds(twin[r]))
     assert any(op.kind == "moves" for op in got[0])
 
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_partial_all_reduce_on_ll_polls_its_acknowledgements_at_once(n):
+    """A partial all-reduce's contributor on LL waits for each peer's acknowledgement and
+    PUTs to it, peer after peer; ``gathered`` makes that one run of waits (one poll round in
+    the fused kernel) and then the PUTs, and the result stays right over three calls."""
+    from purlin.atom.fused_rows import cluster_programs
+
+    k = n // 2
+    partial = Collective([["x"] if r < k else [] for r in range(n)],
+                         [[] if r < k else ["x"] for r in range(n)], "sum")
+    sizes = {"x": 96}
+    s = plan(partial, "direct-push", chunk_sizes=sizes, dtype="bfloat16")
+    bufs = HostBuffers(s, ll=True)
+    low = bufs.lower()
+    unit, problem = fused_unit(low, "fused-ll")
+    assert problem is None, problem
+    plain = [rank_ops(x, unit) for x in low]
+    got = cluster_programs(low, lambda r: 0, 0, int, unit)
+    for r in range(k):
+        before = [op.kind for op in plain[r]]
+        assert before == ["wait", "put"] * (n - k), before
+        assert [op.kind for op in got[r].op_list] == ["wait"] * (n - k) + ["put"] * (n - k)
+    xs = _inputs(s.sizing, np.random.default_rng(1), calls=3)
+    outs = run_fused_calls(fused_programs(low, bufs, unit), bufs, xs, blocks=2, threads=3)
+    _compare(s.sizing, outs, xs, f"partial all-reduce {n}")

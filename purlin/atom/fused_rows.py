@@ -14,7 +14,7 @@ over the union of the rows' items, so the program has its standard twin's ops (t
 all-gather on 4 ranks: 13 ops against 27 a row each). :func:`joined` then makes a rank's LL
 PUTs one op and its copies of LL units (with its plain copies that pull from no peer)
 another, every layout's (an all-gather on 4 ranks: 2 ops on LL, against 7 rows; the GQA
-all-gather's 21). :func:`gathered` then moves a plain program's waits before the copies
+all-gather's 21). :func:`gathered` then moves a program's waits before the copies and PUTs
 between them and its notifies after, so that they run as one poll round and one fence.
 ARCHITECTURE.md, "The fused kernel".
 
@@ -266,8 +266,8 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     :func:`regrouped` ops (``error_of(rank)``: the rank's error record address); with
     ``segments`` (for the layouts :func:`several_pieces` finds) one peer's rows gathered
     into segmented ops where :func:`segmented` can, else the rotated rows; then (``join``)
-    LL rows joined across flag operations (:func:`joined`) and a plain program's flags
-    gathered around its copies (:func:`gathered`) where a program has no NORM. A
+    LL rows joined across flag operations (:func:`joined`) and each program's flags
+    gathered around its copies and PUTs (:func:`gathered`) where a program has no NORM. A
     trace of the program names the table rows of each op
     (``purlin.atom.fused_trace.program_rows``)."""
     ops, rot = regrouped(lowered, unit)
@@ -769,10 +769,13 @@ def _flag_runs(ops: list[tuple]) -> int:
                if b.kind in ("wait", "notify") and (a is None or a.kind != b.kind))
 
 
+COPIES = ("move", "moves", "put", "puts")  # what flags are gathered around
+
+
 def _gathered_rank(ops: list[tuple], free: set, sends: set) -> list[tuple]:
-    """One rank's plain ops with each wait moved before the plain copies before it (and
+    """One rank's ops with each wait moved before the copies and PUTs before it (and
     before the notifies before it where it is free and they free no one: :func:`_free_waits`),
-    and each notify after the plain copies after it -- kept where that leaves fewer runs of
+    and each notify after the copies and PUTs after it -- kept where that leaves fewer runs of
     flag operations (a wait and a copy, a wait and a copy become two waits polled at once
     and two copies; the notifies between them one fence), else ``ops``."""
     tagged = [(op, op.kind == "wait" and i in free, op.kind == "notify" and i in sends)
@@ -782,7 +785,7 @@ def _gathered_rank(ops: list[tuple], free: set, sends: set) -> list[tuple]:
         return wait[1] and not notify[2]
 
     def flag_past_copies(i: int, step: int):  # the first flag operation from i on, or None
-        while 0 <= i < len(tagged) and tagged[i][0].kind in ("move", "moves"):
+        while 0 <= i < len(tagged) and tagged[i][0].kind in COPIES:
             i += step
         return tagged[i] if 0 <= i < len(tagged) else None
 
@@ -791,14 +794,14 @@ def _gathered_rank(ops: list[tuple], free: set, sends: set) -> list[tuple]:
         moved = False
         for i in range(len(tagged) - 1):
             a, b = tagged[i], tagged[i + 1]
-            if b[0].kind == "wait" and a[0].kind in ("move", "moves"):
+            if b[0].kind == "wait" and a[0].kind in COPIES:
                 # (only towards a wait it joins, or a notify it then passes)
                 got = flag_past_copies(i, -1)
                 ok = got is not None and (got[0].kind == "wait" or
                                           (got[0].kind == "notify" and crosses(got, b)))
             elif b[0].kind == "wait" and a[0].kind == "notify":
                 ok = crosses(a, b)
-            elif a[0].kind == "notify" and b[0].kind in ("move", "moves"):
+            elif a[0].kind == "notify" and b[0].kind in COPIES:
                 got = flag_past_copies(i + 1, 1)  # (only towards a notify it joins)
                 ok = got is not None and (got[0].kind == "notify" or
                                           (got[0].kind == "wait" and crosses(a, got)))
@@ -812,17 +815,14 @@ def _gathered_rank(ops: list[tuple], free: set, sends: set) -> list[tuple]:
 
 
 def gathered(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | None:
-    """Each rank's flags gathered around its plain copies (:func:`_gathered_rank`): runs of
-    waits and of notifies where they alternated with copies (a peer of a two-root
-    broadcast: wait, copy, notify, twice; a pulling rank: the same per peer), which the
+    """Each rank's flags gathered around its copies and PUTs (:func:`_gathered_rank`): runs
+    of waits and of notifies where they alternated with them (a peer of a two-root
+    broadcast: wait, copy, notify, twice; a pulling rank: the same per peer; a contributor
+    of a partial all-reduce on LL: an acknowledgement's wait and a PUT per peer), which the
     fused kernel runs as one poll round and one fence each (``kernels/fused.py``). Ordering
     is only added; kept where the copies still meet their rotations (:func:`aligned`), no
     interleaving deadlocks (:func:`deadlock_free`) and :func:`race` finds the ranks ordered
-    with their callers. None where nothing moves, the programs hold LL transfers (their
-    polls order themselves) or a check fails."""
-    if any(part.kind == "put" or (part.kind == "move" and any(x.is_ll for x in part.sources))
-           for ops in ops_by_rank for op in ops for part in _parts(op)):
-        return None
+    with their callers. None where nothing moves or a check fails."""
     free, sends = _free_waits(ops_by_rank)
     out = [_gathered_rank(ops, {i for (q, i) in free if q == r},
                           {i for (q, i) in sends if q == r}) for r, ops in enumerate(ops_by_rank)]
