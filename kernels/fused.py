@@ -240,9 +240,11 @@ def _store16(dst, w, valid):
 
 
 @device
-def _reduce_pairs_half(meta, head, at, nsrc, dst, items, g, stride, odd, dt, redop, divisor):
-    """A plain bfloat16 / float16 reduction, two items per thread at a time (each source's
-    two loads in flight together); returns the first item left for the one-item path."""
+def _reduce_pairs_half(meta, head, at, nsrc, dst, items, nbytes, g, stride, odd, dt, redop,
+                       divisor):
+    """A plain bfloat16 / float16 reduction of ``nbytes``, two items per thread at a time
+    (each source's two loads in flight together; the second may be a row's partial last
+    item, stored in part); returns the first item left for the one-item path."""
     div = np.float32(divisor)
     i = g
     while i + stride < items:
@@ -256,7 +258,7 @@ def _reduce_pairs_half(meta, head, at, nsrc, dst, items, g, stride, odd, dt, red
             x = _fold_half(x, u, dt, redop)
             y = _fold_half(y, v, dt, redop)
         _store_half8(dst + i * 16, x, dt, redop, div)
-        _store_half8(dst + j * 16, y, dt, redop, div)
+        _store16(dst + j * 16, _pack_half8(y, dt, redop, div), min(16, nbytes - j * 16))
         i += 2 * stride
     return i
 
@@ -832,15 +834,21 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             gm = _rotated(g, _word(meta, head, at + MOVE_ROTATE), stride)
             i = gm
             if plain and nsrc == 1:
-                copy_v16(_word(meta, head, at + MOVE_DST + odd),
-                         _word(meta, head, first + SOURCE_ADDR + odd), whole, gm, stride)
+                dst = _word(meta, head, at + MOVE_DST + odd)
+                src = _word(meta, head, first + SOURCE_ADDR + odd)
+                # a partial last item: its thread loads it (the aligned 16 bytes holding it)
+                # before its whole items, so that it is in flight with them, not after
+                tail = whole < items and (whole - gm) % stride == 0
+                if tail:
+                    w = load_v4_u32(src + whole * 16)
+                copy_v16(dst, src, whole, gm, stride)
+                if tail:
+                    _store16(dst + whole * 16, w, nbytes - whole * 16)
                 i = items
-                if whole < items and (whole - gm) % stride == 0:
-                    i = whole  # the tail's thread
             elif plain and (dt == BF16 or dt == F16):
                 i = _reduce_pairs_half(meta, head, first, nsrc,
-                                       _word(meta, head, at + MOVE_DST + odd), whole, gm, stride,
-                                       odd, dt, redop, divisor)
+                                       _word(meta, head, at + MOVE_DST + odd), items, nbytes, gm,
+                                       stride, odd, dt, redop, divisor)
             while i < items:
                 if _move_one(meta, head, at, i, odd, tag, dt, redop, divisor, timeout_ns, abort,
                              min(unit_bytes, nbytes - (i << shift)), unit_bytes, status, block):

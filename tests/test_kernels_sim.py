@@ -787,15 +787,20 @@ def fused_flags_have_a_slot_per_block():
 @case
 def fused_bfloat16_pairs_and_unrolled_copies():
     """Enough items per thread for the plain fast paths: the push copies four items in
-    flight, the bfloat16 reduce two (then the one-item tail) -- the same bits as numpy."""
+    flight, the bfloat16 reduce two (then the one-item tail) -- the same bits as numpy; with
+    a partial last item (35 whole items on 6 threads: the tail's thread holds six items,
+    the tail in its last pair and loaded with its copy's whole items), the row's bytes only."""
     from purlin.kernels import isa
 
-    s, xs, outs, lowered, scratch, *_ = _fused_flags_rank0("bfloat16", 8 * 41, blocks=2,
-                                                           threads=3)
-    want = bf16_bits(bf16_floats(xs[0]) + bf16_floats(xs[1]))
-    assert (outs[0] == want).all(), np.nonzero(outs[0] != want)
-    at = int(lowered[0].tables[0][0][isa.DST]) - scratch[1].ctypes.data
-    assert (scratch[1][at: at + xs[0].nbytes] == xs[0].view(np.uint8)).all()
+    for count in (8 * 41, 8 * 35 + 3, 8 * 35 + 1):
+        s, xs, outs, lowered, scratch, *_ = _fused_flags_rank0("bfloat16", count, blocks=2,
+                                                               threads=3)
+        want = bf16_bits(bf16_floats(xs[0]) + bf16_floats(xs[1]))
+        assert (outs[0][:count] == want).all(), (count, np.nonzero(outs[0][:count] != want))
+        at = int(lowered[0].tables[0][0][isa.DST]) - scratch[1].ctypes.data
+        assert (scratch[1][at: at + xs[0].nbytes] == xs[0].view(np.uint8)).all(), count
+        end = at + xs[0].nbytes  # the push's partial item: the row's bytes only
+        assert (scratch[1][end: end + (-end) % 16] == 0).all(), count
 
 
 @case
