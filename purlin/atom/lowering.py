@@ -51,8 +51,8 @@ from purlin.spec.dtypes import FP8, dtype as as_dtype
 # * Scratch is laid out in slots (:func:`scratch_layout`: the planner's overlapping scratch
 #   regions merged); where a copy has room for it (``scratch_bytes`` at least
 #   :func:`scratch_copy_bytes`), a slot whose regions all start where it starts begins on a
-#   16-byte boundary, so an odd-sized piece does not misalign the pieces after it (the fused
-#   kernel needs aligned rows); other slots keep their 16-byte phase.
+#   ``SLOT_ALIGN`` (128-byte) boundary, so an odd-sized piece does not misalign the pieces after
+#   it (the fused kernel needs 16-byte aligned rows); other slots keep their phase.
 # * With an LL area (``ll_bases``), each Stage + Notify pair that
 #   :func:`ll_transfers` finds safe travels as LL units: an LL_PUT row on the sender instead of
 #   COPY + NOTIFY, and an LL_GET row on the receiver instead of the WAIT on that flag (see
@@ -368,8 +368,8 @@ class ScratchLayout:
 def scratch_layout(schedule: Schedule) -> dict:
     """Per rank, its :class:`ScratchLayout`: the scratch regions of every step merged into
     slots where they overlap; a slot whose regions all start at its start (a piece staged
-    whole) begins at the next 16-byte boundary, any other keeps its offset's phase modulo
-    16 bytes (its regions' alignment is what it was).
+    whole) begins at the next ``SLOT_ALIGN``-byte boundary, any other keeps its offset's
+    phase modulo ``SLOT_ALIGN`` bytes (its regions' alignment is what it was).
 
     >>> from purlin.spec import collectives
     >>> from purlin.snac import plan
@@ -377,7 +377,7 @@ def scratch_layout(schedule: Schedule) -> dict:
     ...                                          dtype="bfloat16")
     >>> s = plan(sizing.collective, "direct-push", sizing=sizing)
     >>> s.scratch[0] * 2, scratch_layout(s)[0]
-    (68, ScratchLayout(starts=(0, 17), at=(0, 48), nbytes=96))
+    (68, ScratchLayout(starts=(0, 17), at=(0, 128), nbytes=256))
     """
     item = as_dtype(schedule.dtype).itemsize
     regions: dict = {r: [] for r in range(schedule.nranks)}
@@ -399,15 +399,21 @@ def scratch_layout(schedule: Schedule) -> dict:
                 slots.append([start, end, True])
         starts, at, cursor = [], [], 0
         for start, end, whole in slots:
-            phase = start * item % 16
+            phase = start * item % SLOT_ALIGN
             byte = max(cursor, start * item) if not whole else cursor
-            byte = -(-byte // 16) * 16 if whole else byte + (phase - byte) % 16
+            byte = -(-byte // SLOT_ALIGN) * SLOT_ALIGN if whole else \
+                byte + (phase - byte) % SLOT_ALIGN
             starts.append(start)
             at.append(byte)
             cursor = byte + (end - start) * item
         size = max(cursor, schedule.scratch[r] * item)
-        out[r] = ScratchLayout(tuple(starts), tuple(at), -(-size // 16) * 16)
+        out[r] = ScratchLayout(tuple(starts), tuple(at), -(-size // SLOT_ALIGN) * SLOT_ALIGN)
     return out
+
+
+# a scratch slot's alignment: a cache line, so a piece of an odd size (one element past a
+# whole one) does not put every warp of the pieces after it across one line more
+SLOT_ALIGN = 128
 
 
 def _byte_at(region: Region, item: int, layout: dict) -> int:
