@@ -978,6 +978,7 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     rec, start, nbytes, end = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     i = _rotated(g, _word(meta, head, at + SEG_ROTATE), stride)
     plain = False
+    src0, dst0 = np.int64(0), np.int64(0)
     # a plain copy's whole items go four at a time across segments (loads, then stores):
     # a thread holds only one or two items of each of GQA's pieces, and copied one after the
     # other each load would wait for the store before it
@@ -989,11 +990,14 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
             rec, start, nbytes, end = _segment_of(meta, head, at, i, first_word, bytes_word,
                                                   unit_bytes, shift)
             plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
+            if plain:  # (a plain copy's addresses once a segment, not once an item)
+                src0 = _word(meta, head, _word(meta, head, rec + MOVE_SOURCES) + SOURCE_ADDR +
+                             odd)
+                dst0 = _word(meta, head, rec + MOVE_DST + odd)
         j = i - start
         if plain and j < nbytes >> shift:
-            src = _word(meta, head, _word(meta, head, rec + MOVE_SOURCES) + SOURCE_ADDR + odd)
-            src += j * 16
-            dst = _word(meta, head, rec + MOVE_DST + odd) + j * 16
+            src = src0 + j * 16
+            dst = dst0 + j * 16
             if n == 0:
                 s0, d0 = src, dst
             elif n == 1:
