@@ -310,7 +310,7 @@ def layout(schedule: Schedule, ll: bool = False, block_flags: bool = False) -> L
     (256, 512, 1024)
     >>> lay = layout(plan(collectives.all_gather(2), "direct-push", count=8), ll=True)
     >>> lay.offset(0, "ll"), lay.ll_bytes, lay.size
-    (1024, (96, 96), 1280)
+    (1024, (544, 544), 1792)
     >>> lay = layout(plan(collectives.all_gather(2), "direct-push", count=8), block_flags=True)
     >>> lay.block_flags, lay.control_end, lay.offset(0, "input")
     (256, 6400, 6400)
