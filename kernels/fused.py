@@ -1042,116 +1042,61 @@ SIGNATURE = "void(int64, int64, int64, int64, int64, int64)"
 _kernel = launch_bounded(MAX_THREADS)
 
 
-@_kernel
-def fused(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
-    """Run the fused programs of this launch (no NORM op). Rank slot ``s`` reads its program
-    at ``desc_ptr + s * stride_words * 8`` and counts calls in the ``F_MAX_BLOCKS`` words at
-    ``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b; zero before the first call);
-    its ``blocks_per_rank`` blocks share the work."""
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
-         False)
-
-
-@_kernel
-def fused_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
-    """``fused`` for programmatic dependent launch (as ``executor_pdl``), reading its program
-    before it waits for the kernel before it."""
-    griddep_launch_dependents()
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
-         False)
-
-
-@_kernel
-def fused_norm(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
-    """``fused`` for programs that may end with a NORM op."""
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
-         True)
-
-
-@_kernel
-def fused_norm_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+def _entry(name, doc, norm=False, segs=False, traced=False, pdl=False):
+    """The kernel ``name`` over :func:`_run` with its compile-time switches: ``norm`` (a NORM
+    op may end the program), ``segs`` (segmented PUTs and MOVEs), ``traced`` (two more
+    arguments: the trace buffer and its records per block), ``pdl`` (programmatic dependent
+    launch, as ``executor_pdl``: it reads its program before it waits for the kernel before
+    it). Each switch is a constant of the kernel it builds, so a kernel without it carries
+    none of its code."""
+    if traced:
+        def kernel(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                   counters, trace, trace_rows):
+            if pdl:
+                griddep_launch_dependents()
+            _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                 counters, pdl, norm, segs, trace, trace_rows)
+    else:
+        def kernel(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
                    counters):
-    """``fused_norm`` for programmatic dependent launch."""
-    griddep_launch_dependents()
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
-         True)
+            if pdl:
+                griddep_launch_dependents()
+            _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
+                 counters, pdl, norm, segs)
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__doc__ = doc
+    return _kernel(kernel)
 
 
-@_kernel
-def fused_seg(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters):
-    """``fused`` that also runs segmented PUTs and MOVEs (``isa.F_OP_PUTS``, ``F_OP_MOVES``:
-    one peer's rows of several pieces as one op); a separate kernel, so ``fused`` carries
-    none of their code."""
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
-         False, True)
-
-
-@_kernel
-def fused_seg_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                  counters):
-    """``fused_seg`` for programmatic dependent launch."""
-    griddep_launch_dependents()
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
-         False, True)
-
+fused = _entry("fused", """Run the fused programs of this launch (no NORM op). Rank slot
+    ``s`` reads its program at ``desc_ptr + s * stride_words * 8`` and counts calls in the
+    ``F_MAX_BLOCKS`` words at ``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b; zero
+    before the first call); its ``blocks_per_rank`` blocks share the work.""")
+fused_norm = _entry("fused_norm", "``fused`` for programs that may end with a NORM op.",
+                    norm=True)
+fused_seg = _entry("fused_seg", """``fused`` that also runs segmented PUTs and MOVEs
+    (``isa.F_OP_PUTS``, ``F_OP_MOVES``: one peer's rows of several pieces as one op); a
+    separate kernel, so ``fused`` carries none of their code.""", segs=True)
 
 # ---- the traced kernels: the same ops, thread 0 of each block stamping each one
 TRACE_SIGNATURE = "void(int64, int64, int64, int64, int64, int64, int64, int64)"
-
-
-@_kernel
-def fused_trace(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters,
-                trace, trace_rows):
-    """``fused`` that records every op of every block (:func:`_trace_op`): ``trace`` is the
-    address of ``nranks_in_launch * blocks_per_rank * trace_rows`` records of
-    ``isa.TRACE_WIDTH`` int64 (slot-major, then block, then op). A separate kernel, so the
-    untraced ones carry none of its code."""
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
-         False, False, trace, trace_rows)
-
-
-@_kernel
-def fused_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                    counters, trace, trace_rows):
-    """``fused_trace`` for programmatic dependent launch."""
-    griddep_launch_dependents()
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
-         False, False, trace, trace_rows)
-
-
-@_kernel
-def fused_norm_trace(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                     counters, trace, trace_rows):
-    """``fused_norm`` that records every op (a NORM too) as ``fused_trace`` does."""
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
-         True, False, trace, trace_rows)
-
-
-@_kernel
-def fused_norm_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                         counters, trace, trace_rows):
-    """``fused_norm_trace`` for programmatic dependent launch."""
-    griddep_launch_dependents()
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
-         True, False, trace, trace_rows)
-
-
-@_kernel
-def fused_seg_trace(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                    counters, trace, trace_rows):
-    """``fused_seg`` that records every op (a segmented one as one record) as
-    ``fused_trace`` does: the traced twin of the kernel that runs segmented programs."""
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, False,
-         False, True, trace, trace_rows)
-
-
-@_kernel
-def fused_seg_trace_pdl(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                        counters, trace, trace_rows):
-    """``fused_seg_trace`` for programmatic dependent launch."""
-    griddep_launch_dependents()
-    _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, True,
-         False, True, trace, trace_rows)
+fused_trace = _entry("fused_trace", """``fused`` that records every op of every block
+    (:func:`_trace_op`): ``trace`` is the address of ``nranks_in_launch * blocks_per_rank *
+    trace_rows`` records of ``isa.TRACE_WIDTH`` int64 (slot-major, then block, then op). A
+    separate kernel, so the untraced ones carry none of its code.""", traced=True)
+fused_norm_trace = _entry("fused_norm_trace", """``fused_norm`` that records every op (a NORM
+    too) as ``fused_trace`` does.""", norm=True, traced=True)
+fused_seg_trace = _entry("fused_seg_trace", """``fused_seg`` that records every op (a
+    segmented one as one record) as ``fused_trace`` does: the traced twin of the kernel that
+    runs segmented programs.""", segs=True, traced=True)
+# each for programmatic dependent launch
+fused_pdl, fused_norm_pdl, fused_seg_pdl, fused_trace_pdl, fused_norm_trace_pdl, \
+    fused_seg_trace_pdl = (
+        _entry(f"{name}_pdl", f"``{name}`` for programmatic dependent launch.", pdl=True, **how)
+        for name, how in (("fused", {}), ("fused_norm", {"norm": True}),
+                          ("fused_seg", {"segs": True}), ("fused_trace", {"traced": True}),
+                          ("fused_norm_trace", {"norm": True, "traced": True}),
+                          ("fused_seg_trace", {"segs": True, "traced": True})))
 
 
 LL_ITEM = 8  # bytes of a thread's item in the one-shot epilogue kernels: one LL unit's data
