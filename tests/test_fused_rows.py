@@ -201,16 +201,14 @@ def test_standard_collectives_keep_their_programs_every_strategy():
     on the plain ops -- with LL rows joined across flag operations (``joined``) where that
     holds, never where a program reduces (chunked plans merge their chunks' flags, as
     ``regroup`` did before), and on plain programs their flags gathered around the copies
-    (``gathered``) where that holds: the same ops, reordered; then adjacent plain copies as one
-    segmented op (``copies_merged``): the same rows in the same order."""
+    (``gathered``) where that holds: the same ops, reordered."""
     from purlin.atom.fused import program
-    from purlin.atom.fused_rows import (aligned, cluster_programs, copies_merged, gathered,
-                                        joined, ll_pieces)
+    from purlin.atom.fused_rows import aligned, cluster_programs, gathered, joined, ll_pieces
     from purlin.kernels import isa
     from purlin.snac import STRATEGIES
     from purlin.spec import collectives
 
-    ran = joins = gathers = merges = 0
+    ran = joins = gathers = 0
     for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast",
                  "reduce", "gather", "scatter"):
         for n in (2, 3, 4, 8):
@@ -250,10 +248,6 @@ def test_standard_collectives_keep_their_programs_every_strategy():
                                           [x.user for x in low])
                         gathers += gather is not None
                         final = gather if gather is not None else join
-                        merge = copies_merged(plain if final is None else final, unit,
-                                              [x.user for x in low]) if unit == 16 else None
-                        merges += merge is not None
-                        final = merge if merge is not None else final
                         turn = [{}] * n if final is None else aligned(final, unit)
                         for r, (x, p) in enumerate(zip(low, got)):
                             want = program(x, 0, 0, int, unit,
@@ -264,16 +258,7 @@ def test_standard_collectives_keep_their_programs_every_strategy():
                                 (name, strategy, r, join[r])
                             assert gather is None or sorted(map(repr, gather[r])) == sorted(
                                 map(repr, plain[r] if join is None else join[r]))
-                            before = gather if gather is not None else join
-                            assert merge is None or _rows_of(merge[r]) == _rows_of(
-                                plain[r] if before is None else before[r])
-    assert ran >= 400 and joins >= 30 and gathers >= 30 and merges >= 10, \
-        (ran, joins, gathers, merges)
-
-
-def _rows_of(ops) -> list:
-    """A rank's ops with every segmented op as its rows, in order."""
-    return [repr(p) for op in ops for p in (op.parts if op.kind in ("puts", "moves") else (op,))]
+    assert ran >= 400 and joins >= 30 and gathers >= 30, (ran, joins, gathers)
 
 
 def test_rotations_keep_shared_bytes_on_one_thread():
@@ -581,12 +566,11 @@ def test_gqa_program_has_its_twins_op_count(n, protocol):
         if n == 4:
             assert [p.ops for p in got[0]] == [2 if protocol == "fused-ll" else 13] * 4
         # pulled (a ready flag and an acknowledgement per piece): merged across flags
-        # (fused_rows.merged_flags), at most the twin's ops (whose pulls, a row each, are
-        # one segmented op too once nothing separates them: copies_merged)
+        # (fused_rows.merged_flags), at most the twin's ops
         got = _programs(gqa(n), sizes, "direct-pull", protocol)
         twin = _programs(*_twin(n, sizes), "direct-pull", protocol)
         for p, t in zip(got[0], twin[0]):
-            assert p.ops <= t.ops and p.segments > 0, (p.ops, t.ops)
+            assert p.ops <= t.ops and p.segments > 0 and t.segments == 0, (p.ops, t.ops)
 
 
 def _segment_walks(w, unit):
@@ -819,9 +803,9 @@ def test_acked_units_stay_on_the_blocks_that_read_them():
 
 def test_standard_collectives_hold_no_segmented_ops():
     """Every standard collective x strategy x chunks x protocol that fuses, as the sm
-    datapath builds its programs (segments only unchunked): on plain transfers no segmented
-    op but adjacent plain copies (``copies_merged``: a pulling rank's pulls), so the rest run
-    the ``fused`` kernel as before; on LL only the joined LL rows (``joined``)."""
+    datapath builds its programs (segments only unchunked): no segmented op on plain
+    transfers, so they run the ``fused`` kernel as before; on LL only the joined LL rows
+    (``joined``)."""
     from purlin.atom.fused_rows import cluster_programs, joined, several_pieces
     from purlin.snac import STRATEGIES
     from purlin.spec import collectives
@@ -846,11 +830,7 @@ def test_standard_collectives_hold_no_segmented_ops():
                         got = cluster_programs(low, lambda r: 0, 0, int, unit,
                                                segments=several_pieces(s))
                         if protocol == "fused":
-                            for p in got:
-                                for op in p.op_list:
-                                    assert op.kind != "puts" and (op.kind != "moves" or all(
-                                        q.how is None and not q.sources[0].is_ll
-                                        for q in op.parts)), (name, strategy, chunks, op)
+                            assert not any(p.segments for p in got), (name, strategy, chunks)
                         else:
                             plain = regrouped(low, unit)[0]
                             join = joined(plain, unit, [x.user for x in low])

@@ -43,10 +43,9 @@ from typing import NamedTuple
 from purlin.atom.fused import (Segments, Span, _Refused, _accesses, _check_rank, _clash, _meets,
                                program, rank_ops)
 
-__all__ = ["COPY_MERGE_BYTES", "MERGE_BYTES", "ROTATE_ITEMS", "acked", "aligned",
-           "cluster_programs", "copies_merged", "deadlock_free", "gathered", "joined",
-           "ll_pieces", "merged_flags", "regroup", "regrouped", "rotations", "rounds",
-           "segmented", "several_pieces"]
+__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "acked", "aligned", "cluster_programs",
+           "deadlock_free", "gathered", "joined", "ll_pieces", "merged_flags", "regroup",
+           "regrouped", "rotations", "rounds", "segmented", "several_pieces"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -283,9 +282,6 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
         if got is not None:
             ops, rot = got, aligned(got, unit)
         got = gathered(ops, unit, user)
-        if got is not None:
-            ops, rot = got, aligned(got, unit)
-        got = copies_merged(ops, unit, user) if unit == 16 else None
         if got is not None:
             ops, rot = got, aligned(got, unit)
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
@@ -831,48 +827,6 @@ def gathered(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | No
     out = [_gathered_rank(ops, {i for (q, i) in free if q == r},
                           {i for (q, i) in sends if q == r}) for r, ops in enumerate(ops_by_rank)]
     if out == [list(ops) for ops in ops_by_rank]:
-        return None
-    if aligned(out, unit) is None or not deadlock_free(out) or race(out, user) is not None:
-        return None
-    return out
-
-
-def _plain_copies(op) -> bool:
-    """Is ``op`` a copy of plain memory (a row or a segmented op of them)?"""
-    return op.kind in ("move", "moves") and all(
-        p.how is None and len(p.sources) == 1 and not p.sources[0].is_ll for p in _parts(op))
-
-
-def _copies_merged_rank(ops: list[tuple]) -> list[tuple]:
-    """One rank's plain copies that nothing separates as one segmented op, up to
-    :data:`COPY_MERGE_BYTES` of them (none touching what another writes)."""
-    ops = list(ops)
-    i = 0
-    while i + 1 < len(ops):
-        a, b = ops[i], ops[i + 1]
-        if _plain_copies(a) and _plain_copies(b) and \
-                sum(p.nbytes for p in _parts(a) + _parts(b)) <= COPY_MERGE_BYTES and \
-                not any(_conflict(x, y) for x in _parts(a) for y in _parts(b)):
-            ops[i:i + 2] = [Segments("moves", _parts(a) + _parts(b))]
-            continue
-        i += 1
-    return ops
-
-
-COPY_MERGE_BYTES = 1 << 20  # plain copies merged into one op, at most (above it a thread
-# holds enough items of one copy to keep its loads in flight)
-
-
-def copies_merged(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | None:
-    """Each rank's adjacent plain copies (after :func:`gathered`: a two-root broadcast's peer
-    pulling both roots' pieces, a pushing rank's copies to every peer) as one segmented op,
-    whose threads keep four items in flight across the copies where each copy gave them one
-    or two, one round of loads after another. Nothing moves past a flag operation, so no
-    ordering changes; kept where the copies still meet their rotations (:func:`aligned`) and
-    :func:`race` finds the ranks ordered with their callers. None where nothing merges or a
-    check fails."""
-    out = [_copies_merged_rank(ops) for ops in ops_by_rank]
-    if sum(map(len, out)) == sum(map(len, ops_by_rank)):
         return None
     if aligned(out, unit) is None or not deadlock_free(out) or race(out, user) is not None:
         return None
