@@ -689,32 +689,6 @@ def rms_norm_functions(hidden: int, eps: float) -> tuple:
     return _RMS[key]
 
 
-
-
-def rms_norm_functions(hidden: int, eps: float) -> tuple:
-    """(stat, finish, fn) of the built-in add + RMSNorm over rows of ``hidden`` (the residual
-    add is the form's): the same float32 operations, in the same order, as
-    ``fused._normalize``."""
-    key = (int(hidden), float(np.float32(eps)))
-    if key not in _RMS:
-        h, e = np.float32(hidden), np.float32(eps)
-
-        @cuda.jit(device=True)
-        def square(v, w):
-            return v * v
-
-        @cuda.jit(device=True)
-        def inverse_rms(total, peak):
-            return np.float32(1) / np.float32(math.sqrt(total / h + e)), peak
-
-        @cuda.jit(device=True)
-        def scale(v, p, q, w):
-            return v * p * w
-
-        _RMS[key] = (square, inverse_rms, scale)
-    return _RMS[key]
-
-
 # the kernels; in the simulator each also hands the simulated ``cuda`` to the helpers' modules
 _KERNELS = '''
 @_kernel
