@@ -1068,35 +1068,35 @@ def _entry(name, doc, norm=False, segs=False, traced=False, pdl=False):
     return _kernel(kernel)
 
 
-fused = _entry("fused", """Run the fused programs of this launch (no NORM op). Rank slot
-    ``s`` reads its program at ``desc_ptr + s * stride_words * 8`` and counts calls in the
-    ``F_MAX_BLOCKS`` words at ``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b; zero
-    before the first call); its ``blocks_per_rank`` blocks share the work.""")
-fused_norm = _entry("fused_norm", "``fused`` for programs that may end with a NORM op.",
-                    norm=True)
-fused_seg = _entry("fused_seg", """``fused`` that also runs segmented PUTs and MOVEs
-    (``isa.F_OP_PUTS``, ``F_OP_MOVES``: one peer's rows of several pieces as one op); a
+def _pair(name, doc, **switches):
+    """(kernel ``name``, its twin ``name_pdl`` for programmatic dependent launch)."""
+    return (_entry(name, doc, **switches),
+            _entry(f"{name}_pdl", f"``{name}`` for programmatic dependent launch.", pdl=True,
+                   **switches))
+
+
+fused, fused_pdl = _pair("fused", """Run the fused programs of this launch (no NORM op). Rank
+    slot ``s`` reads its program at ``desc_ptr + s * stride_words * 8`` and counts calls in
+    the ``F_MAX_BLOCKS`` words at ``counters + s * F_MAX_BLOCKS * 8`` (block b's in word b;
+    zero before the first call); its ``blocks_per_rank`` blocks share the work.""")
+fused_norm, fused_norm_pdl = _pair("fused_norm", """``fused`` for programs that may end with
+    a NORM op.""", norm=True)
+fused_seg, fused_seg_pdl = _pair("fused_seg", """``fused`` that also runs segmented PUTs and
+    MOVEs (``isa.F_OP_PUTS``, ``F_OP_MOVES``: one peer's rows of several pieces as one op); a
     separate kernel, so ``fused`` carries none of their code.""", segs=True)
 
 # ---- the traced kernels: the same ops, thread 0 of each block stamping each one
 TRACE_SIGNATURE = "void(int64, int64, int64, int64, int64, int64, int64, int64)"
-fused_trace = _entry("fused_trace", """``fused`` that records every op of every block
-    (:func:`_trace_op`): ``trace`` is the address of ``nranks_in_launch * blocks_per_rank *
-    trace_rows`` records of ``isa.TRACE_WIDTH`` int64 (slot-major, then block, then op). A
-    separate kernel, so the untraced ones carry none of its code.""", traced=True)
-fused_norm_trace = _entry("fused_norm_trace", """``fused_norm`` that records every op (a NORM
-    too) as ``fused_trace`` does.""", norm=True, traced=True)
-fused_seg_trace = _entry("fused_seg_trace", """``fused_seg`` that records every op (a
-    segmented one as one record) as ``fused_trace`` does: the traced twin of the kernel that
-    runs segmented programs.""", segs=True, traced=True)
-# each for programmatic dependent launch
-fused_pdl, fused_norm_pdl, fused_seg_pdl, fused_trace_pdl, fused_norm_trace_pdl, \
-    fused_seg_trace_pdl = (
-        _entry(f"{name}_pdl", f"``{name}`` for programmatic dependent launch.", pdl=True, **how)
-        for name, how in (("fused", {}), ("fused_norm", {"norm": True}),
-                          ("fused_seg", {"segs": True}), ("fused_trace", {"traced": True}),
-                          ("fused_norm_trace", {"norm": True, "traced": True}),
-                          ("fused_seg_trace", {"segs": True, "traced": True})))
+fused_trace, fused_trace_pdl = _pair("fused_trace", """``fused`` that records every op of
+    every block (:func:`_trace_op`): ``trace`` is the address of ``nranks_in_launch *
+    blocks_per_rank * trace_rows`` records of ``isa.TRACE_WIDTH`` int64 (slot-major, then
+    block, then op). A separate kernel, so the untraced ones carry none of its code.""",
+                                     traced=True)
+fused_norm_trace, fused_norm_trace_pdl = _pair("fused_norm_trace", """``fused_norm`` that
+    records every op (a NORM too) as ``fused_trace`` does.""", norm=True, traced=True)
+fused_seg_trace, fused_seg_trace_pdl = _pair("fused_seg_trace", """``fused_seg`` that records
+    every op (a segmented one as one record) as ``fused_trace`` does: the traced twin of the
+    kernel that runs segmented programs.""", segs=True, traced=True)
 
 
 LL_ITEM = 8  # bytes of a thread's item in the one-shot epilogue kernels: one LL unit's data
