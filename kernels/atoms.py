@@ -39,24 +39,27 @@ from purlin.kernels.fp8 import f32_to_fp8, fp8_to_f32
 
 @device
 def copy_v16(dst, src, nvec, tid, nthreads):
-    """16-byte words, four in flight per thread before their stores."""
+    """16-byte words, four in flight per thread before their stores. A round where a thread
+    has fewer than four left loads an item it has instead (its loads never wait on a branch)
+    and skips those stores: a warp whose threads hold three and four words does one round,
+    not a round per path."""
     i = tid
-    while i + 3 * nthreads < nvec:
+    while i < nvec:
+        i1 = i + nthreads
+        i2 = i1 + nthreads
+        i3 = i2 + nthreads
         a = load_v4_u32(src + i * 16)
-        b = load_v4_u32(src + (i + nthreads) * 16)
-        c = load_v4_u32(src + (i + 2 * nthreads) * 16)
-        d = load_v4_u32(src + (i + 3 * nthreads) * 16)
+        b = load_v4_u32(src + (i1 if i1 < nvec else i) * 16)
+        c = load_v4_u32(src + (i2 if i2 < nvec else i) * 16)
+        d = load_v4_u32(src + (i3 if i3 < nvec else i) * 16)
         store_v4_u32(dst + i * 16, a)
-        store_v4_u32(dst + (i + nthreads) * 16, b)
-        store_v4_u32(dst + (i + 2 * nthreads) * 16, c)
-        store_v4_u32(dst + (i + 3 * nthreads) * 16, d)
-        i += 4 * nthreads
-    # the last one to three words in flight together too (one after the other, each load
-    # would wait for the store before it: a round trip per word)
-    if i < nvec:
-        n = 1 + (i + nthreads < nvec) + (i + 2 * nthreads < nvec)
-        copy_words(n, src + i * 16, src + (i + nthreads) * 16, src + (i + 2 * nthreads) * 16, 0,
-                   dst + i * 16, dst + (i + nthreads) * 16, dst + (i + 2 * nthreads) * 16, 0)
+        if i1 < nvec:
+            store_v4_u32(dst + i1 * 16, b)
+        if i2 < nvec:
+            store_v4_u32(dst + i2 * 16, c)
+        if i3 < nvec:
+            store_v4_u32(dst + i3 * 16, d)
+        i = i3 + nthreads
 
 
 @device

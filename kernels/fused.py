@@ -205,11 +205,6 @@ def _pack_half8(acc, dt, redop, div):
 
 
 @device
-def _store_half8(dst, acc, dt, redop, div):
-    store_v4_u32(dst, _pack_half8(acc, dt, redop, div))
-
-
-@device
 def _store4(dst, w, valid):
     """The first ``valid`` bytes (4, 3, 2 or 1: FP8 rows end on any byte) of word ``w``."""
     if valid >= 4:
@@ -243,22 +238,26 @@ def _store16(dst, w, valid):
 def _reduce_pairs_half(meta, head, at, nsrc, dst, items, nbytes, g, stride, odd, dt, redop,
                        divisor):
     """A plain bfloat16 / float16 reduction of ``nbytes``, two items per thread at a time
-    (each source's two loads in flight together; the second may be a row's partial last
-    item, stored in part); returns the first item left for the one-item path."""
+    (each source's two loads in flight together; either may be a row's partial last item,
+    stored in part). A thread with one item left loads it twice and stores it once, so a
+    warp whose threads hold odd and even counts does one round, not a round per path.
+    Returns the first item past this thread's (none left for the one-item path)."""
     div = np.float32(divisor)
     i = g
-    while i + stride < items:
+    while i < items:
         j = i + stride
+        jj = j if j < items else i
         x = _half8(_plain_words(meta, head, at, i, odd), dt)
-        y = _half8(_plain_words(meta, head, at, j, odd), dt)
+        y = _half8(_plain_words(meta, head, at, jj, odd), dt)
         for s in range(1, nsrc):
             entry = at + s * SOURCE_WIDTH
             u = _plain_words(meta, head, entry, i, odd)
-            v = _plain_words(meta, head, entry, j, odd)
+            v = _plain_words(meta, head, entry, jj, odd)
             x = _fold_half(x, u, dt, redop)
             y = _fold_half(y, v, dt, redop)
-        _store_half8(dst + i * 16, x, dt, redop, div)
-        _store16(dst + j * 16, _pack_half8(y, dt, redop, div), min(16, nbytes - j * 16))
+        _store16(dst + i * 16, _pack_half8(x, dt, redop, div), min(16, nbytes - i * 16))
+        if j < items:
+            _store16(dst + j * 16, _pack_half8(y, dt, redop, div), min(16, nbytes - j * 16))
         i += 2 * stride
     return i
 
