@@ -787,9 +787,11 @@ def fused_flags_have_a_slot_per_block():
 @case
 def fused_bfloat16_pairs_and_unrolled_copies():
     """Enough items per thread for the plain fast paths: the push copies four items in
-    flight, the bfloat16 reduce two (then the one-item tail) -- the same bits as numpy; with
-    a partial last item (35 whole items on 6 threads: the tail's thread holds six items,
-    the tail in its last pair and loaded with its copy's whole items), the row's bytes only."""
+    flight, the bfloat16 reduce two (a thread's last single item loaded twice, stored once)
+    -- the same bits as numpy; 41 whole items on 6 threads give threads different counts in
+    one round; with a partial last item (35 whole items on 6 threads: the tail's thread holds
+    six items, the tail in its last pair and loaded with its copy's whole items), the row's
+    bytes only."""
     from purlin.kernels import isa
 
     for count in (8 * 41, 8 * 35 + 3, 8 * 35 + 1):
