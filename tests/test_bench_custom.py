@@ -38,6 +38,8 @@ def test_custom_vs_standard_runs_on_the_cpu_datapath(tmp_path):
         assert r["ratio_best"] > 0 and r["custom_best"] in r["custom"]
         if r["case"] != "all-reduce + 1 element" and r["twin"] != "reduce":
             custom, standard = r["input_bytes"]
+            if r["case"] == "all-gather, own chunk twice":  # n + 1 chunks out against n:
+                custom = custom * (r["nranks"] + 1) / r["nranks"]  # the same bytes written
             assert abs(custom - standard) <= 0.1 * standard, r  # the same bytes, near enough
     assert data["refusals"] == [] and data["default_refusals"] == 0
     assert data["info"]["quick"] is True and "not GPU numbers" in data["info"]["measured"]
