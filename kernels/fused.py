@@ -3,7 +3,9 @@
 each flag has a slot per block, so a block waits only for the same block of its peers.
 
 ``fused`` / ``fused_pdl`` run WAIT, NOTIFY, PUT (LL) and MOVE ops; ``fused_norm`` / ``_pdl`` add
-the NORM epilogue (residual add and RMSNorm); the one-shot epilogue programs that
+the NORM epilogue (residual add and RMSNorm); ``fused_copy`` / ``_pdl`` run only programs whose
+data ops copy plain memory in 16-byte items (a third of the code: no LL units, no reductions);
+the one-shot epilogue programs that
 ``purlin.atom.fused.oneshot_problem`` accepts run on the kernels :mod:`purlin.kernels.epilogue`
 builds from these functions. How it works: ARCHITECTURE.md, "The fused kernel".
 """
@@ -91,7 +93,7 @@ def _fold_half(a, w, dt, op):
             combine(a[6], b6, op), combine(a[7], b7, op))
 
 
-META = 512  # program words a block keeps in shared memory (4 KiB)
+META = 1024  # program words a block keeps in shared memory (8 KiB)
 
 
 @device
@@ -706,7 +708,7 @@ def _rotated(g, rotation, stride):
 
 @device
 def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl,
-         norm, segs=False, trace=0, trace_rows=0):
+         norm, segs=False, copies=False, trace=0, trace_rows=0):
     # (no 64-bit division on the way to the first store: one rank per launch is the
     # common case, and units are powers of two)
     slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
@@ -723,7 +725,8 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     # a first PUT's first item is read with the call counter: one memory round trip, not two,
     # before the first store (every thread reads its block's counter: no barrier for it)
     p0, p1, p2, p3 = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
-    first_put = meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUT
+    # (``copies``: the fused_copy kernels, whose programs have no PUT and no reduction)
+    first_put = not copies and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUT
     stride = blocks_per_rank * cuda.blockDim.x
     gp = g  # this thread's first item of the first PUT (rotated: isa.PUT_ROTATE)
     if first_put:
@@ -737,7 +740,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         else:
             w = load_v4_u32(src + gp * 16)
             p0, p1, p2, p3 = np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
-    if segs and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUTS:  # (fused_seg)
+    if segs and not copies and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUTS:
         p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, unit_bytes, shift)
     # a NORM (last op): this thread's residual item of its block's first chunk, read now so
     # that its latency hides behind the all-reduce's
@@ -792,8 +795,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                   timeout_ns, abort, res0)
         elif segs and (kind == F_OP_PUTS or kind == F_OP_MOVES):  # (the fused_seg kernels)
             _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redop,
-                      divisor, unit_bytes, shift, timeout_ns, abort, k == 0, p0, p1, p2, p3)
-        elif kind == F_OP_PUT:
+                      divisor, unit_bytes, shift, timeout_ns, abort, k == 0, p0, p1, p2, p3,
+                      copies)
+        elif not copies and kind == F_OP_PUT:
             src = _word(meta, head, at + PUT_SRC)
             dst = _word(meta, head, at + PUT_DST + odd)
             # a partial last item (a scalar tail) goes whole: its LL units' bytes past the
@@ -822,33 +826,21 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                 i += stride
         else:
             nbytes = _word(meta, head, at + MOVE_BYTES)
-            whole = nbytes >> shift
             items = (nbytes + unit_bytes - 1) >> shift  # with a partial last item: a tail
             nsrc = _word(meta, head, at + MOVE_NSRC)
             first = _word(meta, head, at + MOVE_SOURCES)
-            plain = unit_bytes == 16
-            for k2 in range(nsrc):
-                if _word(meta, head, first + k2 * SOURCE_WIDTH + SOURCE_LL) != 0:
-                    plain = False
+            plain = copies or _plain_sources(meta, head, first, nsrc, unit_bytes)
             gm = _rotated(g, _word(meta, head, at + MOVE_ROTATE), stride)
             i = gm
-            if plain and nsrc == 1:
-                dst = _word(meta, head, at + MOVE_DST + odd)
-                src = _word(meta, head, first + SOURCE_ADDR + odd)
-                # a partial last item: its thread loads it (the aligned 16 bytes holding it)
-                # before its whole items, so that it is in flight with them, not after
-                tail = whole < items and (whole - gm) % stride == 0
-                if tail:
-                    w = load_v4_u32(src + whole * 16)
-                copy_v16(dst, src, whole, gm, stride)
-                if tail:
-                    _store16(dst + whole * 16, w, nbytes - whole * 16)
+            if copies or (plain and nsrc == 1):
+                _copy_row(_word(meta, head, at + MOVE_DST + odd),
+                          _word(meta, head, first + SOURCE_ADDR + odd), nbytes, gm, stride)
                 i = items
             elif plain and (dt == BF16 or dt == F16):
                 i = _reduce_pairs_half(meta, head, first, nsrc,
                                        _word(meta, head, at + MOVE_DST + odd), items, nbytes, gm,
                                        stride, odd, dt, redop, divisor)
-            while i < items:
+            while not copies and i < items:
                 if _move_one(meta, head, at, i, odd, tag, dt, redop, divisor, timeout_ns, abort,
                              min(unit_bytes, nbytes - (i << shift)), unit_bytes, status, block):
                     break
@@ -861,6 +853,32 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
     cuda.syncthreads()
     if tid == 0:
         store_i64(counter, epoch + 1)
+
+
+@device
+def _plain_sources(meta, head, first, nsrc, unit_bytes):
+    """Do the ``nsrc`` source entries from word ``first`` all read plain memory in 16-byte
+    items (no LL units)?"""
+    plain = unit_bytes == 16
+    for k in range(nsrc):
+        if _word(meta, head, first + k * SOURCE_WIDTH + SOURCE_LL) != 0:
+            plain = False
+    return plain
+
+
+@device
+def _copy_row(dst, src, nbytes, first, stride):
+    """A plain copy of ``nbytes`` in 16-byte items, this thread's from item ``first`` on,
+    four in flight (``copy_v16``). A partial last item is loaded by its thread (the aligned
+    16 bytes holding it) before its whole items, so that it is in flight with them, and
+    stored only as far as the row goes."""
+    whole = nbytes >> 4
+    tail = whole < (nbytes + 15) >> 4 and (whole - first) % stride == 0
+    if tail:
+        w = load_v4_u32(src + whole * 16)
+    copy_v16(dst, src, whole, first, stride)
+    if tail:
+        _store16(dst + whole * 16, w, nbytes - whole * 16)
 
 
 @device
@@ -965,12 +983,13 @@ def _first_segment_item(meta, head, g, stride, unit_bytes, shift):
 
 @device
 def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redop, divisor,
-              unit_bytes, shift, timeout_ns, abort, read, p0, p1, p2, p3):
+              unit_bytes, shift, timeout_ns, abort, read, p0, p1, p2, p3, copies):
     """A segmented PUT or MOVE (``isa.F_OP_PUTS``, ``F_OP_MOVES``): this thread's items of
     the union of its segments, in order (item u is thread (u + rotation) mod ``stride``'s),
     each done as its segment's row would do it -- a plain 16-byte copy's whole items four in
     flight, as a MOVE's (``copy_v16``); ``read``: this thread's first PUT item is ``p0`` ..
-    ``p3``, read at block start. Sets ``status`` when a poll gave up."""
+    ``p3``, read at block start; ``copies``: every segment is a plain copy (the fused_copy
+    kernels carry no other code). Sets ``status`` when a poll gave up."""
     total = _word(meta, head, at + SEG_ITEMS)
     first_word = PUT_ROTATE if kind == F_OP_PUTS else MOVE_ROTATE
     bytes_word = PUT_BYTES if kind == F_OP_PUTS else MOVE_BYTES
@@ -988,7 +1007,7 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
         if i >= end:  # (segments in union order: a thread's items only move forward)
             rec, start, nbytes, end = _segment_of(meta, head, at, i, first_word, bytes_word,
                                                   unit_bytes, shift)
-            plain = kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes)
+            plain = copies or (kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes))
             if plain:  # (a plain copy's addresses once a segment, not once an item)
                 src0 = _word(meta, head, _word(meta, head, rec + MOVE_SOURCES) + SOURCE_ADDR +
                              odd)
@@ -1014,7 +1033,11 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
         if n != 0:
             copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
             n = 0
-        if kind == F_OP_PUTS and read:
+        if plain:  # a plain segment's partial last item
+            _store16(dst0 + j * 16, load_v4_u32(src0 + j * 16), nbytes - (j << shift))
+        elif copies:
+            pass
+        elif kind == F_OP_PUTS and read:
             _put_words(_word(meta, head, rec + PUT_DST + odd), j, unit_bytes, tag, p0, p1, p2,
                        p3)
             read = False
@@ -1032,18 +1055,18 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
 @device
 def _plain_copy(meta, head, rec, unit_bytes):
     """Is the MOVE record at ``rec`` a copy of plain memory in 16-byte items?"""
-    if unit_bytes != 16 or _word(meta, head, rec + MOVE_NSRC) != 1:
-        return False
-    return _word(meta, head, _word(meta, head, rec + MOVE_SOURCES) + SOURCE_LL) == 0
+    return _word(meta, head, rec + MOVE_NSRC) == 1 and \
+        _plain_sources(meta, head, _word(meta, head, rec + MOVE_SOURCES), 1, unit_bytes)
 
 
 SIGNATURE = "void(int64, int64, int64, int64, int64, int64)"
 _kernel = launch_bounded(MAX_THREADS)
 
 
-def _entry(name, doc, norm=False, segs=False, traced=False, pdl=False):
+def _entry(name, doc, norm=False, segs=False, copies=False, traced=False, pdl=False):
     """The kernel ``name`` over :func:`_run` with its compile-time switches: ``norm`` (a NORM
-    op may end the program), ``segs`` (segmented PUTs and MOVEs), ``traced`` (two more
+    op may end the program), ``segs`` (segmented PUTs and MOVEs), ``copies`` (only plain
+    16-byte copies: no PUT, no LL source, no reduction), ``traced`` (two more
     arguments: the trace buffer and its records per block), ``pdl`` (programmatic dependent
     launch, as ``executor_pdl``: it reads its program before it waits for the kernel before
     it). Each switch is a constant of the kernel it builds, so a kernel without it carries
@@ -1054,14 +1077,14 @@ def _entry(name, doc, norm=False, segs=False, traced=False, pdl=False):
             if pdl:
                 griddep_launch_dependents()
             _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                 counters, pdl, norm, segs, trace, trace_rows)
+                 counters, pdl, norm, segs, copies, trace, trace_rows)
     else:
         def kernel(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
                    counters):
             if pdl:
                 griddep_launch_dependents()
             _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                 counters, pdl, norm, segs)
+                 counters, pdl, norm, segs, copies)
     kernel.__name__ = kernel.__qualname__ = name
     kernel.__doc__ = doc
     return _kernel(kernel)
@@ -1083,6 +1106,12 @@ fused_norm, fused_norm_pdl = _pair("fused_norm", """``fused`` for programs that 
 fused_seg, fused_seg_pdl = _pair("fused_seg", """``fused`` that also runs segmented PUTs and
     MOVEs (``isa.F_OP_PUTS``, ``F_OP_MOVES``: one peer's rows of several pieces as one op); a
     separate kernel, so ``fused`` carries none of their code.""", segs=True)
+fused_copy, fused_copy_pdl = _pair("fused_copy", """``fused`` for programs whose data ops are
+    all plain copies in 16-byte items (``purlin.atom.fused.copies_only``): built without PUTs,
+    LL sources and reductions, a third of the code and fewer registers.""", copies=True)
+fused_seg_copy, fused_seg_copy_pdl = _pair("fused_seg_copy", """``fused_seg`` for programs
+    whose data ops (segmented ones too) are all plain copies, as ``fused_copy``.""", segs=True,
+                                           copies=True)
 
 # ---- the traced kernels: the same ops, thread 0 of each block stamping each one
 TRACE_SIGNATURE = "void(int64, int64, int64, int64, int64, int64, int64, int64)"
@@ -1096,6 +1125,10 @@ fused_norm_trace, fused_norm_trace_pdl = _pair("fused_norm_trace", """``fused_no
 fused_seg_trace, fused_seg_trace_pdl = _pair("fused_seg_trace", """``fused_seg`` that records
     every op (a segmented one as one record) as ``fused_trace`` does: the traced twin of the
     kernel that runs segmented programs.""", segs=True, traced=True)
+fused_copy_trace, fused_copy_trace_pdl = _pair("fused_copy_trace", """``fused_copy`` that records
+    every op as ``fused_trace`` does.""", copies=True, traced=True)
+fused_seg_copy_trace, fused_seg_copy_trace_pdl = _pair("fused_seg_copy_trace", """``fused_seg_copy``
+    that records every op as ``fused_trace`` does.""", segs=True, copies=True, traced=True)
 
 
 LL_ITEM = 8  # bytes of a thread's item in the one-shot epilogue kernels: one LL unit's data

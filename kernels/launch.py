@@ -34,8 +34,10 @@ from purlin.kernels.intrinsics import SIMULATOR
 # the one that also runs segmented ops (``isa.F_OP_PUTS``, ``F_OP_MOVES``), and a name
 # ``purlin.kernels.epilogue.kernel_name`` gave (``"epilogue-N"``) the one-shot kernel built for
 # an epilogue (programs ``purlin.atom.fused.oneshot_problem`` accepts).
-# ``kernel="fused-trace"`` (``"fused-norm-trace"``) is
-# ``"fused"`` (``"fused-norm"``) with thread 0 of every block stamping each op into the
+# ``kernel="fused-copy"`` (``"fused-seg-copy"``) is the one built for programs that only copy
+# plain memory (``purlin.atom.fused.kernel_name`` names the kernel a launch's programs need).
+# ``kernel="fused-trace"`` (``"fused-norm-trace"``, ...) is
+# ``"fused"`` (``"fused-norm"``, ...) with thread 0 of every block stamping each op into the
 # ``trace`` buffer given at construction, ``trace_rows`` records per block
 # (``purlin.kernels.fused.fused_trace``); the untraced kernels carry none of that code.
 #
@@ -43,16 +45,16 @@ from purlin.kernels.intrinsics import SIMULATOR
 # ignored there).
 
 KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
-           "executor-fp8": (executor_fp8, executor_fp8_pdl, SIGNATURE),
-           "fused": (fused.fused, fused.fused_pdl, fused.SIGNATURE),
-           "fused-norm": (fused.fused_norm, fused.fused_norm_pdl, fused.SIGNATURE),
-           "fused-seg": (fused.fused_seg, fused.fused_seg_pdl, fused.SIGNATURE),
-           "fused-trace": (fused.fused_trace, fused.fused_trace_pdl, fused.TRACE_SIGNATURE),
-           "fused-norm-trace": (fused.fused_norm_trace, fused.fused_norm_trace_pdl,
-                                fused.TRACE_SIGNATURE),
-           "fused-seg-trace": (fused.fused_seg_trace, fused.fused_seg_trace_pdl,
-                               fused.TRACE_SIGNATURE)}
-TRACED = ("fused-trace", "fused-norm-trace", "fused-seg-trace")  # + the trace buffer's
+           "executor-fp8": (executor_fp8, executor_fp8_pdl, SIGNATURE)}
+# the fused kernel compiled with what its programs need: "fused", "-norm" (a NORM op) or
+# "-seg" (segmented ops), "-copy" (plain copies only), and each one's "-trace" twin
+for _name in ("fused", "fused-norm", "fused-seg", "fused-copy", "fused-seg-copy"):
+    for _traced in (False, True):
+        _attr = _name.replace("-", "_") + ("_trace" if _traced else "")
+        KERNELS[_name + "-trace" * _traced] = (
+            getattr(fused, _attr), getattr(fused, _attr + "_pdl"),
+            fused.TRACE_SIGNATURE if _traced else fused.SIGNATURE)
+TRACED = tuple(k for k in KERNELS if k.endswith("-trace"))  # + the trace buffer's
 # address and rows per block
 
 DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait

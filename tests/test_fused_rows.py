@@ -367,19 +367,21 @@ def test_gpu_gqa_all_gather(n, protocol, nbytes, strategy):
 @pytest.mark.parametrize("nbytes", [8 << 10, 64 << 10, 1 << 20, 16 << 20])
 def test_gpu_gqa_runs_segmented_ops_and_its_twin_does_not(n, protocol, nbytes):
     """The GQA all-gather's direct-push programs hold segmented ops and run on the
-    ``fused-seg`` kernel, right (three calls, an odd size too); its twin runs ``fused``, or
-    on LL ``fused-seg`` too (its LL rows joined: ``fused_rows.joined``)."""
+    ``fused-seg`` kernel (``fused-seg-copy`` without LL: plain copies only), right (three
+    calls, an odd size too); its twin runs ``fused-copy``, or on LL ``fused-seg`` too (its LL
+    rows joined: ``fused_rows.joined``)."""
     if protocol == "fused-ll" and nbytes > 256 << 10:
         pytest.skip("LL runs up to 256 KiB")
     e = 8
     unit = max(e, nbytes // 2 // n // 6 // e * e)
     for extra in (0, 1):
         sizes = gqa_sizes(n, unit, extra)
+        ll = protocol == "fused-ll"
         assert _gpu_check(gqa(n), sizes, "bfloat16", "direct-push", protocol, calls=3,
-                          kernel="fused-seg")
+                          kernel="fused-seg" if ll else "fused-seg-copy")
         if extra == 0:
             assert _gpu_check(*_twin(n, sizes), "bfloat16", "direct-push", protocol,
-                              kernel="fused-seg" if protocol == "fused-ll" else "fused")
+                              kernel="fused-seg" if ll else "fused-copy")
 
 
 @pytest.mark.gpu
@@ -468,13 +470,13 @@ def test_custom_copy_layouts_borrow_their_twins_table_entry():
 # ---------------------------------------------------------------- segmented ops: the kernels
 
 # the segmented-op hook in kernels/fused.py's op loop, exactly as written there
-SEG_HOOK = (("norm, segs=False, trace=0", "norm, trace=0"),
+SEG_HOOK = (("norm, segs=False, copies=False, trace=0", "norm, copies=False, trace=0"),
             ("        elif segs and (kind == F_OP_PUTS or kind == F_OP_MOVES):  # (the fused_seg "
              "kernels)\n            _segments(meta, head, at, kind, status, block, g, stride, "
              "odd, tag, dt, redop,\n                      divisor, unit_bytes, shift, "
-             "timeout_ns, abort, k == 0, p0, p1, p2, p3)\n", ""),
-            ("    if segs and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUTS:  # "
-             "(fused_seg)\n        p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, "
+             "timeout_ns, abort, k == 0, p0, p1, p2, p3,\n                      copies)\n", ""),
+            ("    if segs and not copies and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == "
+             "F_OP_PUTS:\n        p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, "
              "unit_bytes, shift)\n", ""))
 
 

@@ -3,7 +3,9 @@ in the Numba CUDA simulator: after the host emulation ran every rank's call 0 (i
 flags and LL units landed), each rank's program run again by the kernel -- its PUTs' LL
 units first wiped -- writes the same LL units and gives the reference. The GQA all-gather
 (q, k, v of 4:1:1 per rank, delivered interleaved), standard copies on LL (their LL rows
-joined) and seeded random layouts."""
+joined) and seeded random layouts. Programs that only copy plain memory run on the kernel a
+launch runs them on (``fused_seg_copy``, ``fused_copy``: ``purlin.atom.fused.kernel_name``)
+and on the general one."""
 
 from __future__ import annotations
 
@@ -39,10 +41,15 @@ def _puts(w, unit):
     return out
 
 
-def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng) -> bool:
-    from purlin.atom.fused import fused_unit, segmented_program
+def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng,
+                   segments: bool = True) -> set:
+    """Run ``coll``'s programs (``segments``: where they hold segmented ops) on the kernel a
+    launch would, and on the general one where that differs: the kernels' names (none where
+    it did not run)."""
+    from purlin.atom.fused import fused_unit, kernel_name, segmented_program
     from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
-    from purlin.kernels import fused, isa
+    from purlin.kernels import isa
+    from purlin.kernels.launch import KERNELS
     from purlin.snac import plan
     from purlin.spec import reference
 
@@ -52,34 +59,35 @@ def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng)
     low = bufs.lower()
     unit, problem = fused_unit(low, protocol)
     if problem is not None:
-        return False
-    programs = [w.copy() for w in fused_programs(low, bufs, unit)]
-    if not any(segmented_program(w) for w in programs):
-        return False
+        return set()
+    programs = [w.copy() for w in fused_programs(low, bufs, unit, segments=segments)]
+    if segments and not any(segmented_program(w) for w in programs):
+        return set()
+    names = {kernel_name(programs), "fused-seg" if segments else "fused"}
     xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64) for r in range(n)]]
     for x in xs[0]:
         x[x == 0] = 3
     run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads)
     want = reference(s.sizing, xs[0])
     sent = {p: ctypes.string_at(*p) for w in programs for p in _puts(w, unit)}
-    for r in range(n):
+    for r, name in ((r, name) for name in sorted(names) for r in range(n)):
         for at, size in _puts(programs[r], unit):
             ctypes.memset(at, 0, size)
         bufs.outputs[r][:] = 0
         counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
         w = programs[r]
-        fused.fused_seg[blocks, threads](w.ctypes.data, 1, blocks, 10_000_000, w.size,
-                                         counters.ctypes.data)
-        assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, r, bufs.fused_error)
+        KERNELS[name][0][blocks, threads](w.ctypes.data, 1, blocks, 10_000_000, w.size,
+                                          counters.ctypes.data)
+        assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, name, r, bufs.fused_error)
         got = bufs.outputs[r][:len(want[r])]
         got = bf16_floats(got) if dtype == "bfloat16" else \
             (got.view(np.float16) if dtype == "float16" else got).astype(np.float64)
         tol = 0.02 if dtype in ("bfloat16", "float16") else 0
         assert (np.abs(got - want[r]) <= tol * (1 + np.abs(want[r]))).all(), \
-            (coll.name, strategy, protocol, dtype, r, got, want[r])
+            (coll.name, name, strategy, protocol, dtype, r, got, want[r])
     for p, was in sent.items():
         assert ctypes.string_at(*p) == was, (coll.name, "LL units differ from the emulation's")
-    return True
+    return names
 
 
 @case
@@ -99,8 +107,8 @@ def segmented_gqa_all_gather():
             (4, "bfloat16", 6, 1, "fused", 1, 3), (3, "bfloat16", 8, 0, "fused", 1, 2),
             (4, "float32", 5, 0, "fused", 2, 2)):
         for strategy in ("direct-push", "direct-pull"):
-            ran += _run_on_kernel(gqa(n), gqa_sizes(n, 16 // ITEM[dt] * m, extra), dt,
-                                  strategy, protocol, blocks, threads, rng)
+            ran += bool(_run_on_kernel(gqa(n), gqa_sizes(n, 16 // ITEM[dt] * m, extra), dt,
+                                       strategy, protocol, blocks, threads, rng))
     assert ran == 22, ran
 
 
@@ -120,9 +128,47 @@ def joined_standard_copies_on_ll():
                                         (collectives.broadcast(4), 40, 2, 2),
                                         (collectives.gather(4), 10, 2, 3), (two, 36, 2, 3)):
         sizes = {k: each for k in coll.input.names()}
-        ran += _run_on_kernel(coll, sizes, "bfloat16", "direct-push", "fused-ll", blocks,
-                              threads, rng)
+        ran += bool(_run_on_kernel(coll, sizes, "bfloat16", "direct-push", "fused-ll", blocks,
+                                   threads, rng))
     assert ran == 5, ran
+
+
+@case
+def plain_copies_on_the_copy_kernels():
+    """Programs that only copy plain memory run on ``fused_copy`` / ``fused_seg_copy`` (and
+    the same on ``fused`` / ``fused_seg``): standard copies and custom layouts, pushed and
+    pulled, rows with a partial last item (an odd element count), 1..3 blocks of threads
+    holding one to several items; GQA's segmented program names the segmented copy kernel."""
+    from purlin.atom.fused import kernel_name
+    from purlin.spec import Collective, collectives
+    from test_fused_rows import gqa, gqa_sizes
+
+    rng = np.random.default_rng(17)
+    two = Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy", name="two roots")
+    rev = Collective([[r] for r in range(3)], [[2, 1, 0]] * 3, "copy", name="reversed")
+    ran = 0
+    for coll, each, odd, dtype, blocks, threads in (
+            (collectives.all_gather(3), 24, 0, "bfloat16", 2, 3),
+            (collectives.all_gather(4), 16, 1, "bfloat16", 1, 4),
+            (collectives.all_to_all(4), 8, 3, "float32", 3, 2),
+            (collectives.broadcast(4), 41, 0, "bfloat16", 2, 2),
+            (two, 24, 5, "float16", 2, 3), (rev, 16, 0, "int32", 1, 5)):
+        sizes = {k: each for k in coll.input.names()}
+        sizes[coll.input.names()[-1]] += odd  # (the last chunk's row ends on a partial item)
+        for strategy in ("direct-push", "direct-pull"):
+            names = _run_on_kernel(coll, sizes, dtype, strategy, "fused", blocks, threads,
+                                   rng, segments=False)
+            assert names == {"fused", "fused-copy"}, (coll.name, strategy, names)
+            ran += 1
+    from purlin.atom.host import HostBuffers, fused_programs
+    from purlin.snac import plan
+
+    s = plan(gqa(4), "direct-push", chunk_sizes=gqa_sizes(4, 8, 0), dtype="bfloat16")
+    bufs = HostBuffers(s)
+    assert kernel_name(fused_programs(bufs.lower(), bufs, 16)) == "fused-seg-copy"
+    s = plan(collectives.all_reduce(4), "direct-push", count=64, dtype="bfloat16")
+    bufs = HostBuffers(s)
+    assert kernel_name(fused_programs(bufs.lower(), bufs, 16, segments=False)) == "fused"
 
 
 @case
@@ -140,9 +186,9 @@ def segmented_random_layouts():
         coll, sizes = random_layout(rng, n, dt)
         strategy = str(rng.choice(["direct-push", "direct-pull"]))
         try:
-            ran += _run_on_kernel(coll, sizes, dt, strategy,
-                                  str(rng.choice(["fused", "fused-ll"])),
-                                  int(rng.integers(1, 4)), int(rng.integers(1, 5)), rng)
+            ran += bool(_run_on_kernel(coll, sizes, dt, strategy,
+                                       str(rng.choice(["fused", "fused-ll"])),
+                                       int(rng.integers(1, 4)), int(rng.integers(1, 5)), rng))
         except Exception as exc:
             from purlin.errors import PurlinError
 

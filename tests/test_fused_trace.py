@@ -440,14 +440,12 @@ def test_gpu_a_traced_fused_bind_runs_the_fused_kernel_and_draws(layout, protoco
     from purlin.trace import from_sm
     from purlin.viz import timeline_figure
 
-    from purlin.atom.fused_trace import TRACED
-
     plain = _bind(64 << 10, layout, False, protocol)
     bound = _bind(64 << 10, layout, True, protocol)
     assert bound.kernel == plain.kernel == f"{protocol} kernel"
     # the traced twin of the kernel that runs untraced (the LL all-gather's joined program:
     # fused-seg), on the same program
-    assert bound.launches[0].launcher.kernel == TRACED[plain.launches[0].launcher.kernel]
+    assert bound.launches[0].launcher.kernel == plain.launches[0].launcher.kernel + "-trace"
     del plain
     sizing = bound.schedule.sizing
     gen = np.random.default_rng(0)

@@ -360,9 +360,10 @@ def test_fused_matches_the_reference(torch, kind, n, name, strategy, protocol):
         except CapabilityError as exc:
             assert "LL transfer's destination" in str(exc) and protocol == "fused-ll", exc
             continue
-        # (LL copies: the rows joined across flags, fused_rows.joined, on fused-seg)
+        # (LL copies: the rows joined across flags, fused_rows.joined, on fused-seg; plain
+        # copies only: the kernel built for them)
         assert bound.launches[0].launcher.kernel in (
-            ("fused", "fused-seg") if protocol == "fused-ll" else ("fused",))
+            ("fused", "fused-seg") if protocol == "fused-ll" else ("fused", "fused-copy"))
         _check(torch, bound, sizing, gen, calls=3)
 
 

@@ -38,7 +38,7 @@ from purlin.kernels.occupancy import resident_blocks
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
                                 F_OP_MOVE, F_OP_MOVES, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT,
-                                F_OP_PUTS, F_OP_WAIT, F_RANK,
+                                F_OP_PUTS, F_OP_WAIT, F_RANK, SEG_COUNT, SEG_TABLE,
                                 F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES,
                                 F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_KIND,
                                 OP_WIDTH, OPCODE_NAMES, PEER, PER_CALL, PUT_BYTES, PUT_SRC, REDOP,
@@ -63,7 +63,8 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
 
 __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Segments",
            "Source", "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",
-           "fused_problems", "fused_unit", "grid", "oneshot_problem", "program", "rank_ops",
+           "copies_only", "fused_problems", "fused_unit", "grid", "kernel_name", "oneshot_problem",
+           "program", "rank_ops",
            "row_grid", "row_sums_bytes", "round_blocks", "segmented_program", "threads_grid"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
@@ -555,6 +556,59 @@ def segmented_program(words: np.ndarray) -> bool:
     ``isa.F_OP_MOVES``; then the ``fused_seg`` kernels run it, launcher name "fused-seg")?"""
     kinds = words[F_HEAD + OP_KIND: F_HEAD + OP_WIDTH * int(words[F_NOPS]): OP_WIDTH]
     return bool(np.isin(kinds, (F_OP_PUTS, F_OP_MOVES)).any())
+
+
+def copies_only(words: np.ndarray) -> bool:
+    """Does the fused program ``words`` only copy plain memory in 16-byte items -- every data
+    op a MOVE (or a segmented one's records) of one source that is not LL units, no PUT, no
+    NORM? The ``fused_copy`` kernels, built without the rest, run such programs.
+
+    >>> from purlin.atom.host import HostBuffers
+    >>> from purlin.snac import plan
+    >>> from purlin.spec import collectives
+    >>> def rank0(coll, ll):
+    ...     low = HostBuffers(plan(coll, "direct-push", count=4096), ll=ll).lower()
+    ...     return program(low[0], 0, 0, int, 16).words
+    >>> copies_only(rank0(collectives.all_gather(4), False))
+    True
+    >>> copies_only(rank0(collectives.all_gather(4), True))  # LL units
+    False
+    >>> copies_only(rank0(collectives.all_reduce(4), False))  # sums
+    False
+    """
+    if int(words[F_UNIT]) != 16:
+        return False
+    for k in range(int(words[F_NOPS])):
+        at = F_HEAD + k * OP_WIDTH
+        kind = int(words[at + OP_KIND])
+        if kind in (F_OP_WAIT, F_OP_NOTIFY):
+            continue
+        if kind == F_OP_MOVE:
+            records = [at]
+        elif kind == F_OP_MOVES:
+            first = int(words[at + SEG_TABLE])
+            records = range(first, first + OP_WIDTH * int(words[at + SEG_COUNT]), OP_WIDTH)
+        else:  # a PUT, segmented PUTs, a NORM
+            return False
+        for rec in records:
+            if int(words[rec + MOVE_NSRC]) != 1 or \
+                    int(words[int(words[rec + MOVE_SOURCES]) + SOURCE_LL]) != 0:
+                return False
+    return True
+
+
+def kernel_name(programs, traced: bool = False) -> str:
+    """The Launcher name of the fused kernel that runs ``programs`` (one launch's words; no
+    NORM): "fused", with "-seg" where one holds segmented ops, "-copy" where every one
+    :func:`copies_only`, and "-trace" for the traced twin. Each is the one kernel source
+    compiled with only the code its programs need (``purlin.kernels.fused``)."""
+    programs = list(programs)
+    name = "fused"
+    if any(segmented_program(w) for w in programs):
+        name += "-seg"
+    if programs and all(copies_only(w) for w in programs):
+        name += "-copy"
+    return name + "-trace" if traced else name
 
 
 def oneshot_problem(words: np.ndarray) -> str | None:

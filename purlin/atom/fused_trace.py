@@ -32,12 +32,7 @@ from purlin.atom.lowering import LoweredRank
 from purlin.errors import ExecutionError
 from purlin.kernels.isa import LL_GET, OP, OPCODE_NAMES, TRACE_WIDTH
 
-__all__ = ["as_row_records", "op_rows", "program_rows", "traced_kernel"]
-
-# the Launcher's name of each fused kernel's traced twin
-TRACED = {"fused": "fused-trace", "fused-norm": "fused-norm-trace",
-          "fused-seg": "fused-seg-trace"}
-
+__all__ = ["as_row_records", "op_rows", "program_rows"]
 
 def op_rows(low: LoweredRank, ops: int | None = None) -> np.ndarray:
     """The table row of each op of rank ``low``'s fused program, in program order: every row
@@ -121,11 +116,3 @@ def as_row_records(records, rows, nrows: int) -> np.ndarray:
                 if row >= 0:
                     out[b, row] = (row, sub, start, end)
     return out
-
-
-def traced_kernel(kernel: str) -> str:
-    """The Launcher name of fused ``kernel``'s traced twin ("fused" -> "fused-trace")."""
-    if kernel not in TRACED:
-        raise ExecutionError(f"the {kernel} kernel has no traced twin; "
-                             f"{', '.join(TRACED)} do")
-    return TRACED[kernel]

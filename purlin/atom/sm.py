@@ -506,17 +506,17 @@ class SmBound:
         """With ``trace_rows``: the traced fused kernel's Launcher options and its records for
         the ranks of one launch (every op of every block: ``trace_rows`` only switches it
         on), kept in ``self._fused_traces``; without, the untraced kernel."""
-        # (segmented ops: the kernel compiled with them; traced, its twin runs the same ops)
-        kernel = "fused-seg" if any(progs[r].segments for r in ranks) else "fused"
+        from purlin.atom.fused import kernel_name
+
+        # (the kernel compiled with what the programs need; traced, its twin runs the same ops)
+        kernel = kernel_name((progs[r].words for r in ranks), traced=bool(self.trace_rows))
         if not self.trace_rows:
             return {"kernel": kernel}
-        from purlin.atom.fused_trace import traced_kernel
-
         ops = max(progs[r].ops for r in ranks)
         buffer = self.torch.zeros(len(ranks) * self.blocks_per_lane * ops * isa.TRACE_WIDTH,
                                   dtype=self.torch.int64, device=self.torch.device("cuda", device))
         self._fused_traces = getattr(self, "_fused_traces", []) + [(ranks, buffer, progs)]
-        return dict(kernel=traced_kernel(kernel), trace=buffer.data_ptr(), trace_rows=ops)
+        return dict(kernel=kernel, trace=buffer.data_ptr(), trace_rows=ops)
 
     def _read_fused_trace(self):
         """The traced fused kernel's records per rank, as the interpreter's (table row, block,

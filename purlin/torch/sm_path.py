@@ -106,9 +106,9 @@ class SmPrepared:
                 rows = threads_grid(nbytes, self.unit, epilogue_grid, path.sms)
             self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
             counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
-            desc, items = self._program(low)
+            desc, prog = self._program(low)
             self.kernel = RankKernel(dev.index, [rank],
-                                     self._fused_launcher(items, blocks_per_lane, rows),
+                                     self._fused_launcher(prog, blocks_per_lane, rows),
                                      desc.data_ptr(), counters.data_ptr(), [self.control],
                                      keep=[desc, counters])
         else:  # (without PDL: process mode launches the interpreter plainly)
@@ -139,9 +139,9 @@ class SmPrepared:
                            self.timeout_ns, desc, launcher)
 
     def _program(self, low, epilogue=None):
-        """This rank's fused program for lowered table ``low`` on the device, and its items
-        (what the grid is sized for); ``epilogue``: a :class:`purlin.atom.fused.Epilogue`
-        to end with."""
+        """This rank's fused program for lowered table ``low`` on the device, and the
+        :class:`purlin.atom.fused.FusedProgram` it holds; ``epilogue``: a
+        :class:`purlin.atom.fused.Epilogue` to end with."""
         from purlin.atom.fused import program
         from purlin.atom.sm_kernel import pack
 
@@ -155,21 +155,23 @@ class SmPrepared:
         # (a user epilogue's extra words may run past it: its launcher reads more,
         # _grid_launcher)
         table, _, _ = pack(torch, self.path.device, [prog.words], self.program_words, False)
-        return table, prog.items
+        return table, prog
 
-    def _fused_launcher(self, items: int, blocks_per_lane, rows=None):
-        """The fused kernel's launcher: ``rows`` = (blocks, threads) where given (an
-        epilogue's grid), else ``blocks_per_lane`` blocks (else the kernel's default grid for
-        ``items``) of the grid's threads -- the communicator's ``threads`` are the
-        interpreter's."""
+    def _fused_launcher(self, prog, blocks_per_lane, rows=None):
+        """The launcher of the fused kernel that runs program ``prog`` (and its relocated
+        copies): ``rows`` = (blocks, threads) where given (an epilogue's grid), else
+        ``blocks_per_lane`` blocks (else the kernel's default grid for its items) of the
+        grid's threads -- the communicator's ``threads`` are the interpreter's."""
+        from purlin.atom.fused import kernel_name
         from purlin.atom.sm import fused_launch
 
         if rows:
             self.blocks_per_lane, self.threads = rows
         else:
             self.blocks_per_lane, self.threads = fused_launch(
-                self.path.gpu, items, 1, self.unit, blocks=blocks_per_lane, kind="process")
-        return self._grid_launcher("fused")
+                self.path.gpu, prog.items, 1, self.unit, blocks=blocks_per_lane,
+                kind="process")
+        return self._grid_launcher(kernel_name([prog.words]))
 
     def _epilogue_kernel(self, low, words: torch.Tensor, dst, norm):
         """(why not, program, launcher) for the program ``words`` that ``low`` ends with the
@@ -197,8 +199,8 @@ class SmPrepared:
         return None, words, self._grid_launcher(name, words.numel())
 
     def _grid_launcher(self, kernel: str, words: int = 0):
-        """A launcher of fused ``kernel`` ("fused", "fused-norm" or an epilogue's one-shot
-        kernel) on this collective's grid, reading programs of this collective's length or
+        """A launcher of fused ``kernel`` ("fused", "fused-copy", "fused-norm" or an
+        epilogue's one-shot kernel) on this collective's grid, reading programs of this collective's length or
         of ``words`` where longer (a user epilogue's extras: a block loads its program's
         first words into shared memory, and reads them there)."""
         from purlin.atom.sm_kernel import launcher
