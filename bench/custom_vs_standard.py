@@ -6,7 +6,7 @@ uneven all-to-all, a multi-root broadcast, a partial all-reduce delivered to ran
 contributed nothing, a layout that places one chunk twice in a rank's output, an all-reduce
 one element past a 16-byte multiple) is timed beside the standard collective that moves the
 same bytes, with ``strategy="auto"`` and with the best bind (direct-push with each protocol,
-and auto's plan with each protocol), on ``Cluster.virtual(n)`` (one GPU) or ``Cluster.local(n)``
+direct-pull and auto's plan with each fused protocol), on ``Cluster.virtual(n)`` (one GPU) or ``Cluster.local(n)``
 where n GPUs are visible. Every bind is checked once against the reference (0 wrong elements,
 else the row says WRONG); binds that are refused are counted (a refused default or auto bind
 is a bug). CUDA-graph replays, device time per op (``purlin.bench.providers``).
@@ -129,13 +129,15 @@ def cases(n: int, nbytes: int, item: int):
 # -- timing ---------------------------------------------------------------------------------
 def _binds(quick: bool, nbytes: int) -> list[tuple[str, str, str | None]]:
     """(label, plan, protocol) of the binds tried: ``cluster.bind(..., "auto")`` as a user
-    calls it, then direct-push and auto's plan with each protocol (planned once each)."""
+    calls it, then direct-push with each protocol, and direct-pull and auto's plan with each
+    fused protocol (planned once each)."""
     out = [("auto", "auto", None)]
     for protocol in (("fused", "fused-ll") if quick else PROTOCOLS):
         if protocol.endswith("ll") and nbytes > LL_MAX:
             continue
         out.append((f"direct-push {protocol}", "direct-push", protocol))
-        if not quick and protocol.startswith("fused"):
+        if not quick and protocol in ("fused", "fused-ll"):
+            out.append((f"direct-pull {protocol}", "direct-pull", protocol))
             out.append((f"auto plan {protocol}", "auto plan", protocol))
     return out
 
@@ -149,8 +151,8 @@ def _schedule(cluster, coll, sizes, dtype, how, plans):
     if key not in plans:
         if how == "auto plan":
             c = select(coll, cluster, chunk_sizes=sizes, dtype=dtype)
-            if (c.strategy, c.chunks, c.lanes) == ("direct-push", 1, 1):
-                raise _NotHere("auto's plan is the direct-push bind's")
+            if (c.chunks, c.lanes) == (1, 1) and c.strategy in ("direct-push", "direct-pull"):
+                raise _NotHere("auto's plan is the direct-push or direct-pull bind's")
             plans[key] = plan(coll, c.strategy, chunk_sizes=sizes, dtype=dtype, chunks=c.chunks,
                               lanes=c.lanes, lanes_by=c.lanes_by)
         else:
