@@ -391,6 +391,32 @@ def test_fused_virtual_ranks(torch, n):
                    sizing, gen, calls=3)
 
 
+@pytest.mark.parametrize("kind,n", [("virtual", 4), ("virtual", 8), ("local", 2)])
+def test_several_lanes_run_on_the_fused_kernel(torch, kind, n):
+    """Multi-lane plans (pieces round-robin over lanes, or a lane per hop depth) run their
+    lanes merged into one a rank (``purlin.atom.fused_lanes``) on the fused kernel, the
+    default bind's fast path included, right over three calls and graph replays."""
+    cluster = _cluster(kind, n)
+    gen = np.random.default_rng(31)
+    for name, strategy, chunks, lanes, lanes_by, nbytes in (
+            ("all-reduce", "ring", 4, 2, "piece", 1 << 20),
+            ("all-reduce", "two-phase", 4, 4, "piece", 4 << 20),
+            ("all-reduce", "two-phase", 2, 2, "stage", 1 << 20),
+            ("all-gather", "direct-pull", 2, 2, "piece", 64 << 10),
+            ("reduce-scatter", "ring", 2, 2, "piece", 8 << 10)):
+        coll = standard(name, n)
+        sizing = _items_sizing(coll, nbytes, "bfloat16", chunks)
+        bound = cluster.bind(coll, strategy, sizing=sizing, chunks=chunks, lanes=lanes,
+                             lanes_by=lanes_by)
+        assert bound.protocol.startswith("fused") and bound.schedule.lanes == lanes, \
+            (name, strategy, bound.protocol)
+        _check(torch, bound, sizing, gen, calls=3)
+    graphs = bound.capture(ops=3)
+    for _ in range(3):
+        graphs.replay()
+    _check(torch, bound, sizing, gen, calls=1)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "int32"])
 @pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
 def test_fused_all_reduce_dtypes_and_ops(torch, dtype, protocol):
@@ -479,9 +505,6 @@ def test_fused_refuses_what_it_cannot_fuse(torch):
         # chunk 1 starts at byte 2004 (an all-reduce of 1002 is one row: it fuses, with a tail)
         cluster.bind(standard("reduce-scatter", 2), "direct-push", count=1002,
                      dtype="float32", protocol="fused")
-    with pytest.raises(CapabilityError, match="runs one lane"):
-        cluster.bind(standard("all-reduce", 2), "direct-push", count=1024, dtype="float32",
-                     chunks=2, lanes=2, protocol="fused")
 
 
 @pytest.mark.parametrize("protocol", ["fused", "fused-ll"])

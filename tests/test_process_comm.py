@@ -464,7 +464,9 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     assert runs(small, "fused-ll") == ("fused-ll", True)
     assert runs(big, "fused-ll") == runs(big, "fused") == ("fused", True)
     assert runs(small, "fused", pdl=False) == ("fused", False)
-    assert runs(ring, "fused-ll") == ("simple", False)  # two lanes: the interpreter
+    # two lanes, merged into one (purlin.atom.fused_lanes); a ring relays what it received:
+    # flags, not LL
+    assert runs(ring, "fused-ll") == ("fused", True)
     assert runs(tail, "fused-ll") == ("fused-ll", True)
     assert runs(odd, "fused-ll") == ("ll", False)
     table = SimpleNamespace(strategy="direct-push", protocol="fused-ll", pdl=True)
@@ -475,7 +477,7 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     # a choice for another plan (the communicator's own strategy), or none: the fast path
     other = SimpleNamespace(strategy="ring", protocol="simple", pdl=False)
     assert runs(small, "auto", choice=other) == runs(small, "auto") == ("fused-ll", True)
-    assert runs(big, "auto") == ("fused", True) and runs(ring, "auto") == ("simple", False)
+    assert runs(big, "auto") == ("fused", True) and runs(ring, "auto") == ("fused", True)
     with_ll, without = layout(small, ll=True), layout(small)
     assert with_ll.has_ll and not without.has_ll and with_ll.size > without.size
     slots = layout(small, ll=True, block_flags=True)

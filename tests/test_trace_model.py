@@ -127,6 +127,24 @@ def test_profiles_name_their_source_and_round_trip(tmp_path):
     assert get_profile(str(path)) == BARE and get_profile("H100") is PROFILES["H100"]
 
 
+def test_virtual_ranks_share_one_gpus_memory():
+    """On the "gpu" topology every step's bytes read and written go through one memory that
+    all ranks share: a direct-pull all-gather moves each chunk once (read + write), a
+    direct-push one twice (into the peer's scratch, then out of it), as a ring does hop by
+    hop: pull wins at 16 MiB."""
+    from purlin.snac import plan
+    from purlin.spec import collectives
+
+    p = PROFILES["H200-virtual"]
+    assert p.topology == "gpu" and math.isinf(p.link_bandwidth)
+    ag = collectives.all_gather(4)
+    t = {s: predict(plan(ag, s, nbytes=16 << 20, dtype="bfloat16"), p).end_ns
+         for s in ("direct-push", "direct-pull", "ring")}
+    assert t["direct-pull"] < 0.7 * min(t["ring"], t["direct-push"]), t
+    moved = 2 * 3 * (4 << 20)  # each rank reads and writes 3 peers' 4 MiB chunks
+    assert t["direct-pull"] >= 4 * moved / p.hbm_bandwidth * 1e9  # four ranks share it
+
+
 def test_bad_profiles_are_refused():
     with pytest.raises(SpecError, match="unknown hardware profile 'Z100'"):
         get_profile("Z100")

@@ -737,9 +737,10 @@ def fused_problems(schedule) -> dict:
     >>> fused_problems(plan(collectives.all_reduce(2), "direct-push", count=64))
     {'fused': None, 'fused-ll': None}
     >>> ring = plan(collectives.all_reduce(2), "ring", count=64, chunks=2, lanes=2)
-    >>> fused_problems(ring)["fused"]
-    'rank 0 runs 2 lanes (the fused kernel runs one)'
+    >>> fused_problems(ring)  # its two lanes merged into one (purlin.atom.fused_lanes)
+    {'fused': None, 'fused-ll': None}
     """
+    from purlin.atom.fused_lanes import one_lane
     from purlin.atom.lowering import lower, scratch_copy_bytes
 
     n = schedule.nranks
@@ -754,5 +755,8 @@ def fused_problems(schedule) -> dict:
     for protocol, ll_bases in (("fused", None), ("fused-ll", ll)):
         low = lower(schedule, bases, flags, blocks_per_lane=1, scratch_bytes=scratch,
                     ll_bases=ll_bases)
-        out[protocol] = fused_unit(low, protocol)[1]
+        try:  # (several lanes: merged into one, purlin.atom.fused_lanes)
+            out[protocol] = fused_unit(one_lane(low), protocol)[1]
+        except CapabilityError as exc:
+            out[protocol] = str(exc)
     return out

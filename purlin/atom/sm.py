@@ -136,8 +136,10 @@ def fast_protocol(schedule) -> str:
     'fused-ll'
     >>> fast_protocol(plan(collectives.all_reduce(4), "direct-push", nbytes=1 << 20))
     'fused'
-    >>> fast_protocol(plan(collectives.all_reduce(4), "direct-push", nbytes=8192, lanes=2))
-    'll'
+    >>> fast_protocol(plan(collectives.all_reduce(4), "ring", nbytes=1 << 20, chunks=4, lanes=2))
+    'fused'
+
+    (A plan of several lanes runs them merged into one a rank: ``purlin.atom.fused_lanes``.)
     """
     from purlin.atom.fused import fused_problems
     from purlin.atom.lowering import ll_transfers
@@ -378,9 +380,6 @@ class SmBound:
         # (judged on the aligned scratch slots allocate_buffers makes room for)
         ll = protocol in ("ll", "fused-ll") and \
             len(ll_transfers(schedule, scratch_layout(schedule))) > 0
-        if fused and lanes != 1:
-            raise CapabilityError(f"protocol={protocol!r} runs one lane; {schedule.title()} has "
-                                  f"{lanes} lanes")
         devs = cluster.devices
         self.devices = devs
         groups: dict[int, list[int]] = {}
@@ -404,6 +403,10 @@ class SmBound:
         lowered = lower(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
                         blocks_per_lane=bpl, scratch_bytes=self._scratch_bytes,
                         ll_bases=self._ll_bases)
+        if fused:  # several lanes: one each rank (purlin.atom.fused_lanes)
+            from purlin.atom.fused_lanes import one_lane
+
+            lowered = one_lane(lowered)
         self.lowered = lowered
         self.flag_map = Flags(n, lanes, self.flags[0].numel(),
                               {r: f.data_ptr() for r, f in enumerate(self.flags)},
@@ -421,8 +424,8 @@ class SmBound:
                 trace = torch.zeros(lanes * bpl * trace_rows * isa.TRACE_WIDTH,
                                     dtype=torch.int64, device=dev)
             self.traces.append(trace)
-            blob, control = rank_blob(torch, low, dev, self.abort.data_ptr(), lanes, trace,
-                                      trace_rows)
+            blob, control = rank_blob(torch, low, dev, self.abort.data_ptr(),
+                                      len(low.lane_offsets) - 1, trace, trace_rows)
             blobs.append(blob)
             self.control.append(control)  # epoch, done, error record
         self._keep += blobs

@@ -26,6 +26,7 @@ from purlin.snac import strategies as _strategy_registry
 SMALL = 256 << 10
 TUNING_DIR = Path(__file__).with_name("tuning")
 MODEL_PROFILE = "H200-measured"
+VIRTUAL_PROFILE = "H200-virtual"  # (virtual ranks share one GPU's memory, not NVLink)
 STRATEGY_ORDER = ("direct-push", "direct-pull", "two-phase", "ring")
 FORMAT = 1
 
@@ -305,19 +306,20 @@ def select(collective, cluster=None, *, count=None, nbytes=None, dtype="float32"
         from purlin.snac.strategies import check_strategy
 
         check_strategy(strategy, collective)
+    profile = VIRTUAL_PROFILE if virtual else MODEL_PROFILE
     found = find_table(table, gpu if gpu is not None else gpu_name(cluster))
     if found is not None:
         choice = found.lookup(collective.name, collective.nranks, size,
                               dtype=sizing.dtype.name, strategy=strategy,
                               is_reduce=collective.op.is_reduce, virtual=bool(virtual))
         if choice is not None:
-            return runnable(choice, sizing, strategy) if datapath != "cpu" else choice
+            return runnable(choice, sizing, strategy, profile) if datapath != "cpu" else choice
         twin = borrowed(found, sizing, virtual) if datapath != "cpu" and strategy is None \
             else None
         if twin is not None:
-            return runnable(twin, sizing)
+            return runnable(twin, sizing, profile=profile)
     if datapath != "cpu" and model is not False:
-        return fast_choice(sizing, strategy)
+        return fast_choice(sizing, strategy, profile)
     if strategy is not None:
         return rules(collective, size, strategy)
     if model:
@@ -345,7 +347,8 @@ def _fused_problem(sizing, choice: Choice, protocol: str):
     return schedule if isinstance(schedule, str) else fused_problems(schedule)[protocol]
 
 
-def runnable(choice: Choice, sizing, strategy: str | None = None) -> Choice:
+def runnable(choice: Choice, sizing, strategy: str | None = None,
+             profile: str = MODEL_PROFILE) -> Choice:
     """``choice``, or where its fused protocol cannot run this sizing's plan (a table's
     choice at a nearby size: an odd size, a layout the fused kernel refuses) the fast path
     for this sizing (:func:`fast_choice`: the fused kernel with a plan it runs, else the
@@ -353,7 +356,7 @@ def runnable(choice: Choice, sizing, strategy: str | None = None) -> Choice:
     if not choice.protocol.startswith("fused") or \
             _fused_problem(sizing, choice, choice.protocol) is None:
         return choice
-    return fast_choice(sizing, strategy)
+    return fast_choice(sizing, strategy, profile)
 
 
 PDL_MAX_BYTES = 1 << 20  # where the tables found PDL faster: the launch gap is still visible

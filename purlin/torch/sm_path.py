@@ -72,6 +72,10 @@ class SmPrepared:
         self.all_lowered = lower(schedule, bases, self.flags.flags, blocks_per_lane=bpl,
                                  scratch_bytes=dict(enumerate(lay.scratch_bytes)),
                                  ll_bases=ll_bases)
+        if self.fused:  # several lanes: one each rank (purlin.atom.fused_lanes)
+            from purlin.atom.fused_lanes import one_lane
+
+            self.all_lowered = one_lane(self.all_lowered)
         low = self.all_lowered[rank]
         # one abort word for the whole group: rank 0's copy
         self.abort_ptr = ptrs[0] + offset + lay.abort

@@ -198,6 +198,9 @@ class _Simulation:
     # -- data movement ----------------------------------------------------------------------
     def transfers(self, step, k: int) -> list[_Flow]:
         dst = step.dst
+        if self.profile.topology == "gpu":  # every rank's bytes through the one GPU's memory
+            moved = (sum(src.count for src in step.srcs) + dst.count) * self.item
+            return [_Flow((("hbm", 0),), moved, k)] if moved else []
         flows, local = [], 0
         for src in step.srcs:
             nbytes = src.count * self.item

@@ -4,6 +4,9 @@ Bandwidths are bytes per second in one direction. On an NVSwitch machine (``topo
 "switch"``) every GPU has one port to the switch fabric, ``link_bandwidth`` per direction,
 aggregated over its NVLinks; every transfer out of a GPU shares its send side, every transfer
 into it the receive side. ``"mesh"`` gives every ordered pair of GPUs a link of its own.
+``"gpu"`` is the virtual ranks of one GPU: every transfer, a peer's or a rank's own, reads its
+sources and writes its destination in that GPU's memory, whose ``hbm_bandwidth`` (bytes read
+plus written) all of them share.
 
 >>> PROFILES["H200"].link_bandwidth / 1e9
 450.0
@@ -21,7 +24,7 @@ from pathlib import Path
 
 from purlin.errors import SpecError
 
-TOPOLOGIES = ("switch", "mesh")
+TOPOLOGIES = ("switch", "mesh", "gpu")
 
 # α is no datasheet figure: the flag hop between two GPUs measured 2–3 µs on 2×H200
 # (ARCHITECTURE.md). The datasheet profiles use 2 µs until calibrate() measures the machine.
@@ -134,6 +137,14 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("H200-measured", 390 * _GB, 2500.0, 4.8 * _TB, ASSUMED_STEP_NS, launch_ns=1700.0,
             source="measured on 2xH200 SXM (ARCHITECTURE.md): cudaMemcpyPeer 390 GB/s one way, "
                    "alpha 2-3 us, one-shot all-reduce 8 KiB 4.5 us under CUDA graphs"),
+    # Virtual ranks of one H200 (docs/BENCHMARKS.md, "Virtual ranks on one H200"): a device
+    # copy moves about 4.3 TB/s read plus written; a flag seen by a peer's block about 0.5 us
+    # after its notify (a traced wait); about 0.6 us a fused op, 2.5 us a launch under graphs.
+    Profile("H200-virtual", math.inf, 500.0, 4.3 * _TB, 600.0, launch_ns=2500.0,
+            topology="gpu",
+            source="measured on virtual ranks of one H200: device copy 4.3 TB/s read + "
+                   "written, a traced flag 0.5 us, ~0.6 us a fused op, 2.5 us a launch under "
+                   "CUDA graphs"),
 )}
 
 
