@@ -145,6 +145,34 @@ def test_virtual_ranks_share_one_gpus_memory():
     assert t["direct-pull"] >= 4 * moved / p.hbm_bandwidth * 1e9  # four ranks share it
 
 
+def test_the_virtual_profile_ranks_strategies_as_the_virtual_tuning_table_measured():
+    """Over every entry of the H200 virtual-rank tuning table (4 and 8 ranks, six collectives,
+    8 KiB to 16 MiB), the strategy H200-virtual predicts fastest (one lane, the rules' chunks,
+    as ``auto``'s fast path plans it) measured within 1.02x of the fastest strategy in
+    geomean, and never past 1.15x."""
+    from pathlib import Path
+
+    from purlin.runtime.auto import rules
+
+    table = json.loads((Path(__file__).resolve().parents[1] / "purlin" / "runtime" / "tuning"
+                        / "nvidia-h200.json").read_text())
+    regrets = []
+    for n, rows in table["virtual_nranks"].items():
+        for e in rows:
+            coll = getattr(collectives, e["collective"].replace("-", "_"))(int(n))
+            sizing = coll.sized(nbytes=e["nbytes"], dtype="bfloat16")
+            times = {s: c["time_us"] for s, c in e["per_strategy"].items()}
+            pred = {}
+            for s in times:
+                chunks = rules(coll, sizing.message_bytes, s).chunks if s == "two-phase" else 1
+                pred[s] = predict_latency(plan(coll, s, sizing=sizing, chunks=chunks,
+                                               check=False), "H200-virtual")
+            regrets.append(times[min(pred, key=pred.get)] / min(times.values()))
+    assert len(regrets) == 48
+    assert math.exp(sum(map(math.log, regrets)) / len(regrets)) <= 1.02
+    assert max(regrets) <= 1.15
+
+
 def test_bad_profiles_are_refused():
     with pytest.raises(SpecError, match="unknown hardware profile 'Z100'"):
         get_profile("Z100")

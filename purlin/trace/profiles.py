@@ -137,14 +137,16 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     Profile("H200-measured", 390 * _GB, 2500.0, 4.8 * _TB, ASSUMED_STEP_NS, launch_ns=1700.0,
             source="measured on 2xH200 SXM (ARCHITECTURE.md): cudaMemcpyPeer 390 GB/s one way, "
                    "alpha 2-3 us, one-shot all-reduce 8 KiB 4.5 us under CUDA graphs"),
-    # Virtual ranks of one H200 (docs/BENCHMARKS.md, "Virtual ranks on one H200"): a device
-    # copy moves about 4.3 TB/s read plus written; a flag seen by a peer's block about 0.5 us
-    # after its notify (a traced wait); about 0.6 us a fused op, 2.5 us a launch under graphs.
-    Profile("H200-virtual", math.inf, 500.0, 4.3 * _TB, 600.0, launch_ns=2500.0,
+    # Virtual ranks of one H200: a device copy moves about 4.3 TB/s read plus written; alpha
+    # and step fitted to the per-strategy times of purlin tune's virtual-rank table
+    # (runtime/tuning/nvidia-h200.json, 48 entries: 4 and 8 ranks, six collectives, 8 KiB to
+    # 16 MiB): the strategy it ranks first measured 1.005x the fastest there (geomean; worst
+    # 1.10x; tests/test_trace_model.py).
+    Profile("H200-virtual", math.inf, 2000.0, 4.3 * _TB, 600.0, launch_ns=2500.0,
             topology="gpu",
             source="measured on virtual ranks of one H200: device copy 4.3 TB/s read + "
-                   "written, a traced flag 0.5 us, ~0.6 us a fused op, 2.5 us a launch under "
-                   "CUDA graphs"),
+                   "written; alpha and step fitted to the virtual-rank tuning table's "
+                   "per-strategy times"),
 )}
 
 
