@@ -415,6 +415,17 @@ def test_several_lanes_run_on_the_fused_kernel(torch, kind, n):
     for _ in range(3):
         graphs.replay()
     _check(torch, bound, sizing, gen, calls=1)
+    # traced (notebook 03's ring): the traced twin runs the merged rows; the timeline names
+    # each step's own lane
+    from purlin.trace import from_sm
+
+    coll = standard("all-reduce", n)
+    sizing = _items_sizing(coll, 64 << 10, "bfloat16", 2)
+    traced = cluster.bind(coll, "ring", sizing=sizing, chunks=2, lanes=2, trace_rows=1024)
+    assert traced.launches[0].launcher.kernel.endswith("-trace")
+    _check(torch, traced, sizing, gen, calls=2)
+    t = from_sm(traced)
+    assert t.check(tolerance_ns=1000) == [] and {e.lane for e in t} == {0, 1}
 
 
 @pytest.mark.parametrize("dtype", ["float16", "int32"])
