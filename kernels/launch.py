@@ -188,11 +188,11 @@ class Launcher:
             # numba-cuda keeps the loaded function on its code library, one per device
             cufunc = kernel._codelibrary.get_cufunc()
             self._context = cuda.current_context().handle
-        self.registers = cufunc.attrs.regs
+            self.registers = cufunc.attrs.regs
+            self._function = driver.CUfunction(int(cufunc.handle))
+            if SPREAD:  # (the function's attribute is set in its context)
+                self.shared_bytes = self._spread(driver, cufunc.attrs.shared)
         self._driver = driver
-        self._function = driver.CUfunction(int(cufunc.handle))
-        if SPREAD:
-            self.shared_bytes = self._spread(driver, cufunc.attrs.shared)
         nargs = (6 if self.fused else 5) + len(self.trace)  # fused: + call counters (+ trace)
         self._values = (ctypes.c_int64 * nargs)(0, self.nranks_in_launch, self.blocks_per_lane,
                                                 0, self.head_words, *((0, *self.trace)
@@ -262,11 +262,10 @@ class Launcher:
             per_sm=attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"),
             reserved=attr("CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK"),
             per_block=attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
-        if shared:
-            (err,) = driver.cuFuncSetAttribute(
-                self._function,
+        if shared:  # (numba-cuda loads a library: the handle is a CUkernel)
+            (err,) = driver.cuKernelSetAttribute(
                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared)
+                shared, driver.CUkernel(int(self._function)), dev)
             if err != driver.CUresult.CUDA_SUCCESS:  # (then the scheduler places the blocks)
                 return 0
         return shared
