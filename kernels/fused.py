@@ -1036,6 +1036,8 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
         if plain:  # a plain segment's partial last item
             _store16(dst0 + j * 16, load_v4_u32(src0 + j * 16), nbytes - (j << shift))
         elif copies:
+            # (not reached: a copy-only program's segments are all plain; this keeps the
+            # branches below out of the copy-only build)
             pass
         elif kind == F_OP_PUTS and read:
             _put_words(_word(meta, head, rec + PUT_DST + odd), j, unit_bytes, tag, p0, p1, p2,

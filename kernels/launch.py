@@ -12,6 +12,7 @@ from purlin.kernels import fused
 from purlin.kernels.executor import (MAX_THREADS, SIGNATURE, executor, executor_fp8,
                                      executor_fp8_pdl, executor_pdl)
 from purlin.kernels.intrinsics import SIMULATOR
+from purlin.kernels.occupancy import spread_shared_bytes
 
 # How a launch works:
 #
@@ -43,10 +44,9 @@ from purlin.kernels.intrinsics import SIMULATOR
 #
 # A launch of a kernel in ``SPREAD`` with fewer blocks than the kernel could hold at once asks
 # for dynamic shared memory it never uses, enough that an SM holds no more of its blocks than
-# the grid needs (:func:`spread_shared_bytes`): the block scheduler otherwise puts two blocks
-# on one SM while others stay idle, and a block shares that SM's issue slots and memory pipes.
-# (The copy-only build, at 64 registers two 512-thread blocks an SM, measured 1.07x-1.3x
-# slower than the general one, which fits one; spread, 0.8x of it.)
+# the grid needs (``occupancy.spread_shared_bytes``): the block scheduler otherwise puts two
+# blocks on one SM while others stay idle, and a block shares that SM's issue slots and memory
+# pipes (docs/PERF_NOTES.md, "The copy-only build").
 #
 # Under ``NUMBA_ENABLE_CUDASIM=1`` the same object launches through the simulator (the stream is
 # ignored there).
@@ -71,35 +71,6 @@ DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 # measured (the general builds fit one 512-thread block an SM by registers; their smaller
 # launches, where more fit, are not measured yet). An empty set: the scheduler places blocks.
 SPREAD = frozenset({"fused-copy", "fused-seg-copy", "fused-copy-trace", "fused-seg-copy-trace"})
-
-
-def spread_shared_bytes(grid: int, threads: int, registers: int, static: int, *, sms: int,
-                        per_sm: int, reserved: int, per_block: int) -> int:
-    """Dynamic shared memory for a launch of ``grid`` blocks of ``threads`` threads (each
-    ``registers`` registers, ``static`` bytes of static shared memory) such that an SM can
-    hold the blocks the grid needs of it (``ceil(grid / sms)``) and no more; 0 where
-    registers and threads already allow no more, or shared memory cannot (``per_sm``: an
-    SM's shared memory, ``reserved``: what the system keeps per block, ``per_block``: the
-    most one block may ask for).
-
-    >>> h = dict(sms=132, per_sm=233472, reserved=1024, per_block=232448)
-    >>> spread_shared_bytes(128, 512, 64, 9224, **h)  # two would fit: one an SM
-    106489
-    >>> spread_shared_bytes(128, 512, 118, 9224, **h)  # one fits already
-    0
-    >>> spread_shared_bytes(256, 256, 64, 9224, **h)  # two an SM, not four
-    67577
-    """
-    from purlin.kernels.occupancy import blocks_per_sm
-
-    need = max(1, -(-int(grid) // int(sms)))
-    if blocks_per_sm(threads, registers) <= need:
-        return 0
-    shared = per_sm // (need + 1) + 1 - reserved - static  # need + 1 blocks do not fit
-    if shared <= 0 or need * (shared + static + reserved) > per_sm or \
-            shared + static > per_block:
-        return 0
-    return shared
 
 
 def _kernels(name: str) -> tuple:

@@ -34,6 +34,7 @@ from purlin.kernels.isa import LL_GET, OP, OPCODE_NAMES, TRACE_WIDTH
 
 __all__ = ["as_row_records", "op_rows", "program_rows"]
 
+
 def op_rows(low: LoweredRank, ops: int | None = None) -> np.ndarray:
     """The table row of each op of rank ``low``'s fused program, in program order: every row
     but the LL_GET rows (``purlin.atom.fused.rank_ops`` folds those into the moves reading
