@@ -317,7 +317,9 @@ def test_custom_reductions_have_twins():
     one = Collective([["x"]] * n, [["x"], [], [], []], "sum")
     assert auto.twin_name(rotated) == "reduce-scatter"
     assert auto.twin_name(one) == "reduce"
-    assert auto.twin_name(partial) is None  # not every rank contributes: no twin
+    assert auto.twin_name(partial) == "reduce"  # its receivers all get the same sums
+    mixed = Collective([["x", "y"]] * n, [["x"], ["y"], ["x"], []], "sum")
+    assert auto.twin_name(mixed) is None  # neither one sum everywhere nor one per rank
     assert auto.twin_name(collectives.all_reduce(n)) == "all-reduce"
 
 

@@ -464,7 +464,7 @@ def test_custom_copy_layouts_borrow_their_twins_table_entry():
     assert got.strategy == "direct-pull" and "twin all-gather" in got.source, got
     small = select(two_root, cluster, chunk_sizes={"a": 4096, "b": 4096}, dtype="bfloat16",
                    table=table)
-    assert "twin" not in small.source, small  # small sizes keep the fast path
+    assert "twin broadcast" in small.source, small  # every size borrows
 
 
 # ---------------------------------------------------------------- segmented ops: the kernels

@@ -360,33 +360,32 @@ def runnable(choice: Choice, sizing, strategy: str | None = None,
 
 
 PDL_MAX_BYTES = 1 << 20  # where the tables found PDL faster: the launch gap is still visible
-BORROW_MIN_BYTES = 1 << 20  # where a custom copy layout takes its twin's measured strategy
 
 
 def twin_name(collective) -> str | None:
     """The standard collective whose tuning-table entries a custom layout borrows: for a
-    copy, broadcast where at most half the ranks send, else all-gather; for a reduction over
-    every rank's input, all-reduce where every rank gets the same outputs, reduce where one
-    rank gets them, reduce-scatter where every rank gets its own (None otherwise).
+    copy, broadcast where at most half the ranks send, else all-gather; for a reduction,
+    all-reduce where every rank gives and gets the same outputs, reduce where the ranks that
+    get anything get the same outputs (each does what reduce's root does), reduce-scatter
+    where every rank gives and gets its own (None otherwise).
 
     >>> from purlin.spec import Collective
     >>> twin_name(Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy"))
     'broadcast'
     >>> twin_name(Collective([[0, 1]] * 2, [[1], [0]], "max"))
     'reduce-scatter'
+    >>> twin_name(Collective([["x"], ["x"], [], []], [[], [], ["x"], ["x"]], "sum"))
+    'reduce'
     """
     n = collective.nranks
     if collective.op.is_reduce:
         outs = [tuple(collective.output[r]) for r in range(n)]
-        if not all(len(collective.input[r]) for r in range(n)):
-            return None
+        every_input = all(len(collective.input[r]) for r in range(n))
         got = [o for o in outs if o]
-        if len(got) == n and len(set(outs)) == 1:
-            return "all-reduce"
-        if len(got) == 1:
-            return "reduce"
-        names = [x for o in outs for x in o]
-        if len(got) == n and len(set(names)) == len(names):
+        if len(set(got)) == 1:
+            return "all-reduce" if len(got) == n and every_input else "reduce"
+        names = [x for o in got for x in o]
+        if every_input and len(got) == n and len(set(names)) == len(names):
             return "reduce-scatter"
         return None
     senders = sum(1 for r in range(n) if len(collective.input[r]))
@@ -394,17 +393,16 @@ def twin_name(collective) -> str | None:
 
 
 def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
-    """For a layout of at least ``BORROW_MIN_BYTES`` that ``table`` has no entry of (a
-    custom one), its twin's (:func:`twin_name`) entry at the same size, or None. The
-    cost model ranks strategies for NVLink links; on one GPU's virtual ranks every byte
-    crosses the same memory, and the tables measured there pick direct-pull for broadcast
-    and all-gather from 1 MiB on (one copy straight into the output, where a push writes
-    the peer's scratch and the peer copies it again) -- which the model does not see. A
-    custom reduction likewise: the model ranks direct-pull first for a rotated reduce-scatter
-    on 8 virtual ranks at 1 MiB, where the table measured the reduce-scatter's plans."""
+    """For a layout that ``table`` has no entry of (a custom one), its twin's
+    (:func:`twin_name`) entry at the same size, or None. The cost model ranks strategies by
+    bytes and flag waits; the tables measure what it does not see: which protocol wins (one
+    LL hop for small messages), and on one GPU's virtual ranks, where every byte crosses
+    the same memory, that a pull's single copy beats a push into the peer's scratch from
+    1 MiB on. On one H100's 8 virtual ranks the model's own pick was up to 1.39x the best
+    bind for a two-root broadcast of 8 KiB, and for a three-piece all-gather of 1 MiB."""
     coll = sizing.collective
     name = twin_name(coll)
-    if name is None or name == coll.name or sizing.message_bytes < BORROW_MIN_BYTES:
+    if name is None or name == coll.name:
         return None
     choice = table.lookup(name, coll.nranks, sizing.message_bytes, dtype=sizing.dtype.name,
                           is_reduce=coll.op.is_reduce, virtual=bool(virtual))
