@@ -449,7 +449,8 @@ def run_command(args: argparse.Namespace) -> int:
          arg("--out", default=str(OUTPUTS / "timeline.html"), metavar="HTML",
              help="HTML file of the figure (default outputs/timeline.html)"),
          arg("--perfetto", metavar="JSON", help="also write a Chrome/Perfetto trace here"),
-         arg("--profile", default="H200", help="hardware profile of the prediction"),
+         arg("--profile", help="hardware profile of the prediction (default: H200; for "
+                                "--measure on one GPU's virtual ranks, H200-virtual)"),
          arg("--measure", action="store_true",
              help="also run it (GPUs where present, else the cpu datapath) and draw the "
                   "measured timeline under the predicted one"),
@@ -462,6 +463,7 @@ def trace_command(args: argparse.Namespace) -> int:
     import numpy as np
 
     from purlin.bench.clusters import choose, describe
+    from purlin.runtime.auto import VIRTUAL_PROFILE
     from purlin.snac import verify
     from purlin.trace import from_cpu, from_sm, predict, to_perfetto
     from purlin.trace.profiles import get_profile
@@ -472,11 +474,12 @@ def trace_command(args: argparse.Namespace) -> int:
     verify(schedule, raise_on_error=True)
     out = output_path(args.out)
     perfetto = output_path(args.perfetto) if args.perfetto else None
-    profile = get_profile(args.profile)
+    cluster = choose(schedule.nranks) if args.measure else None
+    virtual = cluster is not None and cluster.kind == "virtual"
+    profile = get_profile(args.profile or (VIRTUAL_PROFILE if virtual else "H200"))
     predicted = predict(schedule, profile, label=f"predicted (profile {profile.name})")
     shown, fig = predicted, None
     if args.measure:
-        cluster = choose(schedule.nranks)
         options = {} if cluster.kind == "cpu" else {"trace_rows": 256}
         if cluster.kind != "cpu" and args.protocol != "auto":
             options["protocol"] = args.protocol
@@ -506,10 +509,11 @@ def trace_command(args: argparse.Namespace) -> int:
         print(f"measured on the {where}: {shown.duration_ns / 1e3:.2f} µs")
     print(f"predicted by profile {profile.name} ({profile.source or 'no source'}): "
           f"{predicted.end_ns / 1e3:.2f} µs, launch included")
-    if args.measure and cluster.kind == "virtual":
+    if virtual and profile.topology != "gpu":
         print(f"note: profile {profile.name} models one GPU per rank over links; these "
               f"{cluster.nranks} virtual ranks share one GPU's memory, so the two need not "
-              "agree (--profile takes a profile JSON fitted by purlin.trace.calibrate)")
+              f"agree (--profile {VIRTUAL_PROFILE} models that, or a profile JSON fitted by "
+              "purlin.trace.calibrate)")
     fig = fig or timeline_figure(predicted, title=f"{schedule.title()}<br><sup>predicted: "
                                                   f"profile {profile.name}</sup>")
     print(f"wrote {to_html(fig, out).resolve()}")

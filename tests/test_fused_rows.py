@@ -467,6 +467,36 @@ def test_custom_copy_layouts_borrow_their_twins_table_entry():
     assert "twin broadcast" in small.source, small  # every size borrows
 
 
+def test_a_borrowed_copy_layout_on_virtual_ranks_pulls_where_its_twin_could_not_tell():
+    import types
+
+    from purlin.runtime.auto import TuningTable, select
+
+    def table(pull_us, nbytes=1 << 20, virtual=True):
+        row = {"collective": "all-gather", "nbytes": nbytes, "strategy": "direct-push",
+               "chunks": 1, "lanes": 1, "protocol": "fused", "time_us": 10.0,
+               "per_strategy": {"direct-pull": {"chunks": 1, "lanes": 1, "protocol": "fused",
+                                                "time_us": pull_us}}}
+        return TuningTable("x", {} if virtual else {4: [row]}, virtual={4: [row]} if virtual
+                           else {})
+
+    cluster = types.SimpleNamespace(datapath="sm", kind="virtual", nranks=4, devices=[0] * 4)
+    sizes = gqa_sizes(4, (1 << 20) // 2 // 24 // 8 * 8)  # ~1 MiB of output: its entry 1 MiB
+    pick = select(gqa(4), cluster, chunk_sizes=sizes, dtype="bfloat16", table=table(10.4))
+    assert pick.strategy == "direct-pull" and "twin all-gather" in pick.source, pick
+    # the twin's pull measured beyond the noise: its winner stands
+    assert select(gqa(4), cluster, chunk_sizes=sizes, dtype="bfloat16",
+                  table=table(11.0)).strategy == "direct-push"
+    # below 1 MiB the twin's winner stands (a push's LL hop is the latency there)
+    small = select(gqa(4), cluster, chunk_sizes=sizes, dtype="bfloat16",
+                   table=table(10.4, nbytes=64 << 10))
+    assert small.strategy == "direct-push", small
+    # real GPUs: a push crosses NVLink once either way; the twin's winner stands
+    real = types.SimpleNamespace(datapath="sm", kind="local", nranks=4, devices=[0, 1, 2, 3])
+    assert select(gqa(4), real, chunk_sizes=sizes, dtype="bfloat16",
+                  table=table(10.4, virtual=False)).strategy == "direct-push"
+
+
 # ---------------------------------------------------------------- segmented ops: the kernels
 
 # the segmented-op hook in kernels/fused.py's op loop, exactly as written there

@@ -135,8 +135,9 @@ def test_explicit_threads_are_kept_and_blocks_cut_to_them():
         size_launch(gpu, lanes=32, ranks=8, want=1, threads=512)
 
 
-@pytest.mark.parametrize("gpu, source", [("NVIDIA H100 80GB HBM3", "fast path"),
-                                         ("NVIDIA H200", "table NVIDIA H200 virtual")])
+@pytest.mark.parametrize("gpu, source", [
+    ("NVIDIA A100-SXM4-80GB", "fast path"), ("NVIDIA H200", "table NVIDIA H200 virtual"),
+    ("NVIDIA H100 80GB HBM3", "table NVIDIA H100 80GB HBM3 virtual")])
 def test_auto_picks_the_fused_kernel_on_a_virtual_cluster(gpu, source):
     """With no table for the GPU the fast path, with the H200's table its virtual-rank
     entries: auto takes the fused kernel at 8 KiB and 64 KiB, LL included, and its plan

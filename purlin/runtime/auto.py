@@ -98,16 +98,10 @@ class TuningTable:
         strategy's best configuration there. Without ``strategy``: the entry's winner, or
         direct-push where it measured within ``TIE`` of it (:func:`preferred`); a fused choice
         of the virtual section comes with the bind's launch (:func:`own_launch`)."""
-        section = self.virtual if virtual else self.entries
-        rows = [e for e in section.get(int(nranks), []) if e["collective"] == collective]
-        if dtype is not None and any(e.get("dtype") == dtype for e in rows):
-            rows = [e for e in rows if e.get("dtype") == dtype]
-        if strategy is not None:
-            rows = [e for e in rows if _config_of(e, strategy)]
-        if not rows:
+        best = self.entry(collective, nranks, nbytes, dtype=dtype, strategy=strategy,
+                          virtual=virtual)
+        if best is None:
             return None
-        best = min(rows, key=lambda e: (abs(math.log2(max(e["nbytes"], 1) / max(nbytes, 1))),
-                                        e["nbytes"]))
         cfg = _config_of(best, strategy or preferred(best))
         if cfg["strategy"] == "two-phase" and not is_reduce:
             return None
@@ -116,6 +110,21 @@ class TuningTable:
         choice = Choice(cfg["strategy"], int(cfg["chunks"]), int(cfg["lanes"]),
                         cfg.get("blocks_per_lane"), where, protocol, bool(cfg.get("pdl", False)))
         return own_launch(choice) if virtual and protocol.startswith("fused") else choice
+
+    def entry(self, collective: str, nranks: int, nbytes: int, *, dtype: str | None = None,
+              strategy: str | None = None, virtual: bool = False) -> dict | None:
+        """The row :meth:`lookup` reads: ``collective``'s on ``nranks`` nearest to ``nbytes``
+        in ratio (same dtype first; with ``strategy``, among the rows that timed it)."""
+        section = self.virtual if virtual else self.entries
+        rows = [e for e in section.get(int(nranks), []) if e["collective"] == collective]
+        if dtype is not None and any(e.get("dtype") == dtype for e in rows):
+            rows = [e for e in rows if e.get("dtype") == dtype]
+        if strategy is not None:
+            rows = [e for e in rows if _config_of(e, strategy)]
+        if not rows:
+            return None
+        return min(rows, key=lambda e: (abs(math.log2(max(e["nbytes"], 1) / max(nbytes, 1))),
+                                        e["nbytes"]))
 
     def add(self, nranks: int, entry: dict, virtual: bool = False) -> None:
         """Add or replace the entry of the same collective, size and dtype (of the virtual
@@ -392,6 +401,9 @@ def twin_name(collective) -> str | None:
     return "broadcast" if 2 * senders <= n else "all-gather"
 
 
+PULL_MIN_BYTES = 1 << 20  # twin entries from here on: a copy layout on virtual ranks pulls
+
+
 def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
     """For a layout that ``table`` has no entry of (a custom one), its twin's
     (:func:`twin_name`) entry at the same size, or None. The cost model ranks strategies by
@@ -399,15 +411,31 @@ def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
     LL hop for small messages), and on one GPU's virtual ranks, where every byte crosses
     the same memory, that a pull's single copy beats a push into the peer's scratch from
     1 MiB on. On one H100's 8 virtual ranks the model's own pick was up to 1.39x the best
-    bind for a two-root broadcast of 8 KiB, and for a three-piece all-gather of 1 MiB."""
+    bind for a two-root broadcast of 8 KiB, and for a three-piece all-gather of 1 MiB.
+
+    A copy layout on virtual ranks whose twin's entry is of at least ``PULL_MIN_BYTES``
+    takes direct-pull where the twin timed it within ``TIE`` of its winner: a pull copies each piece once, straight
+    into the output, where a push copies it twice (into the peer's scratch, then out), so
+    whatever the layout adds per copy (segments, uneven rows) a push pays twice. The twin
+    cannot see that: on one H100 the all-gather's push and pull measured within 3% from
+    1 MiB, where the three-piece all-gather's push took 1.37x its pull."""
     coll = sizing.collective
     name = twin_name(coll)
     if name is None or name == coll.name:
         return None
-    choice = table.lookup(name, coll.nranks, sizing.message_bytes, dtype=sizing.dtype.name,
-                          is_reduce=coll.op.is_reduce, virtual=bool(virtual))
+    where = dict(dtype=sizing.dtype.name, virtual=bool(virtual))
+    choice = table.lookup(name, coll.nranks, sizing.message_bytes,
+                          is_reduce=coll.op.is_reduce, **where)
     if choice is None:
         return None
+    row = table.entry(name, coll.nranks, sizing.message_bytes, **where)
+    if virtual and not coll.op.is_reduce and row["nbytes"] >= PULL_MIN_BYTES \
+            and choice.strategy != "direct-pull":
+        pull = _config_of(row, "direct-pull") or {}
+        if pull.get("time_us") and row.get("time_us") and \
+                pull["time_us"] <= TIE * row["time_us"]:
+            choice = table.lookup(name, coll.nranks, sizing.message_bytes,
+                                  strategy="direct-pull", is_reduce=False, **where)
     return Choice(choice.strategy, choice.chunks, choice.lanes, choice.blocks_per_lane,
                   f"{choice.source} (its twin {name})", choice.protocol, choice.pdl,
                   choice.lanes_by)
