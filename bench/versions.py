@@ -7,9 +7,11 @@ The same measurement runs once per version in a fresh process whose ``PYTHONPATH
 version's source tree, the versions alternating per rank count, so both see the same GPU,
 clocks and loan. Per (ranks, collective, size): ``strategy="auto"`` and direct-push with the
 fused-ll, fused and simple protocols, bfloat16, CUDA-graph replay per op (median of 10
-replays of 20 ops), each bind checked once against ``purlin.reference`` (0 wrong or the row
-says how many). Only the public bind API is used, so any version that has
-``Cluster.virtual`` can be compared. Prints, per ranks and size, the geomean over the six
+replays of 20 ops), each bind checked once against the reference with the benchmarks' own
+tolerance (``purlin.bench.providers.count_wrong``: bf16 rounding scaled by the rank count and
+the inputs' magnitudes, so a ring's partial sums rounded at every hop are not counted wrong;
+0 wrong or the row says how many). Only the bind API and that check are used, so any version
+that has ``Cluster.virtual`` can be compared. Prints, per ranks and size, the geomean over the six
 collectives of now / before for ``auto`` and for the best bind, with the worst collective;
 writes every row as JSON. About 3 minutes on one H200.
 """
@@ -39,8 +41,8 @@ def _measure(label: str, ranks: int, sizes, out: str) -> None:
     import numpy as np
     import torch
 
-    import purlin
     from purlin import Cluster, collectives
+    from purlin.bench.providers import count_wrong
 
     def time_bound(b, ops=20, repeats=10):
         g = b.capture(ops)
@@ -57,22 +59,6 @@ def _measure(label: str, ranks: int, sizes, out: str) -> None:
         b.check()
         return float(np.median(ts))
 
-    def wrong(b):
-        sizing = b.schedule.sizing
-        for x in b.inputs:
-            x.copy_(torch.randn(x.shape, device=x.device).to(x.dtype) + 0.5)
-        xs = [b.inputs[r][: sizing.input_count(r)].float().cpu().numpy().astype(np.float64)
-              for r in range(ranks)]
-        b.launch()
-        b.check()
-        torch.cuda.synchronize()
-        ref = purlin.reference(sizing, xs)
-        bad = 0
-        for r in range(ranks):
-            got = b.outputs[r][: sizing.output_count(r)].float().cpu().numpy()
-            bad += int((np.abs(got - ref[r]) > 3e-2 * (1 + np.abs(ref[r]))).sum())
-        return bad
-
     rows = []
     cluster = Cluster.virtual(ranks)
     for name in NAMES:
@@ -85,7 +71,7 @@ def _measure(label: str, ranks: int, sizes, out: str) -> None:
                        "bind": strategy if protocol is None else f"{strategy} {protocol}"}
                 try:
                     b = cluster.bind(coll, strategy, nbytes=nbytes, dtype="bfloat16", **opts)
-                    rec["wrong"] = wrong(b)
+                    rec["wrong"] = count_wrong(torch, b)
                     rec["us"] = time_bound(b)
                 except Exception as exc:  # a refusal is a result here
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"

@@ -497,6 +497,35 @@ def test_a_borrowed_copy_layout_on_virtual_ranks_pulls_where_its_twin_could_not_
                   table=table(10.4, virtual=False)).strategy == "direct-push"
 
 
+def test_a_borrowed_small_copy_with_more_senders_than_its_twin_pushes():
+    import types
+
+    from purlin.runtime.auto import TuningTable, select, senders_per_receiver
+    from purlin.spec import collectives
+
+    def table(nbytes):
+        row = {"collective": "broadcast", "nbytes": nbytes, "strategy": "direct-pull",
+               "chunks": 1, "lanes": 1, "protocol": "fused", "time_us": 5.0,
+               "per_strategy": {"direct-push": {"chunks": 1, "lanes": 1,
+                                                "protocol": "fused-ll", "time_us": 6.4}}}
+        return TuningTable("x", {}, virtual={4: [row]})
+
+    cluster = types.SimpleNamespace(datapath="sm", kind="virtual", nranks=4, devices=[0] * 4)
+    two_root = Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy")
+    assert senders_per_receiver(two_root) == 2
+    assert senders_per_receiver(collectives.broadcast(4)) == 1
+    small = select(two_root, cluster, chunk_sizes={"a": 1 << 14, "b": 1 << 14},
+                   dtype="bfloat16", table=table(64 << 10))
+    assert (small.strategy, small.protocol) == ("direct-push", "fused-ll"), small
+    # the twin itself keeps its measured winner
+    assert select(collectives.broadcast(4), cluster, nbytes=64 << 10, dtype="bfloat16",
+                  table=table(64 << 10)).strategy == "direct-pull"
+    # from 1 MiB the bytes decide: the pull's one copy stands
+    big = select(two_root, cluster, chunk_sizes={"a": 1 << 19, "b": 1 << 19},
+                 dtype="bfloat16", table=table(1 << 20))
+    assert big.strategy == "direct-pull", big
+
+
 # ---------------------------------------------------------------- segmented ops: the kernels
 
 # the segmented-op hook in kernels/fused.py's op loop, exactly as written there

@@ -418,7 +418,15 @@ def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
     into the output, where a push copies it twice (into the peer's scratch, then out), so
     whatever the layout adds per copy (segments, uneven rows) a push pays twice. The twin
     cannot see that: on one H100 the all-gather's push and pull measured within 3% from
-    1 MiB, where the three-piece all-gather's push took 1.37x its pull."""
+    1 MiB, where the three-piece all-gather's push took 1.37x its pull.
+
+    Below that, where the twin's winner is direct-pull, a copy layout whose receivers hear
+    from more ranks than the twin's (:func:`senders_per_receiver`: a two-root broadcast's 2
+    against the broadcast's 1) takes the twin's direct-push: a small pull's time is its flag
+    waits, one per source rank, where a push's LL units carry the flag in the data (on one
+    H100's 8 virtual ranks at 8 KiB the two-root broadcast's pull took 1.20x its push)."""
+    from purlin.spec.collectives import standard
+
     coll = sizing.collective
     name = twin_name(coll)
     if name is None or name == coll.name:
@@ -436,9 +444,32 @@ def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
                 pull["time_us"] <= TIE * row["time_us"]:
             choice = table.lookup(name, coll.nranks, sizing.message_bytes,
                                   strategy="direct-pull", is_reduce=False, **where)
+    elif virtual and not coll.op.is_reduce and row["nbytes"] < PULL_MIN_BYTES \
+            and choice.strategy == "direct-pull" and _config_of(row, "direct-push") \
+            and senders_per_receiver(coll) > senders_per_receiver(standard(name, coll.nranks)):
+        choice = table.lookup(name, coll.nranks, sizing.message_bytes,
+                              strategy="direct-push", is_reduce=False, **where)
     return Choice(choice.strategy, choice.chunks, choice.lanes, choice.blocks_per_lane,
                   f"{choice.source} (its twin {name})", choice.protocol, choice.pdl,
                   choice.lanes_by)
+
+
+def senders_per_receiver(collective) -> int:
+    """The most other ranks one rank's output comes from (a chunk from its first holder).
+
+    >>> from purlin.spec import Collective, collectives
+    >>> senders_per_receiver(collectives.broadcast(4))
+    1
+    >>> senders_per_receiver(Collective([["a"], ["b"], [], []], [["a", "b"]] * 4, "copy"))
+    2
+    """
+    most = 0
+    for r in range(collective.nranks):
+        held = set(collective.input[r])
+        senders = {collective.sources(x)[0][0] for x in collective.output[r]
+                   if x not in held and collective.sources(x)}
+        most = max(most, len(senders - {r}))
+    return most
 
 
 @lru_cache(maxsize=512)
