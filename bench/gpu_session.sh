@@ -21,6 +21,9 @@
 #               executed copies and each notebook's error outputs under $OUT
 #   custom      bench/custom_vs_standard.py at 4 and 8 ranks, where the script exists
 #   demo1       `purlin demo --gpu` (not in one-gpu: notebooks1 runs the same tour)
+#   tune1       `purlin tune` on 4 and 8 virtual ranks (8 KiB .. 16 MiB, ~4 minutes) into
+#               $OUT/tuning.json, which `auto` in every later stage reads ($PURLIN_TUNING);
+#               copy it to purlin/runtime/tuning/<gpu>.json to keep it
 # Two GPUs and more: two-gpu = env tests allreduce
 #   tests lltests fusedtests cetests stagetests norm   GPU tests (parts of them)
 #   allreduce sweep sweepsm sweepce tune               bench/allreduce.py, bench/sweep.py, tune
@@ -304,6 +307,14 @@ for stage in "${stages[@]}"; do
         tune)
             step tune 200 python3 -m purlin tune --time-limit 130 --no-progress \
                 --out "$OUT/tuning.json" --json "$OUT/tune_candidates.json"
+            ;;
+        tune1)  # a virtual-rank table of the GPU at hand; the stages after it use it
+            for n in 4 8; do
+                TAIL=26 step "tune$n" 150 python3 -m purlin tune -n "$n" \
+                    -b 8KiB,64KiB,1MiB,16MiB --time-limit 95 --no-progress \
+                    --out "$OUT/tuning.json" --json "$OUT/tune${n}_candidates.json"
+            done
+            [ "$dry" = 0 ] && [ -f "$OUT/tuning.json" ] && export PURLIN_TUNING="$OUT/tuning.json"
             ;;
         sweep)
             TAIL=40 step sweep 330 python3 bench/sweep.py --ce --time-limit 170 \
