@@ -13,7 +13,11 @@ is a bug). CUDA-graph replays, device time per op (``purlin.bench.providers``).
 
     PYTHONPATH=. python3 bench/custom_vs_standard.py [--ranks 4,8] [--sizes 8KiB,64KiB,1MiB,16MiB]
         [--quick] [--out FILE.json] [--datapath sm|cpu] [--kind auto|virtual|local]
-        [--cases gqa] [--rows]
+        [--cases gqa] [--rows] [--replay OLD.json]
+
+``--replay OLD.json`` runs nothing: it prints what this tree's ``auto`` would pick at each
+point of that run and how fast that bind was there (an ``auto`` rule checked before a GPU
+measures it; a pick that run did not time is counted, not guessed).
 
 ``--cases gqa`` times only the cases whose name holds one of the comma-separated words (and
 prints each one's fused op counts per rank: segmented, one op per row, and the twin's, for
@@ -419,6 +423,49 @@ def _print_summary(out, log) -> None:
         print(f"  {r['collective']} [{r['bind']}]: {r['why']}", file=log)
 
 
+def replay(path: str, log=sys.stdout) -> dict:
+    """``auto``'s choices of this tree for the points of an earlier run's JSON, each looked up
+    among the binds that run timed (no GPU needed): what this tree's ``auto`` would take there,
+    before a GPU measures it. A choice that run did not time as a bind is "not timed"."""
+    import types
+
+    from purlin.runtime.auto import select
+
+    with open(path) as f:
+        data = json.load(f)
+    gpus = data.get("info", {}).get("gpus") or [None]
+    found, missing = [], 0
+    for r in data["rows"]:
+        cluster = types.SimpleNamespace(datapath="sm", kind=r.get("cluster", "virtual"),
+                                        nranks=r["nranks"], devices=[0] * r["nranks"])
+        item = 2 if r["dtype"] in ("bfloat16", "float16") else 4
+        case = next(c for c in cases(r["nranks"], r["nbytes"], item) if c[0] == r["case"])
+        for side, coll, sizes in (("custom", case[2], case[3]), ("standard", case[4], case[5])):
+            timed = r[side]
+            c = select(coll, cluster, chunk_sizes=sizes, dtype=r["dtype"], gpu=gpus[0])
+            label = f"{c.strategy} {c.protocol}"
+            if (c.chunks, c.lanes) != (1, 1) or label not in timed:
+                label = f"auto plan {c.protocol}"
+                if not timed.get(label, {}).get("how", "").startswith(c.strategy):
+                    label = None
+            best = min(v["us"] for v in timed.values())
+            if label is None:
+                missing += 1
+                print(f"{r['case']:<34} {r['nranks']} {r['nbytes']:>9} {side:<8} "
+                      f"{c.strategy} {c.protocol}: not timed", file=log)
+                continue
+            ratio = timed[label]["us"] / best
+            found.append(ratio)
+            if ratio > 1.05:
+                print(f"{r['case']:<34} {r['nranks']} {r['nbytes']:>9} {side:<8} {label} "
+                      f"{timed[label]['us']:.2f} us, best {best:.2f}: {ratio:.2f}x", file=log)
+    out = {"timed": len(found), "not_timed": missing, "worst": max(found, default=None),
+           "over_1_05": sum(x > 1.05 for x in found)}
+    print(f"replayed {path}: {out['timed']} choices timed there, {missing} not; worst "
+          f"{out['worst']:.3f}x the best bind, {out['over_1_05']} past 1.05x", file=log)
+    return out
+
+
 def main(argv=None) -> int:
     from purlin.cli import size_list
 
@@ -436,7 +483,13 @@ def main(argv=None) -> int:
                          "their fused op counts")
     ap.add_argument("--rows", action="store_true",
                     help="also time the custom cases with segmented ops off")
+    ap.add_argument("--replay", metavar="JSON",
+                    help="no run: this tree's auto choices for that earlier run's points, "
+                         "looked up among the binds it timed")
     args = ap.parse_args(argv)
+    if args.replay:
+        replay(args.replay)
+        return 0
     ranks = [int(x) for x in args.ranks.split(",")]
     sizes = size_list(args.sizes) or (list(SIZES[:2]) if args.quick else list(SIZES))
     only = [w.strip() for w in args.cases.split(",")] if args.cases else None

@@ -211,7 +211,7 @@ def test_a_tables_fused_choice_that_cannot_run_this_size_takes_the_fast_path():
 
 
 # -- virtual ranks of one H200: what bench/custom_vs_standard.py measured fastest -----------
-def _bench_cases():
+def _bench():
     import importlib.util
     from pathlib import Path
 
@@ -219,7 +219,26 @@ def _bench_cases():
     spec = importlib.util.spec_from_file_location("custom_vs_standard", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.cases
+    return module
+
+
+def _bench_cases():
+    return _bench().cases
+
+
+@pytest.mark.parametrize("run", ["2026-12-06-custom-vs-standard-1xH100-6670c77.json",
+                                 "2026-12-04-custom-vs-standard-1xH200-de6bb09.json"])
+def test_auto_replayed_on_recorded_runs_is_within_5_percent_of_their_best_bind(run):
+    """This tree's auto choices for every point of a recorded one-GPU run (custom and
+    standard, 4 and 8 virtual ranks, 8 KiB .. 16 MiB; that GPU's shipped table), each looked up
+    among the binds that run timed: all timed there, none past 1.05x the fastest."""
+    import io
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "results" / run
+    out = _bench().replay(str(path), log=io.StringIO())
+    assert (out["timed"], out["not_timed"]) == (144, 0), out
+    assert out["worst"] <= 1.05, out
 
 
 # (ranks, bytes, case, side, strategy, protocol): the bind the measurement favoured, on the
