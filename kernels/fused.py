@@ -38,6 +38,8 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 SOURCE_STEP, SOURCE_WIDTH, WAIT_EPOCH_OFFSET, WAIT_FLAG,
                                 WAIT_PEER, WAIT_PER_CALL, WAIT_SLOT, WAIT_STEP, WAIT_VALUE)
 from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
+from purlin.kernels.intrinsics import load_u8, load_u16  # (odd-aligned copies: _copy_narrow)
+from purlin.kernels.isa import MOVE_NARROW  # (odd-aligned copies: _copy_narrow)
 from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
 from purlin.kernels.isa import PUT_ROTATE  # (a PUT's rotation: _rotated)
 from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
@@ -833,8 +835,14 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             gm = _rotated(g, _word(meta, head, at + MOVE_ROTATE), stride)
             i = gm
             if copies or (plain and nsrc == 1):
-                _copy_row(_word(meta, head, at + MOVE_DST + odd),
-                          _word(meta, head, first + SOURCE_ADDR + odd), nbytes, gm, stride)
+                dst = _word(meta, head, at + MOVE_DST + odd)
+                src = _word(meta, head, first + SOURCE_ADDR + odd)
+                # (odd-aligned pieces: only copy-only programs hold them, atom.fused checks)
+                if copies and _word(meta, head, at + MOVE_NARROW) != 0:
+                    _copy_narrow(dst, src, nbytes, gm, stride,
+                                 _word(meta, head, at + MOVE_NARROW))
+                else:
+                    _copy_row(dst, src, nbytes, gm, stride)
                 i = items
             elif plain and (dt == BF16 or dt == F16):
                 i = _reduce_pairs_half(meta, head, first, nsrc,
@@ -879,6 +887,61 @@ def _copy_row(dst, src, nbytes, first, stride):
     copy_v16(dst, src, whole, first, stride)
     if tail:
         _store16(dst + whole * 16, w, nbytes - whole * 16)
+
+
+@device
+def _copy_narrow(dst, src, nbytes, first, stride, width):
+    """A copy of ``nbytes`` at addresses aligned only to ``width`` bytes (8, 4, 2 or 1: a
+    piece of odd size inside a user's buffer): this thread's 16-byte items of the row from
+    item ``first`` on, as an aligned row's fall to threads, each in words of that width --
+    a whole item's loads all issued before its stores (raw addresses: the compiler may not
+    move a load past a store), the last item's bytes only."""
+    items = (nbytes + 15) >> 4
+    whole = nbytes >> 4
+    i = first
+    while i < items:
+        s = src + (i << 4)
+        d = dst + (i << 4)
+        if i < whole and width == 8:
+            a0, a1 = load_i64(s), load_i64(s + 8)
+            store_i64(d, a0)
+            store_i64(d + 8, a1)
+        elif i < whole and width == 4:
+            w0, w1, w2, w3 = load_u32(s), load_u32(s + 4), load_u32(s + 8), load_u32(s + 12)
+            store_u32(d, w0)
+            store_u32(d + 4, w1)
+            store_u32(d + 8, w2)
+            store_u32(d + 12, w3)
+        elif i < whole and width == 2:
+            h0, h1, h2, h3 = load_u16(s), load_u16(s + 2), load_u16(s + 4), load_u16(s + 6)
+            h4, h5, h6, h7 = load_u16(s + 8), load_u16(s + 10), load_u16(s + 12), \
+                load_u16(s + 14)
+            store_u16(d, h0)
+            store_u16(d + 2, h1)
+            store_u16(d + 4, h2)
+            store_u16(d + 6, h3)
+            store_u16(d + 8, h4)
+            store_u16(d + 10, h5)
+            store_u16(d + 12, h6)
+            store_u16(d + 14, h7)
+        else:  # 1-byte words, or the row's last, partial item
+            n = min(16, nbytes - (i << 4))
+            k = 0
+            while k < n:
+                left = n - k
+                if width >= 8 and left >= 8:
+                    store_i64(d + k, load_i64(s + k))
+                    k += 8
+                elif width >= 4 and left >= 4:
+                    store_u32(d + k, load_u32(s + k))
+                    k += 4
+                elif width >= 2 and left >= 2:
+                    store_u16(d + k, load_u16(s + k))
+                    k += 2
+                else:
+                    store_u8(d + k, load_u8(s + k))
+                    k += 1
+        i += stride
 
 
 @device

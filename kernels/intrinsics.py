@@ -370,10 +370,16 @@ def _simulated() -> SimpleNamespace:
 
     lock = threading.Lock()  # the simulator runs a block's threads as Python threads
 
+    def aligned(addr, size):  # as the GPU: an access of n bytes at a multiple of n
+        if int(addr) % size:
+            raise ValueError(f"misaligned address: a {size}-byte access at {int(addr):#x} (a "
+                             "GPU stops the kernel with 'misaligned address')")
+
     def load(fmt, scalar=True, convert=None):
         size = struct.calcsize(fmt)
 
         def fn(addr):
+            aligned(addr, size)
             values = struct.unpack(fmt, ctypes.string_at(int(addr), size))
             if convert is not None:
                 values = tuple(convert(v) for v in values)
@@ -386,6 +392,7 @@ def _simulated() -> SimpleNamespace:
         mask = (1 << bits) - 1 if bits else None
 
         def fn(addr, values):
+            aligned(addr, size)
             values = (values,) if scalar else tuple(values)
             if mask is not None:
                 values = tuple(int(v) & mask for v in values)

@@ -37,13 +37,14 @@ def gqa_sizes(n: int, unit: int, extra: int = 0) -> dict:
     return sizes
 
 
-def random_layout(rng, n: int, dtype: str):
+def random_layout(rng, n: int, dtype: str, odd_pieces: bool = False, copies: float = 0.7):
     """A copy collective of 1..3 pieces per rank of unequal sizes (whole 16-byte items or,
-    for the last piece, any count), each output rank receiving a random selection of the
-    pieces in a random order -- or a reduction of pieces every rank holds, each delivered to
-    one or two ranks."""
+    for the last piece, any count; ``odd_pieces``: any count for every piece), each output
+    rank receiving a random selection of the pieces in a random order -- or (a ``1 -
+    copies`` chance) a reduction of pieces every rank holds, each delivered to one or two
+    ranks."""
     e = 16 // ITEM[dtype]
-    if rng.random() < 0.7:
+    if rng.random() < copies:
         pieces = [(r, t) for r in range(n) for t in range(int(rng.integers(1, 4)))]
         outs = []
         for _ in range(n):
@@ -60,7 +61,9 @@ def random_layout(rng, n: int, dtype: str):
                 outs[int(r)].append(p)
         coll = Collective([pieces] * n, outs, op, name=f"random {op} layout")
     sizes = {p: e * int(rng.integers(1, 40)) for p in coll.input.names()}
-    if rng.random() < 0.5:
+    if odd_pieces:
+        sizes = {p: k + int(rng.integers(0, e)) for p, k in sizes.items()}
+    elif rng.random() < 0.5:
         sizes[coll.input.names()[-1]] += int(rng.integers(1, e))  # a scalar tail
     return coll, sizes
 
@@ -316,6 +319,48 @@ def test_random_layouts_sizes_strategies_and_dtypes():
     assert ran >= 30 and merged >= 10, (ran, merged)
 
 
+def test_pieces_of_odd_size_inside_a_buffer_fuse_and_are_right():
+    """Pieces whose element counts leave the next piece off a 16-byte boundary, in every
+    position (GQA's q, k, v of odd counts; random copy layouts of odd pieces): their copies
+    fuse (``Move.narrow``: words as wide as the addresses allow) and give the reference; a
+    reduction among them is refused for a reason naming the rank."""
+    from purlin.atom.fused import narrow_program
+
+    ran = narrow = 0
+    for n, dtype, unit, blocks, threads in ((2, "bfloat16", 21, 2, 3), (4, "bfloat16", 5, 1, 4),
+                                            (3, "float32", 7, 3, 2), (4, "float16", 3, 2, 5),
+                                            (8, "bfloat16", 3, 2, 3)):
+        for strategy in ("direct-push", "direct-pull"):
+            s = plan(gqa(n), strategy, chunk_sizes=gqa_sizes(n, unit), dtype=dtype)
+            bufs = HostBuffers(s)
+            low = bufs.lower()
+            assert fused_unit(low, "fused") == (16, None), (n, dtype, strategy)
+            narrow += any(narrow_program(w) for w in fused_programs(low, bufs, 16))
+            ran += check_on_host(gqa(n), gqa_sizes(n, unit), dtype, strategy, "fused",
+                                 blocks=blocks, threads=threads) is not None
+    assert ran == 10 and narrow == 10, (ran, narrow)
+    rng = np.random.default_rng(77)
+    ran = narrow = refused = 0
+    for case in range(30):
+        n = int(rng.integers(2, 7))
+        dtype = str(rng.choice(list(ITEM)))
+        coll, sizes = random_layout(rng, n, dtype, odd_pieces=True, copies=0.8)
+        strategy = str(rng.choice(["direct-push", "direct-pull"]))
+        blocks, threads = int(rng.integers(1, 4)), int(rng.integers(1, 5))
+        s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+        bufs = HostBuffers(s)
+        low = bufs.lower()
+        got = check_on_host(coll, sizes, dtype, strategy, "fused", seed=case, blocks=blocks,
+                            threads=threads)
+        if got is not None:
+            ran += 1
+            narrow += any(narrow_program(w) for w in fused_programs(low, bufs, 16))
+        else:  # only reductions: their rows need aligned items
+            assert coll.op.is_reduce, coll
+            refused += 1
+    assert ran >= 20 and narrow >= 20 and refused >= 1, (ran, narrow, refused)
+
+
 # ---------------------------------------------------------------- the same on a GPU
 
 def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2, kernel=None):
@@ -359,6 +404,31 @@ def test_gpu_gqa_all_gather(n, protocol, nbytes, strategy):
     for extra in (0, 1):
         assert _gpu_check(gqa(n), gqa_sizes(n, unit, extra), "bfloat16", strategy, protocol,
                           calls=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4, 8])
+@pytest.mark.parametrize("nbytes", [8 << 10, 1 << 20])
+@pytest.mark.parametrize("strategy", ["direct-push", "direct-pull"])
+def test_gpu_pieces_of_odd_size_run_on_the_copy_kernels(n, nbytes, strategy):
+    """GQA's q, k, v of odd element counts (every piece after the first off a 16-byte
+    boundary) on the fused kernel: copies in narrow words on a copy-only build, three calls,
+    the reference; and a default bind takes the fused kernel for it."""
+    import torch
+
+    from purlin.runtime import Cluster
+
+    unit = max(1, nbytes // 2 // n // 6) | 1  # odd
+    sizes = gqa_sizes(n, unit)
+    assert _gpu_check(gqa(n), sizes, "bfloat16", strategy, "fused", calls=3)
+    bound = Cluster.virtual(n).bind(gqa(n), strategy, chunk_sizes=sizes, dtype="bfloat16")
+    assert bound.kernel == "fused kernel", bound.kernel
+    assert {k.launcher.kernel for k in bound.launches} <= {"fused-copy", "fused-seg-copy"}
+    xs = [torch.randn(bound.schedule.sizing.input_count(r)).bfloat16() for r in range(n)]
+    outs = bound(xs)
+    want = reference(bound.schedule.sizing, [x.double().numpy() for x in xs])
+    for r in range(n):
+        assert np.array_equal(outs[r].double().cpu().numpy()[:len(want[r])], want[r]), r
 
 
 @pytest.mark.gpu

@@ -46,7 +46,7 @@ def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng,
     """Run ``coll``'s programs (``segments``: where they hold segmented ops) on the kernel a
     launch would, and on the general one where that differs: the kernels' names (none where
     it did not run)."""
-    from purlin.atom.fused import fused_unit, kernel_name, segmented_program
+    from purlin.atom.fused import fused_unit, kernel_name, narrow_program, segmented_program
     from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
     from purlin.kernels import isa
     from purlin.kernels.launch import KERNELS
@@ -64,6 +64,8 @@ def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng,
     if segments and not any(segmented_program(w) for w in programs):
         return set()
     names = {kernel_name(programs), "fused-seg" if segments else "fused"}
+    if any(narrow_program(w) for w in programs):  # (only the copy-only kernels run those)
+        names = {kernel_name(programs)}
     xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64) for r in range(n)]]
     for x in xs[0]:
         x[x == 0] = 3
@@ -169,6 +171,37 @@ def plain_copies_on_the_copy_kernels():
     s = plan(collectives.all_reduce(4), "direct-push", count=64, dtype="bfloat16")
     bufs = HostBuffers(s)
     assert kernel_name(fused_programs(bufs.lower(), bufs, 16, segments=False)) == "fused"
+
+
+@case
+def pieces_of_odd_size_on_the_copy_kernels():
+    """Pieces whose odd element counts leave the pieces after them off 16-byte boundaries
+    (GQA's q, k, v; seeded random copy layouts), pushed and pulled, 2..6 ranks, 1..3 blocks:
+    their copies in narrow words (``isa.MOVE_NARROW``) on the copy-only kernel a launch picks,
+    segmented or not."""
+    from test_fused_rows import gqa, gqa_sizes, random_layout
+
+    rng = np.random.default_rng(41)
+    kernels = set()
+    for n, dt, unit, blocks, threads in ((2, "bfloat16", 5, 2, 3), (4, "float32", 3, 1, 4),
+                                         (3, "float16", 7, 3, 2)):
+        for strategy in ("direct-push", "direct-pull"):
+            for segments in (True, False):  # (segmented: where any of its rows gather)
+                got = _run_on_kernel(gqa(n), gqa_sizes(n, unit), dt, strategy, "fused", blocks,
+                                     threads, rng, segments=segments)
+                assert got <= {"fused-copy", "fused-seg-copy"} and (got or segments), got
+                kernels |= got
+    ran = 0
+    while ran < 4:
+        coll, sizes = random_layout(rng, int(rng.integers(2, 7)), "bfloat16", odd_pieces=True,
+                                    copies=1.0)
+        got = _run_on_kernel(coll, sizes, "bfloat16", str(rng.choice(["direct-push",
+                                                                      "direct-pull"])),
+                             "fused", int(rng.integers(1, 4)), int(rng.integers(1, 5)), rng,
+                             segments=False)
+        assert len(got) == 1 and next(iter(got)).endswith("-copy"), got
+        ran += 1
+    assert kernels == {"fused-copy", "fused-seg-copy"}, kernels
 
 
 @case

@@ -75,6 +75,28 @@ def copy_bytes_every_offset_and_length():
 
 
 @case
+def narrow_copies_every_width_offset_and_length():
+    """The fused kernel's copy of an odd-aligned piece (``_copy_narrow``): words of 8, 4, 2
+    and 1 bytes at every offset that width allows, lengths 0..40 and longer, 3 threads; the
+    simulator's accesses are checked for alignment as a GPU's are."""
+    from purlin.kernels.fused import _copy_narrow
+
+    rng = np.random.default_rng(3)
+    for width in (8, 4, 2, 1):
+        for src_off in range(0, 16, width):
+            for dst_off in (width % 16, (16 - width) % 16, 0):
+                for n in list(range(41)) + [97, 256]:
+                    src_raw, src = _aligned(n, src_off)
+                    dst_raw, dst = _aligned(n, dst_off)
+                    src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
+                    for tid in range(3):
+                        _copy_narrow(dst, src, n, tid, 3, width)
+                    assert np.array_equal(_view(dst_raw, dst, n, np.uint8),
+                                          _view(src_raw, src, n, np.uint8)), (width, n)
+                    assert _guards_intact(dst_raw, dst, n), (width, src_off, dst_off, n)
+
+
+@case
 def copy_rows_aligned_and_misaligned():
     """COPY rows through the executor: aligned f32, bf16 at odd 2-byte offsets, 2 lanes x 2."""
     from purlin.kernels import isa, sim
@@ -956,7 +978,7 @@ def fused_random_layouts_of_unequal_rows():
     reference."""
     from test_fused_rows import random_layout
 
-    from purlin.atom.fused import fused_unit
+    from purlin.atom.fused import fused_unit, narrow_program
     from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
     from purlin.kernels import fused, isa
     from purlin.snac import plan
@@ -977,6 +999,8 @@ def fused_random_layouts_of_unequal_rows():
         if problem is not None:
             continue
         programs = [w.copy() for w in fused_programs(low, bufs, unit, segments=False)]
+        # (a piece of odd size placed before others: copies in narrow words, copy-only build)
+        kernel = fused.fused_copy if any(narrow_program(w) for w in programs) else fused.fused
         xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
                for r in range(n)]]
         for x in xs[0]:
@@ -989,7 +1013,7 @@ def fused_random_layouts_of_unequal_rows():
             bufs.outputs[r][:] = 0
             counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
             w = programs[r]
-            fused.fused[2, 3](w.ctypes.data, 1, 2, 10_000_000, w.size, counters.ctypes.data)
+            kernel[2, 3](w.ctypes.data, 1, 2, 10_000_000, w.size, counters.ctypes.data)
             assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, r, bufs.fused_error)
             got = bufs.outputs[r][:len(want[r])]
             got = bf16_floats(got) if dtype == "bfloat16" else \

@@ -39,7 +39,8 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
                                 F_OP_MOVE, F_OP_MOVES, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT,
                                 F_OP_PUTS, F_OP_WAIT, F_RANK, SEG_COUNT, SEG_TABLE,
-                                F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES,
+                                F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_NARROW, MOVE_NSRC,
+                                MOVE_SOURCES,
                                 F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_KIND,
                                 OP_WIDTH, OPCODE_NAMES, PEER, PER_CALL, PUT_BYTES, PUT_SRC, REDOP,
                                 REDUCE, SOURCE_ADDR, SOURCE_LL, SOURCE_WIDTH, SRC, STEP, VALUE,
@@ -129,7 +130,8 @@ class Source(NamedTuple):
 
 class Move(NamedTuple):
     """Write ``nbytes`` at ``dst_even`` / ``dst_odd`` from ``sources`` (a copy when ``how`` is
-    None, else their reduction)."""
+    None, else their reduction); ``narrow``: a one-source copy at addresses not all 16-byte
+    aligned, its items moved in words of that many bytes (``isa.MOVE_NARROW``; 0: aligned)."""
 
     kind: str  # "move"
     dst_even: int
@@ -138,6 +140,7 @@ class Move(NamedTuple):
     sources: tuple
     dtype: int
     how: Reduction | None
+    narrow: int = 0
 
 
 class Norm(NamedTuple):
@@ -286,10 +289,16 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
         srcs_b = [int(x) for x in low.srcs[b[SRC]: b[SRC] + max(1, b[NSRC])]]
         addresses = [int(a[DST]), int(b[DST]), *srcs_a, *srcs_b]
         # a last partial item (a scalar tail) is fine: its thread reads the whole aligned
-        # item and stores only the row's bytes; no other row starts inside it
+        # item and stores only the row's bytes. A one-source copy of plain memory at other
+        # addresses (pieces of odd size inside a user's buffer) moves each item in narrower
+        # words (Move.narrow); LL transfers and reductions need aligned items.
+        narrow = 0
         if any(x % unit for x in addresses):
-            raise _Refused(f"rank {r} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
-                           f"not at {unit}-byte aligned addresses")
+            ll_source = (srcs_a[0], srcs_b[0]) in gets
+            if unit != 16 or op != COPY or len(srcs_a) != 1 or ll_source:
+                raise _Refused(f"rank {r} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
+                               f"not at {unit}-byte aligned addresses")
+            narrow = word_width(addresses)
         if op == LL_PUT:
             ops.append(Put("put", srcs_a[0], int(a[DST]), int(b[DST]), nbytes, int(a[PEER]),
                            int(a[STEP])))
@@ -306,12 +315,25 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
                     used.add((s_a, s_b))
                 else:
                     sources.append(Source(0, s_a, s_b, -1, -1))
-            ops.append(Move("move", int(a[DST]), int(b[DST]), nbytes, tuple(sources), dt, how))
+            ops.append(Move("move", int(a[DST]), int(b[DST]), nbytes, tuple(sources), dt, how,
+                            narrow))
     if set(gets) - used:
         raise _Refused(f"rank {r} keeps an LL transfer's data for a row that does not read "
                        "it whole")
     _check_rank(r, ops, gets)
     return ops
+
+
+def word_width(addresses) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) every address is aligned to.
+
+    >>> word_width([0, 4096 + 6]), word_width([8, 24]), word_width([16, 32])
+    (2, 8, 8)
+    """
+    width = 8
+    while width > 1 and any(x % width for x in addresses):
+        width //= 2
+    return width
 
 
 class _Get(NamedTuple):
@@ -386,6 +408,18 @@ def _meets(a: tuple, b: tuple) -> bool:
 def _check_ranks(ops_by_rank: list[list[tuple]]) -> None:
     """Across ranks (and flag operations of one rank): a written span meets another span only
     where both are the same span."""
+    narrow = [(r, op) for r, ops in enumerate(ops_by_rank) for op in ops
+              if op.kind == "move" and op.narrow]
+    if narrow:  # only the copy-only builds copy in narrow words: every rank must be one
+        for r, ops in enumerate(ops_by_rank):
+            for op in ops:
+                if op.kind == "put" or op.kind == "move" and (
+                        op.how is not None or len(op.sources) != 1 or op.sources[0].is_ll):
+                    raise _Refused(
+                        f"rank {narrow[0][0]} copies {narrow[0][1].nbytes} bytes at addresses "
+                        f"aligned to {narrow[0][1].narrow} bytes, which only a program of "
+                        f"plain copies runs, and rank {r} also "
+                        f"{'sends LL units' if op.kind == 'put' else 'reduces or reads LL units'}")
     spans = []  # (rank, op index, span, writes)
     for r, ops in enumerate(ops_by_rank):
         for k, op in enumerate(ops):
@@ -488,7 +522,7 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
             at += SOURCE_WIDTH * (1 + -(-len(e.extras) // SOURCE_WIDTH))
         else:
             row = (F_OP_MOVE, op.dst_even, op.dst_odd, op.nbytes, len(op.sources), at,
-                   (rotation or {}).get(k, 0))
+                   (rotation or {}).get(k, 0), op.narrow)
             for src in op.sources:
                 words[at: at + SOURCE_WIDTH] = src
                 at += SOURCE_WIDTH
@@ -608,7 +642,19 @@ def kernel_name(programs, traced: bool = False) -> str:
         name += "-seg"
     if programs and all(copies_only(w) for w in programs):
         name += "-copy"
+    elif any(narrow_program(w) for w in programs):  # (fuse_problem refuses these first)
+        raise CapabilityError("a fused program copies pieces at addresses not 16-byte "
+                              "aligned, which only the copy-only kernels do, beside one that "
+                              "does more than copy plain memory")
     return name + "-trace" if traced else name
+
+
+def narrow_program(words: np.ndarray) -> bool:
+    """Does the fused program ``words`` copy a piece at addresses not 16-byte aligned
+    (``isa.MOVE_NARROW``: the copy-only kernels run such copies)?"""
+    at = F_HEAD + OP_WIDTH * np.arange(int(words[F_NOPS]))
+    moves = at[words[at + OP_KIND] == F_OP_MOVE]
+    return bool((words[moves + MOVE_NARROW] != 0).any())
 
 
 def oneshot_problem(words: np.ndarray) -> str | None:

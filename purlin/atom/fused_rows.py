@@ -337,6 +337,8 @@ def _key(op, partners) -> tuple:
     arrivals; the rank's own copies meet none)."""
     if op.kind == "put":
         return ("put", op.peer)
+    if op.narrow:  # (its items move in narrow words: only a row of its own runs that)
+        return ("narrow", id(op))
     lls = tuple(sorted(s.peer for s in op.sources if s.is_ll))
     return ("move", lls, len(op.sources), op.how, op.dtype, partners if not lls else None)
 
@@ -642,7 +644,7 @@ def _ll_row(op) -> str | None:
     first = _parts(op)[0]
     if first.kind == "put":
         return "put"
-    if first.kind != "move" or first.how is not None:
+    if first.kind != "move" or first.how is not None or any(p.narrow for p in _parts(op)):
         return None
     kinds = {_copy_kind(part) for part in _parts(op)}
     if None in kinds:
