@@ -834,15 +834,15 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             plain = copies or _plain_sources(meta, head, first, nsrc, unit_bytes)
             gm = _rotated(g, _word(meta, head, at + MOVE_ROTATE), stride)
             i = gm
-            if copies or (plain and nsrc == 1):
-                dst = _word(meta, head, at + MOVE_DST + odd)
-                src = _word(meta, head, first + SOURCE_ADDR + odd)
-                # (odd-aligned pieces: only copy-only programs hold them, atom.fused checks)
-                if copies and _word(meta, head, at + MOVE_NARROW) != 0:
-                    _copy_narrow(dst, src, nbytes, gm, stride,
-                                 _word(meta, head, at + MOVE_NARROW))
-                else:
-                    _copy_row(dst, src, nbytes, gm, stride)
+            # (odd-aligned pieces: only copy-only programs hold them, atom.fused checks)
+            if copies and _word(meta, head, at + MOVE_NARROW) != 0:
+                _copy_narrow(_word(meta, head, at + MOVE_DST + odd),
+                             _word(meta, head, first + SOURCE_ADDR + odd), nbytes, gm, stride,
+                             _word(meta, head, at + MOVE_NARROW))
+                i = items
+            elif copies or (plain and nsrc == 1):
+                _copy_row(_word(meta, head, at + MOVE_DST + odd),
+                          _word(meta, head, first + SOURCE_ADDR + odd), nbytes, gm, stride)
                 i = items
             elif plain and (dt == BF16 or dt == F16):
                 i = _reduce_pairs_half(meta, head, first, nsrc,
