@@ -406,25 +406,12 @@ PULL_MIN_BYTES = 1 << 20  # twin entries from here on: a copy layout on virtual 
 
 def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
     """For a layout that ``table`` has no entry of (a custom one), its twin's
-    (:func:`twin_name`) entry at the same size, or None. The cost model ranks strategies by
-    bytes and flag waits; the tables measure what it does not see: which protocol wins (one
-    LL hop for small messages), and on one GPU's virtual ranks, where every byte crosses
-    the same memory, that a pull's single copy beats a push into the peer's scratch from
-    1 MiB on. On one H100's 8 virtual ranks the model's own pick was up to 1.39x the best
-    bind for a two-root broadcast of 8 KiB, and for a three-piece all-gather of 1 MiB.
-
-    A copy layout on virtual ranks whose twin's entry is of at least ``PULL_MIN_BYTES``
-    takes direct-pull where the twin timed it within ``TIE`` of its winner: a pull copies each piece once, straight
-    into the output, where a push copies it twice (into the peer's scratch, then out), so
-    whatever the layout adds per copy (segments, uneven rows) a push pays twice. The twin
-    cannot see that: on one H100 the all-gather's push and pull measured within 3% from
-    1 MiB, where the three-piece all-gather's push took 1.37x its pull.
-
-    Below that, where the twin's winner is direct-pull, a copy layout whose receivers hear
-    from more ranks than the twin's (:func:`senders_per_receiver`: a two-root broadcast's 2
-    against the broadcast's 1) takes the twin's direct-push: a small pull's time is its flag
-    waits, one per source rank, where a push's LL units carry the flag in the data (on one
-    H100's 8 virtual ranks at 8 KiB the two-root broadcast's pull took 1.20x its push)."""
+    (:func:`twin_name`) entry at the same size, or None. On virtual ranks a copy layout
+    corrects it where the twin cannot see the layout's cost: from 1 MiB it pulls where the
+    twin timed pull within ``TIE`` of its winner (a push copies each piece twice, a pull
+    once), and below it pushes where its receivers hear from more ranks than the twin's and
+    the twin's winner is a pull (a small pull waits on a flag per source rank). Why and what
+    was measured: ARCHITECTURE.md, "Runtime"; docs/PERF_NOTES.md."""
     from purlin.spec.collectives import standard
 
     coll = sizing.collective
@@ -437,18 +424,19 @@ def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
     if choice is None:
         return None
     row = table.entry(name, coll.nranks, sizing.message_bytes, **where)
-    if virtual and not coll.op.is_reduce and row["nbytes"] >= PULL_MIN_BYTES \
-            and choice.strategy != "direct-pull":
+    other = None  # the strategy a copy layout on virtual ranks takes instead
+    if virtual and not coll.op.is_reduce and row["nbytes"] >= PULL_MIN_BYTES:
         pull = _config_of(row, "direct-pull") or {}
-        if pull.get("time_us") and row.get("time_us") and \
-                pull["time_us"] <= TIE * row["time_us"]:
-            choice = table.lookup(name, coll.nranks, sizing.message_bytes,
-                                  strategy="direct-pull", is_reduce=False, **where)
-    elif virtual and not coll.op.is_reduce and row["nbytes"] < PULL_MIN_BYTES \
-            and choice.strategy == "direct-pull" and _config_of(row, "direct-push") \
+        if choice.strategy != "direct-pull" and pull.get("time_us") and row.get("time_us") \
+                and pull["time_us"] <= TIE * row["time_us"]:
+            other = "direct-pull"
+    elif virtual and not coll.op.is_reduce and choice.strategy == "direct-pull" \
+            and _config_of(row, "direct-push") \
             and senders_per_receiver(coll) > senders_per_receiver(standard(name, coll.nranks)):
-        choice = table.lookup(name, coll.nranks, sizing.message_bytes,
-                              strategy="direct-push", is_reduce=False, **where)
+        other = "direct-push"
+    if other is not None:
+        choice = table.lookup(name, coll.nranks, sizing.message_bytes, strategy=other,
+                              is_reduce=False, **where)
     return Choice(choice.strategy, choice.chunks, choice.lanes, choice.blocks_per_lane,
                   f"{choice.source} (its twin {name})", choice.protocol, choice.pdl,
                   choice.lanes_by)
