@@ -4,12 +4,14 @@ Each custom case (a rank-reversed all-gather, an all-gather of three unequal pie
 delivered interleaved -- GQA's q, k, v --, a rotated reduce-scatter with max and with avg, an
 uneven all-to-all, a multi-root broadcast, a partial all-reduce delivered to ranks that
 contributed nothing, a layout that places one chunk twice in a rank's output, an all-reduce
-one element past a 16-byte multiple) is timed beside the standard collective that moves the
-same bytes, with ``strategy="auto"`` and with the best bind (direct-push with each protocol,
-direct-pull and auto's plan with each fused protocol), on ``Cluster.virtual(n)`` (one GPU) or ``Cluster.local(n)``
-where n GPUs are visible. Every bind is checked once against the reference (0 wrong elements,
-else the row says WRONG); binds that are refused are counted (a refused default or auto bind
-is a bug). CUDA-graph replays, device time per op (``purlin.bench.providers``).
+one element past a 16-byte multiple, and GQA's pieces each one element longer: pieces off
+16-byte boundaries inside the buffers) is timed beside the standard collective that moves the
+same bytes (the odd sizes: the nearest whole size), with ``strategy="auto"`` and with the
+best bind (direct-push with each protocol, direct-pull and auto's plan with each fused
+protocol), on ``Cluster.virtual(n)`` (one GPU) or ``Cluster.local(n)`` where n GPUs are
+visible. Every bind is checked once against the reference (0 wrong elements, else the row
+says WRONG); binds that are refused are counted (a refused default or auto bind is a bug).
+CUDA-graph replays, device time per op (``purlin.bench.providers``).
 
     PYTHONPATH=. python3 bench/custom_vs_standard.py [--ranks 4,8] [--sizes 8KiB,64KiB,1MiB,16MiB]
         [--quick] [--out FILE.json] [--datapath sm|cpu] [--kind auto|virtual|local]
@@ -80,6 +82,10 @@ def cases(n: int, nbytes: int, item: int):
     qkv_sizes = {(r, t): unit * (4 if t == "q" else 1) for r in range(n) for t in "qkv"}
     ag6 = _sizes(ag.input.names(), 6 * unit)
     out.append(("gqa all-gather", "all-gather", qkv, qkv_sizes, ag, ag6))
+    # the same with one element more per piece: every piece after a rank's first off a
+    # 16-byte boundary (copies in narrow words), against the whole size's twin
+    odd_qkv = {(r, t): k + 1 for (r, t), k in qkv_sizes.items()}
+    out.append(("gqa all-gather, odd pieces", "all-gather", qkv, odd_qkv, ag, ag6))
 
     for op in ("max", "avg"):
         rs = collectives.reduce_scatter(n, op=op)

@@ -21,7 +21,8 @@ def test_custom_vs_standard_runs_on_the_cpu_datapath(tmp_path):
     data = json.loads(out.read_text())
     rows = data["rows"]
     cases = {r["case"] for r in rows}
-    assert cases == {"reversed all-gather", "gqa all-gather", "rotated reduce-scatter max",
+    assert cases == {"reversed all-gather", "gqa all-gather", "gqa all-gather, odd pieces",
+                     "rotated reduce-scatter max",
                      "rotated reduce-scatter avg", "uneven all-to-all", "two-root broadcast",
                      "partial all-reduce to the others", "all-gather, own chunk twice",
                      "all-reduce + 1 element"}
