@@ -53,6 +53,11 @@ def _sizes(names, each: int) -> dict:
     return {k: each for k in names}
 
 
+def _item(dtype: str) -> int:
+    """The element bytes ``cases`` sizes pieces by (a run's and a replay's)."""
+    return 2 if dtype in ("bfloat16", "float16") else 4
+
+
 def _per_rank(nbytes: int, item: int, parts: int) -> int:
     """Elements of each of ``parts`` equal pieces of ``nbytes``, whole 16-byte items."""
     return max(16 // item, nbytes // item // parts // (16 // item) * (16 // item))
@@ -328,7 +333,7 @@ def run(ranks, sizes, datapath="sm", kind="auto", quick=False, dtype="bfloat16",
         import torch
     if datapath == "cpu" and dtype == "bfloat16":
         dtype = "float16"  # numpy has no bfloat16: the same bytes
-    item = 2 if dtype in ("bfloat16", "float16") else 4
+    item = _item(dtype)
     ops = ops or (5 if datapath == "cpu" else 20 if quick else 40)
     repeats = repeats or (3 if datapath == "cpu" else 5 if quick else 10)
     rows, refusals, cache = [], [], {}
@@ -444,8 +449,8 @@ def replay(path: str, log=sys.stdout) -> dict:
     for r in data["rows"]:
         cluster = types.SimpleNamespace(datapath="sm", kind=r.get("cluster", "virtual"),
                                         nranks=r["nranks"], devices=[0] * r["nranks"])
-        item = 2 if r["dtype"] in ("bfloat16", "float16") else 4
-        case = next(c for c in cases(r["nranks"], r["nbytes"], item) if c[0] == r["case"])
+        case = next(c for c in cases(r["nranks"], r["nbytes"], _item(r["dtype"]))
+                    if c[0] == r["case"])
         for side, coll, sizes in (("custom", case[2], case[3]), ("standard", case[4], case[5])):
             timed = r[side]
             c = select(coll, cluster, chunk_sizes=sizes, dtype=r["dtype"], gpu=gpus[0])

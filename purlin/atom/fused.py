@@ -642,10 +642,6 @@ def kernel_name(programs, traced: bool = False) -> str:
         name += "-seg"
     if programs and all(copies_only(w) for w in programs):
         name += "-copy"
-    elif any(narrow_program(w) for w in programs):  # (fuse_problem refuses these first)
-        raise CapabilityError("a fused program copies pieces at addresses not 16-byte "
-                              "aligned, which only the copy-only kernels do, beside one that "
-                              "does more than copy plain memory")
     return name + "-trace" if traced else name
 
 

@@ -423,17 +423,17 @@ def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
                           is_reduce=coll.op.is_reduce, **where)
     if choice is None:
         return None
-    row = table.entry(name, coll.nranks, sizing.message_bytes, **where)
     other = None  # the strategy a copy layout on virtual ranks takes instead
-    if virtual and not coll.op.is_reduce and row["nbytes"] >= PULL_MIN_BYTES:
-        pull = _config_of(row, "direct-pull") or {}
-        if choice.strategy != "direct-pull" and pull.get("time_us") and row.get("time_us") \
-                and pull["time_us"] <= TIE * row["time_us"]:
-            other = "direct-pull"
-    elif virtual and not coll.op.is_reduce and choice.strategy == "direct-pull" \
-            and _config_of(row, "direct-push") \
-            and senders_per_receiver(coll) > senders_per_receiver(standard(name, coll.nranks)):
-        other = "direct-push"
+    if virtual and not coll.op.is_reduce:
+        row = table.entry(name, coll.nranks, sizing.message_bytes, **where)
+        if row["nbytes"] >= PULL_MIN_BYTES:
+            pull = _config_of(row, "direct-pull") or {}
+            if choice.strategy != "direct-pull" and pull.get("time_us") and \
+                    row.get("time_us") and pull["time_us"] <= TIE * row["time_us"]:
+                other = "direct-pull"
+        elif choice.strategy == "direct-pull" and _config_of(row, "direct-push") and \
+                senders_per_receiver(coll) > senders_per_receiver(standard(name, coll.nranks)):
+            other = "direct-push"
     if other is not None:
         choice = table.lookup(name, coll.nranks, sizing.message_bytes, strategy=other,
                               is_reduce=False, **where)

@@ -204,9 +204,9 @@ class SmPrepared:
 
     def _grid_launcher(self, kernel: str, words: int = 0):
         """A launcher of fused ``kernel`` ("fused", "fused-copy", "fused-norm" or an
-        epilogue's one-shot kernel) on this collective's grid, reading programs of this collective's length or
-        of ``words`` where longer (a user epilogue's extras: a block loads its program's
-        first words into shared memory, and reads them there)."""
+        epilogue's one-shot kernel) on this collective's grid, reading programs of this
+        collective's length or of ``words`` where longer (a user epilogue's extras: a block
+        loads its program's first words into shared memory, and reads them there)."""
         from purlin.atom.sm_kernel import launcher
 
         return launcher(self.path._launchers, device=self.path.device.index,
