@@ -16,7 +16,7 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -409,8 +409,10 @@ def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
     (:func:`twin_name`) entry at the same size, or None. On virtual ranks a copy layout
     corrects it where the twin cannot see the layout's cost: from 1 MiB it pulls where the
     twin timed pull within ``TIE`` of its winner (a push copies each piece twice, a pull
-    once), and below it pushes where its receivers hear from more ranks than the twin's and
-    the twin's winner is a pull (a small pull waits on a flag per source rank). Why and what
+    once); below it it pushes where its receivers hear from more ranks than the twin's and
+    the twin's winner is a pull (a small pull waits on a flag per source rank), and pulls
+    on the fused kernel where the twin's winner is LL and the layout sends a peer several
+    pieces the kernel cannot move on LL (:func:`_several_pieces_without_ll`). Why and what
     was measured: ARCHITECTURE.md, "Runtime"; docs/PERF_NOTES.md."""
     from purlin.spec.collectives import standard
 
@@ -434,12 +436,28 @@ def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
         elif choice.strategy == "direct-pull" and _config_of(row, "direct-push") and \
                 senders_per_receiver(coll) > senders_per_receiver(standard(name, coll.nranks)):
             other = "direct-push"
+        elif choice.protocol == "fused-ll" and _config_of(row, "direct-pull") and \
+                _several_pieces_without_ll(sizing, choice):
+            other = "direct-pull"
     if other is not None:
         choice = table.lookup(name, coll.nranks, sizing.message_bytes, strategy=other,
                               is_reduce=False, **where)
+        if _fused_problem(sizing, choice, choice.protocol) is not None:
+            choice = replace(choice, protocol="fused")
     return Choice(choice.strategy, choice.chunks, choice.lanes, choice.blocks_per_lane,
                   f"{choice.source} (its twin {name})", choice.protocol, choice.pdl,
                   choice.lanes_by)
+
+
+def _several_pieces_without_ll(sizing, choice: Choice) -> bool:
+    """Does ``choice``'s plan send a peer several pieces (GQA's q, k and v) and the fused
+    kernel refuse it LL (pieces off 16-byte boundaries)? Then a pull is faster: one ready
+    flag covers all of a peer's pieces, where a push's rows each carry one."""
+    from purlin.atom.fused_rows import several_pieces
+
+    schedule = _choice_plan(sizing, choice)
+    return not isinstance(schedule, str) and several_pieces(schedule) and \
+        _fused_problem(sizing, choice, "fused-ll") is not None
 
 
 def senders_per_receiver(collective) -> int:
