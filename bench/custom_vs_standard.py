@@ -368,7 +368,9 @@ def run(ranks, sizes, datapath="sm", kind="auto", quick=False, dtype="bfloat16",
                        "custom_best": cbest, "standard_best": sbest,
                        "ratio_auto": _ratio(custom.get("auto"), standard.get("auto")),
                        "ratio_best": _ratio(custom.get(cbest), standard.get(sbest)),
-                       "auto_vs_best": _ratio(custom.get("auto"), custom.get(cbest))}
+                       "auto_vs_best": _ratio(custom.get("auto"), custom.get(cbest)),
+                       "standard_auto_vs_best": _ratio(standard.get("auto"),
+                                                       standard.get(sbest))}
                 wrong = any("us" in v and v["wrong"] for v in (*custom.values(),
                                                                *standard.values()))
                 if counts is not None:
@@ -422,12 +424,15 @@ def _print_summary(out, log) -> None:
         return
     rows = out["rows"]
     ratios = [r["ratio_best"] for r in rows if r["ratio_best"]]
-    autos = [r["auto_vs_best"] for r in rows if r["auto_vs_best"]]
     gm = (lambda v: math.exp(sum(map(math.log, v)) / len(v)) if v else float("nan"))
     print(f"\n{len(rows)} rows, {sum(r['status'] != 'ok' for r in rows)} WRONG; "
           f"custom/standard (best) geomean {gm(ratios):.3f}, worst "
-          f"{max(ratios, default=float('nan')):.3f}; auto/best geomean {gm(autos):.3f}, "
-          f"worst {max(autos, default=float('nan')):.3f}", file=log)
+          f"{max(ratios, default=float('nan')):.3f}", file=log)
+    for side, key in (("custom", "auto_vs_best"), ("standard", "standard_auto_vs_best")):
+        autos = [r[key] for r in rows if r.get(key)]  # (a twin measured once per size)
+        print(f"auto/best bind, {side}: geomean {gm(autos):.3f}, worst "
+              f"{max(autos, default=float('nan')):.3f}, past 1.05x: "
+              f"{sum(a > 1.05 for a in autos)}", file=log)
     print(f"refusals: {len(out['refusals'])} ({out['default_refusals']} from auto binds)",
           file=log)
     for r in out["refusals"]:
