@@ -454,6 +454,32 @@ def test_gpu_gqa_runs_segmented_ops_and_its_twin_does_not(n, protocol, nbytes):
                               kernel="fused-seg" if ll else "fused-copy")
 
 
+def test_odd_aligned_rows_between_two_flag_operations_take_different_threads():
+    """GQA's pieces one element longer each on 8 ranks: the narrow rows a rank moves between
+    two flag operations (a pull's 21 after its gathered waits) start on different threads,
+    as regrouped rows do, instead of all on thread 0 -- each would otherwise wait for the
+    row before on the same threads (they never join a segmented op)."""
+    from purlin.atom.fused import narrow_program
+    from purlin.kernels import isa
+
+    for strategy in ("direct-pull", "direct-push"):
+        s = plan(gqa(8), strategy, chunk_sizes=gqa_sizes(8, 41), dtype="bfloat16")
+        bufs = HostBuffers(s)
+        programs = fused_programs(bufs.lower(), bufs, 16)
+        assert all(narrow_program(w) for w in programs)
+        for w in programs:
+            runs, run = [], []
+            for k in range(int(w[isa.F_NOPS])):
+                at = isa.F_HEAD + k * isa.OP_WIDTH
+                if w[at + isa.OP_KIND] == isa.F_OP_MOVE:
+                    run.append(int(w[at + isa.MOVE_ROTATE]))
+                elif run:
+                    runs, run = runs + [run], []
+            runs += [run] if run else []
+            longest = max(runs, key=len)
+            assert len(longest) >= 7 and len(set(longest)) == len(longest), (strategy, runs)
+
+
 @pytest.mark.gpu
 def test_gpu_random_layouts():
     rng = np.random.default_rng(77)

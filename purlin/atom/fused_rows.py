@@ -267,7 +267,9 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     ``segments`` (for the layouts :func:`several_pieces` finds) one peer's rows gathered
     into segmented ops where :func:`segmented` can, else the rotated rows; then (``join``)
     LL rows joined across flag operations (:func:`joined`) and each program's flags
-    gathered around its copies and PUTs (:func:`gathered`) where a program has no NORM. A
+    gathered around its copies and PUTs (:func:`gathered`) where a program has no NORM;
+    odd-aligned rows (``Move.narrow``, in no segmented op) spread over threads
+    (:func:`rotations`). A
     trace of the program names the table rows of each op
     (``purlin.atom.fused_trace.program_rows``)."""
     ops, rot = regrouped(lowered, unit)
@@ -284,6 +286,10 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
         got = gathered(ops, unit, user)
         if got is not None:
             ops, rot = got, aligned(got, unit)
+    if any(op.kind == "move" and op.narrow for rank in ops for op in rank):
+        # (odd-aligned rows never join a segmented op: spread them over threads instead, or
+        # each row between two flag operations waits for the one before on the same threads)
+        rot = rotations(ops, unit)
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
                     rotation=rot[i]) for i, low in enumerate(lowered)]
 
