@@ -480,6 +480,45 @@ def test_odd_aligned_rows_between_two_flag_operations_take_different_threads():
             assert len(longest) >= 7 and len(set(longest)) == len(longest), (strategy, runs)
 
 
+def test_verified_schedules_take_the_fast_path_but_two_kinds_of_reduction():
+    """Seeded random layouts (copies and reductions, pieces of any size, 2..8 ranks) x every
+    strategy that plans them x chunks and lanes x five dtypes: what a default bind runs
+    (``fast_protocol``) is the fused kernel for every copy and every reduction but FP8 sums
+    and sums of odd-aligned pieces, which the interpreter runs (the kernel's words there are
+    whole elements of one type, and an FP8 sum needs its codec)."""
+    from purlin.atom.fused import fused_problems
+    from purlin.atom.sm import fast_protocol
+    from purlin.snac.strategies import check_strategy
+
+    rng = np.random.default_rng(11)
+    fast = {"copy": 0, "reduce": 0}
+    slow = 0
+    while sum(fast.values()) + slow < 150:
+        n = int(rng.integers(2, 9))
+        dtype = str(rng.choice(["bfloat16", "float16", "float32", "int32", "float8_e4m3fn"]))
+        coll, sizes = random_layout(rng, n, "bfloat16" if dtype not in ITEM else dtype,
+                                    odd_pieces=bool(rng.random() < 0.3))
+        strategy = str(rng.choice(["direct-push", "direct-pull", "two-phase", "ring",
+                                   "push-pull"]))
+        try:
+            check_strategy(strategy, coll)
+        except Exception:  # (the strategy is not for this layout)
+            continue
+        s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype,
+                 chunks=int(rng.choice([1, 2])), lanes=int(rng.choice([1, 2])))
+        kind = "reduce" if coll.op.is_reduce else "copy"
+        if fast_protocol(s).startswith("fused"):
+            fast[kind] += 1
+            continue
+        why = fused_problems(s)["fused"]
+        assert kind == "reduce" and (
+            dtype.startswith("float8") and "does not reduce it" in why
+            or "(reduce) moves" in why and "not at 16-byte aligned addresses" in why), \
+            (strategy, dtype, coll, sizes, why)
+        slow += 1
+    assert fast["copy"] >= 60 and fast["reduce"] >= 20 and slow >= 5, (fast, slow)
+
+
 @pytest.mark.gpu
 def test_gpu_random_layouts():
     rng = np.random.default_rng(77)
