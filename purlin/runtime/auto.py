@@ -409,7 +409,7 @@ def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
     (:func:`twin_name`) entry at the same size, or None. On virtual ranks a copy layout
     corrects it where the twin cannot see the layout's cost: from 1 MiB it pulls where the
     twin timed pull within ``TIE`` of its winner (a push copies each piece twice, a pull
-    once); below it it pushes where its receivers hear from more ranks than the twin's and
+    once); below 1 MiB it pushes where its receivers hear from more ranks than the twin's and
     the twin's winner is a pull (a small pull waits on a flag per source rank), and pulls
     on the fused kernel where the twin's winner is LL and the layout sends a peer several
     pieces the kernel cannot move on LL (:func:`_several_pieces_without_ll`). Why and what
