@@ -221,8 +221,10 @@ class Launcher:
 
     def _spread(self, driver, static: int) -> int:
         """The dynamic shared memory that keeps this launch's blocks on as many SMs as it
-        has blocks, up to every SM (:func:`spread_shared_bytes`), its limit raised for the
-        kernel where it is asked for."""
+        has blocks, up to every SM (:func:`spread_shared_bytes`). Where it is asked for, the
+        kernel's limit is raised to the most a block may ask for, not to this launch's need:
+        the limit belongs to the function that every launcher of the kernel shares, and a
+        later launcher's smaller need must not refuse an earlier one's launch."""
         a = driver.CUdevice_attribute
         (_, dev) = driver.cuDeviceGet(self.device)
 
@@ -230,16 +232,17 @@ class Launcher:
             (_, value) = driver.cuDeviceGetAttribute(getattr(a, name), dev)
             return int(value)
 
+        per_block = attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
         shared = spread_shared_bytes(
             self.grid, self.threads, self.registers, static,
             sms=attr("CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"),
             per_sm=attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"),
             reserved=attr("CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK"),
-            per_block=attr("CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"))
+            per_block=per_block)
         if shared:  # (numba-cuda loads a library: the handle is a CUkernel)
             (err,) = driver.cuKernelSetAttribute(
                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                shared, driver.CUkernel(int(self._function)), dev)
+                per_block - static, driver.CUkernel(int(self._function)), dev)
             if err != driver.CUresult.CUDA_SUCCESS:  # (then the scheduler places the blocks)
                 return 0
         return shared

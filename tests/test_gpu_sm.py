@@ -571,6 +571,27 @@ def test_an_explicit_launch_that_cannot_fit_says_what_would(torch):
     _check(torch, bound, bound.schedule.sizing, np.random.default_rng(3), calls=1)
 
 
+
+def test_binds_of_one_kernel_at_other_grids_run_in_any_order(torch):
+    """Binds of the copy-only kernel whose launches ask for different spreading shared memory
+    (a grid within the SMs, one past them) all launch, the first made after the last: the
+    kernel's shared-memory limit is raised once for all of them."""
+    from purlin.atom import sm
+
+    cluster = _cluster("virtual", 4)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    coll = standard("all-gather", 4)
+    sizing = _sizing(coll, 1 << 20, "bfloat16", False)
+    schedule = plan(coll, "direct-pull", sizing=sizing)
+    binds = [sm.bind(cluster, schedule, protocol="fused", blocks_per_lane=b, threads=128)
+             for b in (8, sms // 4 + 8)]
+    assert [b.launches[0].launcher.kernel for b in binds] == ["fused-copy"] * 2
+    shared = [b.launches[0].launcher.shared_bytes for b in binds]
+    gen = np.random.default_rng(27)
+    for bound in binds:
+        _check(torch, bound, sizing, gen, calls=1)
+    assert shared[0] > shared[1] > 0, shared  # the first asks more than the last allowed
+
 def _tail_sizing(coll, nbytes, tail, dtype="bfloat16"):
     """Every chunk whole 16-byte items but the last, which is ``tail`` elements longer."""
     from purlin.spec import dtype as as_dtype
