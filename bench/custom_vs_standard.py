@@ -11,7 +11,8 @@ best bind (direct-push with each protocol, direct-pull and auto's plan with each
 protocol), on ``Cluster.virtual(n)`` (one GPU) or ``Cluster.local(n)`` where n GPUs are
 visible. Every bind is checked once against the reference (0 wrong elements, else the row
 says WRONG); binds that are refused are counted (a refused default or auto bind is a bug).
-CUDA-graph replays, device time per op (``purlin.bench.providers``).
+CUDA-graph replays, device time per op (``purlin.bench.providers``), the binds of one
+collective timed in turns, three rounds.
 
     PYTHONPATH=. python3 bench/custom_vs_standard.py [--ranks 4,8] [--sizes 8KiB,64KiB,1MiB,16MiB]
         [--quick] [--out FILE.json] [--datapath sm|cpu] [--kind auto|virtual|local]
@@ -175,9 +176,10 @@ def _schedule(cluster, coll, sizes, dtype, how, plans):
     return plans[key]
 
 
-def _time_sm(torch, cluster, coll, sizes, dtype, how, protocol, ops, repeats, plans):
+def _bind_sm(torch, cluster, coll, sizes, dtype, how, protocol, plans):
+    """(the bind a label asks for, its wrong elements, how it runs)."""
     from purlin.atom import sm
-    from purlin.bench.providers import count_wrong, time_graph
+    from purlin.bench.providers import count_wrong
 
     if how == "auto":
         bound = cluster.bind(coll, "auto", chunk_sizes=sizes, dtype=dtype)
@@ -185,11 +187,30 @@ def _time_sm(torch, cluster, coll, sizes, dtype, how, protocol, ops, repeats, pl
         schedule = _schedule(cluster, coll, sizes, dtype, how, plans)
         bound = sm.bind(cluster, schedule, protocol=protocol, pdl=protocol != "simple")
     wrong = count_wrong(torch, bound)
-    per_op = time_graph(torch, bound, ops, repeats)
     kernel = bound.launches[0].launcher.kernel
     how = (f"{bound.schedule.strategy} {bound.protocol}{' pdl' if bound.pdl else ''} "
            f"{kernel} b{bound.blocks_per_lane} t{bound.threads}")
-    return float(sorted(per_op)[len(per_op) // 2]), wrong, how
+    return bound, wrong, how
+
+
+ROUNDS = 3  # the binds of one collective are timed in turns, this many rounds
+
+
+def _time_in_turns(torch, bound_by_label: dict, ops: int, repeats: int) -> dict:
+    """{label: median per-op us} over ``ROUNDS`` rounds in which every bind is replayed in
+    turn (``repeats`` replays in all, split over the rounds): a drift of the clocks during
+    the point falls on every bind alike, not on whichever ran last -- ``auto`` and the bind
+    it picked are the same kernel, and one timed after the other differed by up to 6%."""
+    from purlin.bench.providers import graph_timer
+
+    timers = {label: graph_timer(torch, b, ops) for label, b in bound_by_label.items()}
+    per_op = {label: [] for label in timers}
+    for _ in range(ROUNDS):
+        for label, timed in timers.items():
+            per_op[label] += timed(max(1, -(-repeats // ROUNDS)))
+    for b in bound_by_label.values():
+        b.check()
+    return {label: float(sorted(t)[len(t) // 2]) for label, t in per_op.items()}
 
 
 def _time_cpu(cluster, coll, sizes, dtype, strategy, protocol, ops, repeats):
@@ -225,25 +246,28 @@ def measure(cluster, coll, sizes, dtype, binds, datapath, ops, repeats, refusals
     """{label: {us, wrong, how} or {refused: why}} over ``binds``; the best bind's label."""
     from purlin.errors import CapabilityError, PurlinError
 
-    out, plans = {}, {}
+    out, plans, bound = {}, {}, {}
     for label, strategy, protocol in binds:
         try:
             if datapath == "cpu":
                 us, wrong, how = _time_cpu(cluster, coll, sizes, dtype, strategy, protocol,
                                            ops, repeats)
+                out[label] = {"us": us, "wrong": wrong, "how": how}
             else:
-                us, wrong, how = _time_sm(torch, cluster, coll, sizes, dtype, strategy,
-                                          protocol, ops, repeats, plans)
+                bound[label], wrong, how = _bind_sm(torch, cluster, coll, sizes, dtype,
+                                                    strategy, protocol, plans)
+                out[label] = {"wrong": wrong, "how": how}
         except _NotHere:
             continue
         except (CapabilityError, PurlinError) as exc:
             out[label] = {"refused": str(exc).splitlines()[0][:300]}
             refusals.append({"collective": coll.name, "bind": label, "default": label == "auto",
                              "why": out[label]["refused"]})
-            continue
-        out[label] = {"us": us, "wrong": wrong, "how": how}
-        if torch is not None:
-            torch.cuda.empty_cache()
+    if bound:
+        for label, us in _time_in_turns(torch, bound, ops, repeats).items():
+            out[label] = {"us": us, **out[label]}
+        bound.clear()
+        torch.cuda.empty_cache()
     timed = {k: v for k, v in out.items() if "us" in v and v["wrong"] == 0}
     best = min(timed, key=lambda k: timed[k]["us"]) if timed else None
     return out, best

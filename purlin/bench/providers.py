@@ -84,30 +84,41 @@ def count_wrong(torch, bound) -> int:
 
 def time_graph(torch, bound, ops: int, repeats: int) -> list[float]:
     """Per-op microseconds over ``repeats`` replays of graphs holding ``ops`` calls each."""
+    per_op = graph_timer(torch, bound, ops)(repeats)
+    bound.check()
+    return per_op
+
+
+def graph_timer(torch, bound, ops: int):
+    """``timed(repeats)``: per-op microseconds over ``repeats`` replays of graphs of ``ops``
+    calls, captured once here -- so that several binds can be timed in turns (round after
+    round, each bind's times pooled), which spreads a drift of the clocks over all of them."""
     graphs = bound.capture(ops)
     graphs.replay()
     bound.check()
     devices = sorted({d for d, _ in graphs.graphs})
-    per_op = []
-    for _ in range(repeats):
-        events = []
-        for d in devices:
-            with torch.cuda.device(d):
-                start, end = (torch.cuda.Event(enable_timing=True),
-                              torch.cuda.Event(enable_timing=True))
-                start.record()
-                events.append((d, start, end))
-        for d, graph in graphs.graphs:
-            with torch.cuda.device(d):
-                graph.replay()
-        for d, start, end in events:
-            with torch.cuda.device(d):
-                end.record()
-        for _, _, end in events:
-            end.synchronize()
-        per_op.append(max(s.elapsed_time(e) for _, s, e in events) * 1e3 / ops)
-    bound.check()
-    return per_op
+
+    def timed(repeats: int) -> list[float]:
+        per_op = []
+        for _ in range(repeats):
+            events = []
+            for d in devices:
+                with torch.cuda.device(d):
+                    start, end = (torch.cuda.Event(enable_timing=True),
+                                  torch.cuda.Event(enable_timing=True))
+                    start.record()
+                    events.append((d, start, end))
+            for d, graph in graphs.graphs:
+                with torch.cuda.device(d):
+                    graph.replay()
+            for d, start, end in events:
+                with torch.cuda.device(d):
+                    end.record()
+            for _, _, end in events:
+                end.synchronize()
+            per_op.append(max(s.elapsed_time(e) for _, s, e in events) * 1e3 / ops)
+        return per_op
+    return timed
 
 
 def time_eager(torch, bound, calls: int, repeats: int) -> tuple[list[float], list[float]]:
