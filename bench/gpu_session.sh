@@ -150,6 +150,12 @@ imports() {
         && (cd /tmp && env -u PYTHONPATH /tmp/ev/bin/python -c "$IMPORT_CHECK")
 }
 
+# the executed notebooks' name tag: GPU count and model, "1xH100"
+gpu_tag() {
+    python3 -c 'import torch; print(f"{torch.cuda.device_count()}x"
+                + torch.cuda.get_device_name(0).split()[1])' 2>/dev/null || echo gpu
+}
+
 NOTEBOOKS_PY='
 import sys
 from pathlib import Path
@@ -217,13 +223,13 @@ for stage in "${stages[@]}"; do
             ;;
         notebooks1)
             # NOTEBOOKS="03 06" runs only the notebooks whose names start so
-            TAIL=12 step notebooks_1gpu 400 python3 -c "$NOTEBOOKS_PY" "$OUT" 1xH200 ${NOTEBOOKS:-}
+            TAIL=12 step notebooks_1gpu 400 python3 -c "$NOTEBOOKS_PY" "$OUT" "$(gpu_tag)" ${NOTEBOOKS:-}
             ;;
         demo1)  # `purlin demo --gpu`: the tour on the best cluster here (virtual ranks on one GPU)
             TAIL=25 step demo_gpu 200 python3 -m purlin demo --gpu --out "$OUT/demo"
             ;;
         notebooks)
-            TAIL=12 step notebooks 400 python3 -c "$NOTEBOOKS_PY" "$OUT" 2xH200 01- 04-
+            TAIL=12 step notebooks 400 python3 -c "$NOTEBOOKS_PY" "$OUT" "$(gpu_tag)" 01- 04-
             ;;
         custom)
             if [ -f bench/custom_vs_standard.py ]; then
