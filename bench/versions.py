@@ -13,7 +13,8 @@ the inputs' magnitudes, so a ring's partial sums rounded at every hop are not co
 0 wrong or the row says how many). Only the bind API and that check are used, so any version
 that has ``Cluster.virtual`` can be compared. Prints, per ranks and size, the geomean over the six
 collectives of now / before for ``auto`` and for the best bind, with the worst collective;
-writes every row as JSON. About 3 minutes on one H200.
+writes every row as JSON, with what ran (strategy, protocol, kernel build, blocks, threads).
+About 3 minutes on one H200.
 """
 
 from __future__ import annotations
@@ -73,10 +74,23 @@ def _measure(label: str, ranks: int, sizes, out: str) -> None:
                     b = cluster.bind(coll, strategy, nbytes=nbytes, dtype="bfloat16", **opts)
                     rec["wrong"] = count_wrong(torch, b)
                     rec["us"] = time_bound(b)
+                    rec["how"] = _how(b)
                 except Exception as exc:  # a refusal is a result here
                     rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 rows.append(rec)
     Path(out).write_text(json.dumps(rows))
+
+
+def _how(bound) -> str:
+    """What ran: strategy, protocol, kernel build, blocks and threads, as far as this
+    version's bind says (older versions name fewer of them)."""
+    launches = getattr(bound, "launches", None) or [None]
+    parts = (getattr(getattr(bound, "schedule", None), "strategy", None),
+             getattr(bound, "protocol", None),
+             getattr(getattr(launches[0], "launcher", None), "kernel", None),
+             f"b{bound.blocks_per_lane}" if hasattr(bound, "blocks_per_lane") else None,
+             f"t{bound.threads}" if hasattr(bound, "threads") else None)
+    return " ".join(str(p) for p in parts if p is not None)
 
 
 def _run_version(label: str, tree: Path, ranks: int, sizes) -> list[dict]:

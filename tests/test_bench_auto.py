@@ -226,7 +226,8 @@ def _bench_cases():
     return _bench().cases
 
 
-@pytest.mark.parametrize("run", ["2026-12-06-custom-vs-standard-1xH100-c1ab685.json",
+@pytest.mark.parametrize("run", ["2026-12-06-custom-vs-standard-1xH100-9b2b6bf.json",
+                                 "2026-12-06-custom-vs-standard-1xH100-c1ab685.json",
                                  "2026-12-06-custom-vs-standard-1xH100-6670c77.json",
                                  "2026-12-04-custom-vs-standard-1xH200-de6bb09.json"])
 def test_auto_replayed_on_recorded_runs_is_within_5_percent_of_their_best_bind(run):

@@ -144,3 +144,20 @@ def test_versions_summary_compares_the_same_binds(monkeypatch):
     assert line["auto"]["worst_of"] == "reduce" and line["auto"]["worst"] == pytest.approx(2.2)
     assert line["auto"]["geomean"] == pytest.approx(1.1 * 2 ** (1 / 6))
     assert line["auto"]["compared"] == 6 and line["auto"]["now_missing"] == 0
+
+
+def test_versions_rows_say_what_ran_as_far_as_a_version_tells():
+    import importlib.util
+    from types import SimpleNamespace
+
+    from purlin import Cluster, collectives
+
+    spec = importlib.util.spec_from_file_location("versions", BENCH / "versions.py")
+    versions = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(versions)
+    fused = SimpleNamespace(schedule=SimpleNamespace(strategy="direct-push"), protocol="fused-ll",
+                            launches=[SimpleNamespace(launcher=SimpleNamespace(kernel="fused-seg"))],
+                            blocks_per_lane=8, threads=128)
+    assert versions._how(fused) == "direct-push fused-ll fused-seg b8 t128"
+    cpu = Cluster.cpu(2).bind(collectives.all_reduce(2), "two-phase", count=64)
+    assert versions._how(cpu) == "two-phase"  # (a bind that names no launch)
