@@ -205,3 +205,34 @@ def test_staging_first_fit_lru_and_pins():
     assert area.victims(4096) is None     # a stays pinned whatever happens
     area.free("b")
     assert area.place("e", 512) == 1024   # first fit, in the hole b left
+
+
+def test_a_rank_that_sees_the_abort_of_a_mismatch_reports_the_mismatch(monkeypatch):
+    """Rank 2 announces another call and rank 0 aborts on it between rank 1's reading of the
+    calls and of the abort word: rank 1 still says how the calls differ (CallMismatchError),
+    not that it gave up waiting."""
+    from purlin.errors import CallMismatchError
+    from purlin.runtime import shm
+    from purlin.runtime.fingerprint import Call
+
+    arena = ShmArena.create(3, HEADER + 64)
+    try:
+        mine = Call(1, "all_reduce", "float32", 64, "sum")
+        for r in (0, 1):
+            shm.announce(arena, r, mine)
+        real, read = shm.calls, []
+
+        def calls_then_others_move(a):
+            seen = real(a)
+            if not read:  # rank 2 and rank 0 act right after this first read
+                shm.announce(arena, 2, Call(1, "all_reduce", "bfloat16", 64, "sum",
+                                            fallback=True))
+                arena.headers[0][shm.H_ABORT] = 1
+            read.append(seen)
+            return seen
+
+        monkeypatch.setattr(shm, "calls", calls_then_others_move)
+        with pytest.raises(CallMismatchError, match="bfloat16"):
+            shm.agree(arena, 1, mine, timeout=5.0)
+    finally:
+        arena.close()

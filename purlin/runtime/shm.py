@@ -214,6 +214,9 @@ def agree(arena: ShmArena, rank: int, call: fingerprint.Call, timeout: float) ->
     deadline = time.monotonic() + timeout
     delay = POLL_MIN
     while True:
+        # the abort word before the calls: a rank aborts after it read the call it disagrees
+        # with, so a mismatch that caused the abort read here is in the calls read next
+        aborted = int(abort[H_ABORT])
         seen = calls(arena)
         why = fingerprint.disagreement(seen, call.index)
         if why:
@@ -221,10 +224,10 @@ def agree(arena: ShmArena, rank: int, call: fingerprint.Call, timeout: float) ->
             raise CallMismatchError(f"rank {rank}: {mismatch(arena, call.index) or why}")
         if all(int(h[H_READY]) >= call.index for h in arena.headers):
             return
-        if abort[H_ABORT]:
+        if aborted:
             raise PurlinTimeoutError(
                 f"rank {rank} gave up waiting for the others to reach call {call.index} "
-                f"({call}): rank {int(abort[H_ABORT]) - 1} failed" + _where(seen, rank))
+                f"({call}): rank {aborted - 1} failed" + _where(seen, rank))
         if time.monotonic() > deadline:
             abort[H_ABORT] = rank + 1
             late = [r for r, h in enumerate(arena.headers) if int(h[H_READY]) < call.index]
