@@ -350,10 +350,18 @@ def _choice_plan(sizing, choice: Choice):
 
 def _fused_problem(sizing, choice: Choice, protocol: str):
     """Why the fused kernel cannot run ``choice``'s plan with ``protocol`` (None: it can)."""
+    got = _plan_problems(sizing, choice.strategy, choice.chunks, choice.lanes, choice.lanes_by)
+    return got if isinstance(got, str) else got[protocol]
+
+
+@lru_cache(maxsize=512)
+def _plan_problems(sizing, strategy: str, chunks: int, lanes: int, lanes_by: str):
+    """``fused_problems`` of a plan, or why there is none: lowered once per plan, however
+    many of ``borrowed``'s and ``runnable``'s questions one bind asks about it."""
     from purlin.atom.fused import fused_problems
 
-    schedule = _choice_plan(sizing, choice)
-    return schedule if isinstance(schedule, str) else fused_problems(schedule)[protocol]
+    schedule = _choice_plan(sizing, Choice(strategy, chunks, lanes, lanes_by=lanes_by))
+    return schedule if isinstance(schedule, str) else fused_problems(schedule)
 
 
 def runnable(choice: Choice, sizing, strategy: str | None = None,
