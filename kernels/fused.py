@@ -1096,12 +1096,8 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
         if n != 0:
             copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
             n = 0
-        if plain:  # a plain segment's partial last item
+        if copies:  # a plain segment's partial last item (the others: _move_one)
             _store16(dst0 + j * 16, load_v4_u32(src0 + j * 16), nbytes - (j << shift))
-        elif copies:
-            # (not reached: a copy-only program's segments are all plain; this keeps the
-            # branches below out of the copy-only build)
-            pass
         elif kind == F_OP_PUTS and read:
             _put_words(_word(meta, head, rec + PUT_DST + odd), j, unit_bytes, tag, p0, p1, p2,
                        p3)
