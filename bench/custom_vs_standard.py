@@ -466,7 +466,8 @@ def _print_summary(out, log) -> None:
 def replay(path: str, log=sys.stdout) -> dict:
     """``auto``'s choices of this tree for the points of an earlier run's JSON, each looked up
     among the binds that run timed (no GPU needed): what this tree's ``auto`` would take there,
-    before a GPU measures it. A choice that run did not time as a bind is "not timed"."""
+    before a GPU measures it. A choice that run did not time as a bind is "not timed", or
+    "refused there" where the run's tree refused that bind (a fast path it lacked)."""
     import types
 
     from purlin.runtime.auto import select
@@ -474,7 +475,7 @@ def replay(path: str, log=sys.stdout) -> dict:
     with open(path) as f:
         data = json.load(f)
     gpus = data.get("info", {}).get("gpus") or [None]
-    found, missing = [], 0
+    found, missing, refused = [], 0, 0
     for r in data["rows"]:
         cluster = types.SimpleNamespace(datapath="sm", kind=r.get("cluster", "virtual"),
                                         nranks=r["nranks"], devices=[0] * r["nranks"])
@@ -489,6 +490,11 @@ def replay(path: str, log=sys.stdout) -> dict:
                 if not timed.get(label, {}).get("how", "").startswith(c.strategy):
                     label = None
             best = min(v["us"] for v in timed.values())
+            if "refused" in r[side].get(f"{c.strategy} {c.protocol}", {}):
+                refused += 1
+                print(f"{r['case']:<34} {r['nranks']} {r['nbytes']:>9} {side:<8} "
+                      f"{c.strategy} {c.protocol}: refused there", file=log)
+                continue
             if label is None:
                 missing += 1
                 print(f"{r['case']:<34} {r['nranks']} {r['nbytes']:>9} {side:<8} "
@@ -499,9 +505,10 @@ def replay(path: str, log=sys.stdout) -> dict:
             if ratio > 1.05:
                 print(f"{r['case']:<34} {r['nranks']} {r['nbytes']:>9} {side:<8} {label} "
                       f"{timed[label]['us']:.2f} us, best {best:.2f}: {ratio:.2f}x", file=log)
-    out = {"timed": len(found), "not_timed": missing, "worst": max(found, default=None),
-           "over_1_05": sum(x > 1.05 for x in found)}
-    print(f"replayed {path}: {out['timed']} choices timed there, {missing} not; worst "
+    out = {"timed": len(found), "not_timed": missing, "refused_there": refused,
+           "worst": max(found, default=None), "over_1_05": sum(x > 1.05 for x in found)}
+    print(f"replayed {path}: {out['timed']} choices timed there, {refused} refused there, "
+          f"{missing} not timed; worst "
           f"{out['worst']:.3f}x the best bind, {out['over_1_05']} past 1.05x", file=log)
     return out
 

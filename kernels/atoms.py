@@ -415,13 +415,14 @@ def ll_tag(epoch):
 
 @device
 def _data_word(src, at, nbytes):
-    """The 8 data bytes at ``src + at`` as two uint32 (zeros past ``nbytes``); ``src`` is
-    8-byte aligned."""
-    if at + LL_DATA <= nbytes:
+    """The 8 data bytes at ``src + at`` as two uint32 (zeros past ``nbytes``): two 4-byte
+    loads where ``src + at`` is 4-byte aligned, else byte by byte (a piece of odd size
+    inside a user's buffer)."""
+    if at + LL_DATA <= nbytes and ((src + at) & 3) == 0:
         return load_u32(src + at), load_u32(src + at + 4)
     lo = 0
     hi = 0
-    for k in range(nbytes - at):
+    for k in range(min(LL_DATA, nbytes - at)):
         b = load_u8(src + at + k)
         if k < 4:
             lo |= b << (8 * k)

@@ -5,6 +5,7 @@ each flag has a slot per block, so a block waits only for the same block of its 
 ``fused`` / ``fused_pdl`` run WAIT, NOTIFY, PUT (LL) and MOVE ops; ``fused_norm`` / ``_pdl`` add
 the NORM epilogue (residual add and RMSNorm); ``fused_copy`` / ``_pdl`` run only programs whose
 data ops copy plain memory in 16-byte items (a third of the code: no LL units, no reductions);
+``fused_narrow`` / ``_pdl`` also copy and PUT 8- or 4-byte units at addresses of any alignment;
 the one-shot epilogue programs that
 ``purlin.atom.fused.oneshot_problem`` accepts run on the kernels :mod:`purlin.kernels.epilogue`
 builds from these functions. How it works: ARCHITECTURE.md, "The fused kernel".
@@ -239,6 +240,45 @@ def _store16(dst, w, valid):
 
 
 @device
+def _load4(addr, valid):
+    """Word ``addr`` of a row (a uint32 in int64) at an address of any alignment (a piece of
+    odd size inside a user's buffer; the narrow builds): one 4-byte load where it is 4-byte
+    aligned, else its first ``valid`` bytes (at most 4, none past the row) in 2- or 1-byte
+    loads."""
+    if (addr & 3) == 0:
+        return np.int64(load_u32(addr))
+    w = np.int64(0)
+    n = min(valid, 4)
+    k = 0
+    while k < n:
+        if ((addr + k) & 1) == 0 and n - k >= 2:
+            w |= load_u16(addr + k) << (8 * k)
+            k += 2
+        else:
+            w |= load_u8(addr + k) << (8 * k)
+            k += 1
+    return w
+
+
+@device
+def _store4n(dst, w, valid):
+    """:func:`_store4` at an address of any alignment (the narrow builds): 2- or 1-byte
+    stores where it is not 4-byte aligned."""
+    if (dst & 3) == 0:
+        _store4(dst, w, valid)
+        return
+    n = min(valid, 4)
+    k = 0
+    while k < n:
+        if ((dst + k) & 1) == 0 and n - k >= 2:
+            store_u16(dst + k, (w >> (8 * k)) & 0xFFFF)
+            k += 2
+        else:
+            store_u8(dst + k, (w >> (8 * k)) & 0xFF)
+            k += 1
+
+
+@device
 def _reduce_pairs_half(meta, head, at, nsrc, dst, items, nbytes, g, stride, odd, dt, redop,
                        divisor):
     """A plain bfloat16 / float16 reduction of ``nbytes``, two items per thread at a time
@@ -291,9 +331,12 @@ def _source4(meta, head, at, i, odd, tag, timeout_ns, abort):
 
 
 @device
-def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, abort, valid):
-    """:func:`_move_unit` for 4 bytes (half an LL unit: rows at 4-byte aligned addresses):
-    two 16-bit or one 32-bit element (``valid``: 2 for a tail of one 16-bit element)."""
+def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, abort, valid,
+               narrow):
+    """:func:`_move_unit` for 4 bytes (half an LL unit: rows of 4-byte multiples): two
+    16-bit or one 32-bit element (``valid``: 2 for a tail of one 16-bit element)."""
+    if narrow and _word(meta, head, op_at + MOVE_NSRC) == 1:
+        return _copy_four_narrow(meta, head, op_at, i, odd, tag, timeout_ns, abort, valid)
     dst = _word(meta, head, op_at + MOVE_DST + odd) + i * 4
     nsrc = _word(meta, head, op_at + MOVE_NSRC)
     at = _word(meta, head, op_at + MOVE_SOURCES)
@@ -336,17 +379,56 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
 
 
 @device
+def _copy_four_narrow(meta, head, op_at, i, odd, tag, timeout_ns, abort, valid):
+    """:func:`_move_four` for a one-source copy at addresses of any alignment (the narrow
+    builds)."""
+    dst = _word(meta, head, op_at + MOVE_DST + odd) + i * 4
+    at = _word(meta, head, op_at + MOVE_SOURCES)
+    if _word(meta, head, at + SOURCE_LL) == 0:
+        addr = _word(meta, head, at + SOURCE_ADDR + odd)
+        _store4n(dst, _load4(addr + i * 4, valid), valid)
+        return 0, np.int64(0), addr, at
+    code, seen, unit, w = _source4(meta, head, at, i, odd, tag, timeout_ns, abort)
+    if code == 0:
+        _store4n(dst, w, valid)
+    return code, seen, unit, at
+
+
+@device
+def _source8_narrow(meta, head, op_at, unit_i, odd, tag, timeout_ns, abort, valid):
+    """:func:`_source8` of a one-source copy at addresses of any alignment (the narrow
+    builds): (code, tag seen, address polled, word of the source entry, w0, w1), plain words
+    loaded by :func:`_load4` up to the row's end."""
+    at = _word(meta, head, op_at + MOVE_SOURCES)
+    if _word(meta, head, at + SOURCE_LL) == 0:
+        unit = _word(meta, head, at + SOURCE_ADDR + odd) + unit_i * 8
+        return 0, np.int64(0), unit, at, _load4(unit, valid), _load4(unit + 4, valid - 4)
+    code, seen, unit, w0, w1 = _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort)
+    return code, seen, unit, at, w0, w1
+
+
+@device
 def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort,
-               valid):
+               valid, narrow):
     """:func:`_move_item` for 8 bytes (one LL unit): four 16-bit or two 32-bit elements
-    (``valid`` of its bytes: fewer than 8 for a row's scalar tail)."""
-    code, seen, unit, entry, w0, w1 = _unit_result(meta, head, op_at, unit_i, odd, tag, dt,
-                                                   redop, divisor, timeout_ns, abort)
+    (``valid`` of its bytes: fewer than 8 for a row's scalar tail); ``narrow``: the narrow
+    builds, whose one-source copies take addresses of any alignment."""
+    if narrow and _word(meta, head, op_at + MOVE_NSRC) == 1:
+        code, seen, unit, entry, w0, w1 = _source8_narrow(meta, head, op_at, unit_i, odd, tag,
+                                                          timeout_ns, abort, valid)
+    else:
+        code, seen, unit, entry, w0, w1 = _unit_result(meta, head, op_at, unit_i, odd, tag,
+                                                       dt, redop, divisor, timeout_ns, abort)
     if code == 0:
         dst = _word(meta, head, op_at + MOVE_DST + odd) + unit_i * 8
-        _store4(dst, w0, valid)
-        if valid > 4:
-            _store4(dst + 4, w1, valid - 4)
+        if narrow:
+            _store4n(dst, w0, valid)
+            if valid > 4:
+                _store4n(dst + 4, w1, valid - 4)
+        else:
+            _store4(dst, w0, valid)
+            if valid > 4:
+                _store4(dst + 4, w1, valid - 4)
     return code, seen, unit, entry
 
 
@@ -710,7 +792,7 @@ def _rotated(g, rotation, stride):
 
 @device
 def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, counters, pdl,
-         norm, segs=False, copies=False, trace=0, trace_rows=0):
+         norm, segs=False, copies=False, narrow=False, trace=0, trace_rows=0):
     # (no 64-bit division on the way to the first store: one rank per launch is the
     # common case, and units are powers of two)
     slot = 0 if nranks_in_launch == 1 else cuda.blockIdx.x // blocks_per_rank
@@ -735,7 +817,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         gp = _rotated(g, meta[F_HEAD + PUT_ROTATE], stride)
     if first_put and gp < (meta[F_HEAD + PUT_BYTES] + unit_bytes - 1) >> shift:
         src = meta[F_HEAD + PUT_SRC]
-        if unit_bytes == 4:
+        if narrow and unit_bytes != 16:  # (loads that stop at the row's end)
+            p0, p1 = _put_words_narrow(src, gp, unit_bytes, meta[F_HEAD + PUT_BYTES])
+        elif unit_bytes == 4:
             p0 = load_u32(src + gp * 4)
         elif unit_bytes == 8:
             p0, p1 = load_u32(src + gp * 8), load_u32(src + gp * 8 + 4)
@@ -743,7 +827,8 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             w = load_v4_u32(src + gp * 16)
             p0, p1, p2, p3 = np.int64(w[0]), np.int64(w[1]), np.int64(w[2]), np.int64(w[3])
     if segs and not copies and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == F_OP_PUTS:
-        p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, unit_bytes, shift)
+        p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, unit_bytes, shift,
+                                             narrow)
     # a NORM (last op): this thread's residual item of its block's first chunk, read now so
     # that its latency hides behind the all-reduce's
     # (``norm``: the fused_norm kernels; the others leave this code and its registers out)
@@ -798,7 +883,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         elif segs and (kind == F_OP_PUTS or kind == F_OP_MOVES):  # (the fused_seg kernels)
             _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redop,
                       divisor, unit_bytes, shift, timeout_ns, abort, k == 0, p0, p1, p2, p3,
-                      copies)
+                      copies, narrow)
         elif not copies and kind == F_OP_PUT:
             src = _word(meta, head, at + PUT_SRC)
             dst = _word(meta, head, at + PUT_DST + odd)
@@ -816,7 +901,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                     store_volatile_v4_u32(dst + i * 32 + 16, (p2, tag, p3, tag))
                 i += stride
             while i < items:
-                if unit_bytes == 4:
+                if narrow and unit_bytes != 16:
+                    _put_narrow(src, dst, i, unit_bytes, tag, _word(meta, head, at + PUT_BYTES))
+                elif unit_bytes == 4:
                     store_volatile_v2_u32(dst + i * 8, (load_u32(src + i * 4), tag))
                 elif unit_bytes == 8:
                     store_volatile_v4_u32(dst + i * 16, (load_u32(src + i * 8), tag,
@@ -850,7 +937,8 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                                        stride, odd, dt, redop, divisor)
             while not copies and i < items:
                 if _move_one(meta, head, at, i, odd, tag, dt, redop, divisor, timeout_ns, abort,
-                             min(unit_bytes, nbytes - (i << shift)), unit_bytes, status, block):
+                             min(unit_bytes, nbytes - (i << shift)), unit_bytes, status, block,
+                             narrow):
                     break
                 i += stride
         if trace != 0 and tid == 0:
@@ -946,15 +1034,16 @@ def _copy_narrow(dst, src, nbytes, first, stride, width):
 
 @device
 def _move_one(meta, head, at, i, odd, tag, dt, redop, divisor, timeout_ns, abort, valid,
-              unit_bytes, status, block):
+              unit_bytes, status, block, narrow):
     """Item ``i`` of MOVE ``at`` (its first ``valid`` bytes) in units of ``unit_bytes``; where
-    a poll gave up, the error record written and ``status`` set: returns whether it did."""
+    a poll gave up, the error record written and ``status`` set: returns whether it did.
+    (``narrow``: the narrow builds, whose 8- and 4-byte units take any address.)"""
     if unit_bytes == 4:
         code, seen, unit, entry = _move_four(meta, head, at, i, odd, tag, dt, redop, divisor,
-                                             timeout_ns, abort, valid)
+                                             timeout_ns, abort, valid, narrow)
     elif unit_bytes == 8:
         code, seen, unit, entry = _move_unit(meta, head, at, i, odd, tag, dt, redop, divisor,
-                                             timeout_ns, abort, valid)
+                                             timeout_ns, abort, valid, narrow)
     else:
         code, seen, unit, entry = _move_item(meta, head, at, i, odd, tag, dt, redop, divisor,
                                              timeout_ns, abort, valid)
@@ -996,6 +1085,29 @@ def _put_item(src, dst, i, unit_bytes, tag):
 
 
 @device
+def _put_words_narrow(src, i, unit_bytes, nbytes):
+    """Item ``i`` of a PUT's source of ``nbytes`` in 8- or 4-byte units at an address of any
+    alignment (the narrow builds): its two words (the second 0 for 4-byte units), loaded by
+    :func:`_load4` up to the row's end."""
+    left = nbytes - i * unit_bytes
+    w0 = _load4(src + i * unit_bytes, left)
+    if unit_bytes == 4:
+        return w0, np.int64(0)
+    return w0, _load4(src + i * unit_bytes + 4, left - 4)
+
+
+@device
+def _put_narrow(src, dst, i, unit_bytes, tag, nbytes):
+    """:func:`_put_item` for a source of ``nbytes`` at an address of any alignment (the
+    narrow builds)."""
+    w0, w1 = _put_words_narrow(src, i, unit_bytes, nbytes)
+    if unit_bytes == 4:
+        store_volatile_v2_u32(dst + i * 8, (w0, tag))
+    else:
+        store_volatile_v4_u32(dst + i * 16, (w0, tag, w1, tag))
+
+
+@device
 def _put_words(dst, i, unit_bytes, tag, p0, p1, p2, p3):
     """Item ``i`` of a PUT, read before (``p0`` .. ``p3``: its words), as LL units."""
     if unit_bytes == 4:
@@ -1026,7 +1138,7 @@ def _segment_of(meta, head, at, i, first_word, bytes_word, unit_bytes, shift):
 
 
 @device
-def _first_segment_item(meta, head, g, stride, unit_bytes, shift):
+def _first_segment_item(meta, head, g, stride, unit_bytes, shift, narrow):
     """A first segmented PUT's first item of thread ``g`` (four words; 0 where it has none),
     read with the call counter as a first PUT's is."""
     z = np.int64(0)
@@ -1035,6 +1147,10 @@ def _first_segment_item(meta, head, g, stride, unit_bytes, shift):
         return z, z, z, z
     rec, start, _, _ = _segment_of(meta, head, F_HEAD, i, PUT_ROTATE, PUT_BYTES, unit_bytes,
                                    shift)
+    if narrow and unit_bytes != 16:
+        w0, w1 = _put_words_narrow(_word(meta, head, rec + PUT_SRC), i - start, unit_bytes,
+                                   _word(meta, head, rec + PUT_BYTES))
+        return w0, w1, z, z
     src = _word(meta, head, rec + PUT_SRC) + (i - start) * unit_bytes
     if unit_bytes == 4:
         return load_u32(src), z, z, z
@@ -1046,7 +1162,7 @@ def _first_segment_item(meta, head, g, stride, unit_bytes, shift):
 
 @device
 def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redop, divisor,
-              unit_bytes, shift, timeout_ns, abort, read, p0, p1, p2, p3, copies):
+              unit_bytes, shift, timeout_ns, abort, read, p0, p1, p2, p3, copies, narrow):
     """A segmented PUT or MOVE (``isa.F_OP_PUTS``, ``F_OP_MOVES``): this thread's items of
     the union of its segments, in order (item u is thread (u + rotation) mod ``stride``'s),
     each done as its segment's row would do it -- a plain 16-byte copy's whole items four in
@@ -1102,11 +1218,15 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
             _put_words(_word(meta, head, rec + PUT_DST + odd), j, unit_bytes, tag, p0, p1, p2,
                        p3)
             read = False
+        elif kind == F_OP_PUTS and narrow and unit_bytes != 16:
+            _put_narrow(_word(meta, head, rec + PUT_SRC), _word(meta, head, rec + PUT_DST + odd),
+                        j, unit_bytes, tag, nbytes)
         elif kind == F_OP_PUTS:
             _put_item(_word(meta, head, rec + PUT_SRC), _word(meta, head, rec + PUT_DST + odd),
                       j, unit_bytes, tag)
         elif _move_one(meta, head, rec, j, odd, tag, dt, redop, divisor, timeout_ns, abort,
-                       min(unit_bytes, nbytes - (j << shift)), unit_bytes, status, block):
+                       min(unit_bytes, nbytes - (j << shift)), unit_bytes, status, block,
+                       narrow):
             return
         i += stride
     if n != 0:
@@ -1124,10 +1244,12 @@ SIGNATURE = "void(int64, int64, int64, int64, int64, int64)"
 _kernel = launch_bounded(MAX_THREADS)
 
 
-def _entry(name, doc, norm=False, segs=False, copies=False, traced=False, pdl=False):
+def _entry(name, doc, norm=False, segs=False, copies=False, narrow=False, traced=False,
+           pdl=False):
     """The kernel ``name`` over :func:`_run` with its compile-time switches: ``norm`` (a NORM
     op may end the program), ``segs`` (segmented PUTs and MOVEs), ``copies`` (only plain
-    16-byte copies: no PUT, no LL source, no reduction), ``traced`` (two more
+    16-byte copies: no PUT, no LL source, no reduction), ``narrow`` (copies and PUTs of 8- and
+    4-byte units at addresses of any alignment), ``traced`` (two more
     arguments: the trace buffer and its records per block), ``pdl`` (programmatic dependent
     launch, as ``executor_pdl``: it reads its program before it waits for the kernel before
     it). Each switch is a constant of the kernel it builds, so a kernel without it carries
@@ -1138,14 +1260,14 @@ def _entry(name, doc, norm=False, segs=False, copies=False, traced=False, pdl=Fa
             if pdl:
                 griddep_launch_dependents()
             _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                 counters, pdl, norm, segs, copies, trace, trace_rows)
+                 counters, pdl, norm, segs, copies, narrow, trace, trace_rows)
     else:
         def kernel(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
                    counters):
             if pdl:
                 griddep_launch_dependents()
             _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words,
-                 counters, pdl, norm, segs, copies)
+                 counters, pdl, norm, segs, copies, narrow)
     kernel.__name__ = kernel.__qualname__ = name
     kernel.__doc__ = doc
     return _kernel(kernel)
@@ -1173,6 +1295,12 @@ fused_copy, fused_copy_pdl = _pair("fused_copy", """``fused`` for programs whose
 fused_seg_copy, fused_seg_copy_pdl = _pair("fused_seg_copy", """``fused_seg`` for programs
     whose data ops (segmented ones too) are all plain copies, as ``fused_copy``.""", segs=True,
                                            copies=True)
+fused_narrow, fused_narrow_pdl = _pair("fused_narrow", """``fused`` for programs in 8- or
+    4-byte units that copy or PUT pieces at addresses of any alignment (pieces of odd size
+    inside a user's buffer: ``purlin.atom.fused.narrow_program``); a separate kernel, so the
+    others keep their code.""", narrow=True)
+fused_seg_narrow, fused_seg_narrow_pdl = _pair("fused_seg_narrow", """``fused_seg`` for such
+    programs, as ``fused_narrow``.""", segs=True, narrow=True)
 
 # ---- the traced kernels: the same ops, thread 0 of each block stamping each one
 TRACE_SIGNATURE = "void(int64, int64, int64, int64, int64, int64, int64, int64)"
@@ -1190,6 +1318,11 @@ fused_copy_trace, fused_copy_trace_pdl = _pair("fused_copy_trace", """``fused_co
     every op as ``fused_trace`` does.""", copies=True, traced=True)
 fused_seg_copy_trace, fused_seg_copy_trace_pdl = _pair("fused_seg_copy_trace", """``fused_seg_copy``
     that records every op as ``fused_trace`` does.""", segs=True, copies=True, traced=True)
+fused_narrow_trace, fused_narrow_trace_pdl = _pair("fused_narrow_trace", """``fused_narrow``
+    that records every op as ``fused_trace`` does.""", narrow=True, traced=True)
+fused_seg_narrow_trace, fused_seg_narrow_trace_pdl = _pair("fused_seg_narrow_trace", """
+    ``fused_seg_narrow`` that records every op as ``fused_trace`` does.""", segs=True,
+                                                           narrow=True, traced=True)
 
 
 LL_ITEM = 8  # bytes of a thread's item in the one-shot epilogue kernels: one LL unit's data

@@ -233,33 +233,34 @@ def _bench_cases():
 def test_auto_replayed_on_recorded_runs_is_within_5_percent_of_their_best_bind(run):
     """This tree's auto choices for every point of a recorded one-GPU run (custom and
     standard, 4 and 8 virtual ranks, 8 KiB .. 16 MiB; that GPU's shipped table), each looked up
-    among the binds that run timed: all timed there, none past 1.05x the fastest."""
+    among the binds that run timed: all timed there, none past 1.05x the fastest -- but the
+    LL pushes of odd-aligned pieces, which the runs' trees refused (the narrow builds came
+    later)."""
     import io
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "docs" / "results" / run
     out = _bench().replay(str(path), log=io.StringIO())
     rows = len(json.loads(path.read_text())["rows"])
-    assert (out["timed"], out["not_timed"]) == (2 * rows, 0), out
+    assert (out["timed"] + out["refused_there"], out["not_timed"]) == (2 * rows, 0), out
+    assert out["refused_there"] <= 4, out  # (the odd pieces at 4 and 8 ranks x 8, 64 KiB)
     assert out["worst"] <= 1.05, out
 
 
 @pytest.mark.parametrize("n,nbytes", [(4, 8 * KiB), (8, 8 * KiB), (4, 64 * KiB), (8, 64 * KiB)])
-def test_pieces_the_kernel_cannot_move_on_ll_are_pulled(n, nbytes):
-    """GQA's pieces one element longer each (off 16-byte boundaries: no LL) on the shipped
-    H100 table, whose all-gather entries there are LL pushes: the fused kernel pulling, which
-    measured 0.90x-0.95x the push at these points."""
+def test_pieces_off_their_alignment_take_their_twins_ll_push(n, nbytes):
+    """GQA's pieces one element longer each (off 16-, 8- and 4-byte boundaries) on the
+    shipped H100 table, whose all-gather entries there are LL pushes: the twin's LL push,
+    which the narrow builds of the fused kernel run (before them, LL refused these pieces
+    and auto pulled on the fused kernel)."""
     table = TuningTable.load(auto.TUNING_DIR / "nvidia-h100-80gb-hbm3.json")
     cluster = SimpleNamespace(datapath="sm", kind="virtual", nranks=n, devices=[0] * n)
     _, _, coll, sizes, twin, twin_sizes = next(
         c for c in _bench_cases()(n, nbytes, 2) if c[0] == "gqa all-gather, odd pieces")
-    assert select(twin, cluster, chunk_sizes=twin_sizes, dtype="bfloat16",
-                  table=table).protocol == "fused-ll"
+    want = select(twin, cluster, chunk_sizes=twin_sizes, dtype="bfloat16", table=table)
+    assert want.protocol == "fused-ll", want
     got = select(coll, cluster, chunk_sizes=sizes, dtype="bfloat16", table=table)
-    assert (got.strategy, got.protocol) == ("direct-pull", "fused"), got
-    even = next(c for c in _bench_cases()(n, nbytes, 2) if c[0] == "gqa all-gather")
-    assert select(even[2], cluster, chunk_sizes=even[3], dtype="bfloat16",
-                  table=table).protocol == "fused-ll"  # (whole items: the twin's LL push)
+    assert (got.strategy, got.protocol) == (want.strategy, "fused-ll"), got
 
 
 # (ranks, bytes, case, side, strategy, protocol): the bind the measurement favoured, on the

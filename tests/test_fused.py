@@ -174,7 +174,7 @@ def test_eight_byte_messages_fuse_in_four_byte_halves_of_ll_units(name):
     bufs = HostBuffers(s, ll=True)
     low = bufs.lower()
     assert fused_unit(low, "fused-ll") == (4, None)
-    assert "not at 8-byte aligned addresses" in fuse_problem(low, 8)
+    assert "not at 8-byte aligned addresses" in fuse_problem(low, 8, narrow=False)
     assert "not at 16-byte aligned addresses" in fused_unit(low, "fused")[1]
     ar = plan(standard("all-reduce", 2), "direct-push", nbytes=8, dtype="bfloat16")
     assert fused_unit(HostBuffers(ar, ll=True).lower(), "fused-ll") == (8, None)

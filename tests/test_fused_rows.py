@@ -413,7 +413,8 @@ def test_gpu_gqa_all_gather(n, protocol, nbytes, strategy):
 def test_gpu_pieces_of_odd_size_run_on_the_copy_kernels(n, nbytes, strategy):
     """GQA's q, k, v of odd element counts (every piece after the first off a 16-byte
     boundary) on the fused kernel: copies in narrow words on a copy-only build, three calls,
-    the reference; and a default bind takes the fused kernel for it."""
+    the reference; and a default bind takes the fused kernel for it (on LL units at 8 KiB:
+    the narrow builds)."""
     import torch
 
     from purlin.runtime import Cluster
@@ -422,13 +423,32 @@ def test_gpu_pieces_of_odd_size_run_on_the_copy_kernels(n, nbytes, strategy):
     sizes = gqa_sizes(n, unit)
     assert _gpu_check(gqa(n), sizes, "bfloat16", strategy, "fused", calls=3)
     bound = Cluster.virtual(n).bind(gqa(n), strategy, chunk_sizes=sizes, dtype="bfloat16")
-    assert bound.kernel == "fused kernel", bound.kernel
-    assert {k.launcher.kernel for k in bound.launches} <= {"fused-copy", "fused-seg-copy"}
+    assert bound.kernel in ("fused kernel", "fused-ll kernel"), bound.kernel
+    assert {k.launcher.kernel for k in bound.launches} <= {
+        "fused-copy", "fused-seg-copy", "fused-narrow", "fused-seg-narrow"}
     xs = [torch.randn(bound.schedule.sizing.input_count(r)).bfloat16() for r in range(n)]
     outs = bound(xs)
     want = reference(bound.schedule.sizing, [x.double().numpy() for x in xs])
     for r in range(n):
         assert np.array_equal(outs[r].double().cpu().numpy()[:len(want[r])], want[r]), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("nbytes", [8 << 10, 64 << 10])
+@pytest.mark.parametrize("strategy", ["direct-push", "direct-pull"])
+def test_gpu_pieces_of_odd_size_run_in_ll_units_on_the_narrow_kernels(n, nbytes, strategy):
+    """GQA's q, k, v of odd element counts on LL units: a narrow build of the fused kernel
+    (``fused-narrow``, or ``fused-seg-narrow`` where rows join), three calls, the
+    reference."""
+    from purlin.atom import sm
+    from purlin.runtime import Cluster
+
+    unit = max(1, nbytes // 2 // n // 6) | 1  # odd
+    assert _gpu_check(gqa(n), gqa_sizes(n, unit), "bfloat16", strategy, "fused-ll", calls=3)
+    s = plan(gqa(n), strategy, chunk_sizes=gqa_sizes(n, unit), dtype="bfloat16")
+    bound = sm.bind(Cluster.virtual(n), s, protocol="fused-ll")
+    assert {k.launcher.kernel for k in bound.launches} <= {"fused-narrow", "fused-seg-narrow"}
 
 
 @pytest.mark.gpu
@@ -664,14 +684,16 @@ def test_a_borrowed_small_copy_with_more_senders_than_its_twin_pushes():
 # ---------------------------------------------------------------- segmented ops: the kernels
 
 # the segmented-op hook in kernels/fused.py's op loop, exactly as written there
-SEG_HOOK = (("norm, segs=False, copies=False, trace=0", "norm, copies=False, trace=0"),
+SEG_HOOK = (("norm, segs=False, copies=False, narrow=False, trace=0",
+             "norm, copies=False, narrow=False, trace=0"),
             ("        elif segs and (kind == F_OP_PUTS or kind == F_OP_MOVES):  # (the fused_seg "
              "kernels)\n            _segments(meta, head, at, kind, status, block, g, stride, "
              "odd, tag, dt, redop,\n                      divisor, unit_bytes, shift, "
-             "timeout_ns, abort, k == 0, p0, p1, p2, p3,\n                      copies)\n", ""),
+             "timeout_ns, abort, k == 0, p0, p1, p2, p3,\n                      copies, "
+             "narrow)\n", ""),
             ("    if segs and not copies and meta[F_NOPS] > 0 and meta[F_HEAD + OP_KIND] == "
              "F_OP_PUTS:\n        p0, p1, p2, p3 = _first_segment_item(meta, head, g, stride, "
-             "unit_bytes, shift)\n", ""))
+             "unit_bytes, shift,\n                                             narrow)\n", ""))
 
 
 def test_the_standard_fused_kernels_compile_as_if_segments_were_not_there(tmp_path):

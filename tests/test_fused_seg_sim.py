@@ -27,7 +27,8 @@ def case(fn):
 
 
 def _puts(w, unit):
-    """Every segment record of the program's segmented PUTs: (LL units on even calls, bytes)."""
+    """Every segment record of the program's segmented PUTs: (LL units on even calls, their
+    bytes, the row's data bytes)."""
     from purlin.kernels import isa
 
     out = []
@@ -36,9 +37,19 @@ def _puts(w, unit):
         if w[at + isa.OP_KIND] == isa.F_OP_PUTS:
             for s in range(int(w[at + isa.SEG_COUNT])):
                 rec = int(w[at + isa.SEG_TABLE]) + s * isa.OP_WIDTH
-                out.append((int(w[rec + isa.PUT_DST]), 2 * unit * -(-int(w[rec + isa.PUT_BYTES])
-                                                                    // unit)))
+                nbytes = int(w[rec + isa.PUT_BYTES])
+                out.append((int(w[rec + isa.PUT_DST]), 2 * unit * -(-nbytes // unit), nbytes))
     return out
+
+
+def _sent(at: int, size: int, nbytes: int) -> bytes:
+    """The LL units at ``at`` (``size`` bytes) carrying a row of ``nbytes``: every tag, and
+    the row's data bytes -- not those past its end, which a last partial unit carries as
+    whatever its aligned load read (the interpreter pads them with zeros)."""
+    a = np.frombuffer(ctypes.string_at(at, size), np.uint8).copy()
+    off = np.arange(size)
+    a[(off % 8 < 4) & ((off // 8) * 4 + off % 8 >= nbytes)] = 0  # (4 data bytes, 4 tag bytes)
+    return a.tobytes()
 
 
 def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng,
@@ -71,9 +82,9 @@ def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng,
         x[x == 0] = 3
     run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads)
     want = reference(s.sizing, xs[0])
-    sent = {p: ctypes.string_at(*p) for w in programs for p in _puts(w, unit)}
+    sent = {p: _sent(*p) for w in programs for p in _puts(w, unit)}
     for r, name in ((r, name) for name in sorted(names) for r in range(n)):
-        for at, size in _puts(programs[r], unit):
+        for at, size, _ in _puts(programs[r], unit):
             ctypes.memset(at, 0, size)
         bufs.outputs[r][:] = 0
         counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
@@ -88,7 +99,7 @@ def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng,
         assert (np.abs(got - want[r]) <= tol * (1 + np.abs(want[r]))).all(), \
             (coll.name, name, strategy, protocol, dtype, r, got, want[r])
     for p, was in sent.items():
-        assert ctypes.string_at(*p) == was, (coll.name, "LL units differ from the emulation's")
+        assert _sent(*p) == was, (coll.name, "LL units differ from the emulation's")
     return names
 
 
@@ -202,6 +213,39 @@ def pieces_of_odd_size_on_the_copy_kernels():
         assert len(got) == 1 and next(iter(got)).endswith("-copy"), got
         ran += 1
     assert kernels == {"fused-copy", "fused-seg-copy"}, kernels
+
+
+@case
+def pieces_of_odd_size_in_ll_units_on_the_narrow_kernels():
+    """Pieces whose odd element counts leave the pieces after them off 8- and 4-byte
+    boundaries (GQA's q, k, v; seeded random copy layouts), on LL units, pushed and pulled,
+    2..6 ranks, 1..3 blocks, segmented or not: their PUTs load and their LL copies store each
+    unit's words as the addresses allow, on the narrow kernel a launch picks; the reference,
+    and the LL units the interpreter writes."""
+    from test_fused_rows import gqa, gqa_sizes, random_layout
+
+    rng = np.random.default_rng(3)
+    kernels = set()
+    for n, dt, unit, blocks, threads in ((2, "bfloat16", 3, 2, 3), (4, "float16", 5, 1, 4),
+                                         (3, "bfloat16", 7, 3, 2)):
+        for strategy in ("direct-push", "direct-pull"):
+            for segments in (True, False):
+                got = _run_on_kernel(gqa(n), gqa_sizes(n, unit), dt, strategy, "fused-ll",
+                                     blocks, threads, rng, segments=segments)
+                assert got == {"fused-seg-narrow" if segments else "fused-narrow"}, got
+                kernels |= got
+    ran = 0
+    while ran < 6:
+        n = int(rng.integers(2, 7))
+        dt = str(rng.choice(list(ITEM)))
+        coll, sizes = random_layout(rng, n, dt, odd_pieces=True, copies=1.0)
+        got = _run_on_kernel(coll, sizes, dt, str(rng.choice(["direct-push", "direct-pull"])),
+                             "fused-ll", int(rng.integers(1, 4)), int(rng.integers(1, 5)), rng,
+                             segments=False)
+        assert len(got) == 1, got
+        kernels |= got
+        ran += 1
+    assert kernels >= {"fused-narrow", "fused-seg-narrow"}, kernels
 
 
 @case

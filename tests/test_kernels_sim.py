@@ -978,9 +978,10 @@ def fused_random_layouts_of_unequal_rows():
     reference."""
     from test_fused_rows import random_layout
 
-    from purlin.atom.fused import fused_unit, narrow_program
+    from purlin.atom.fused import fused_unit, kernel_name
     from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
-    from purlin.kernels import fused, isa
+    from purlin.kernels import isa
+    from purlin.kernels.launch import KERNELS
     from purlin.snac import plan
     from purlin.spec import reference
 
@@ -999,8 +1000,9 @@ def fused_random_layouts_of_unequal_rows():
         if problem is not None:
             continue
         programs = [w.copy() for w in fused_programs(low, bufs, unit, segments=False)]
-        # (a piece of odd size placed before others: copies in narrow words, copy-only build)
-        kernel = fused.fused_copy if any(narrow_program(w) for w in programs) else fused.fused
+        # (a piece of odd size placed before others: copies in narrow words on the copy-only
+        # build, LL units on the narrow one)
+        kernel = KERNELS[kernel_name(programs)][0]
         xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
                for r in range(n)]]
         for x in xs[0]:
@@ -1032,11 +1034,13 @@ def fused_rotated_ll_pieces():
     again by the kernel -- its PUTs' LL units first wiped -- writes the same LL units as
     the interpreter (rotated PUTs) and gives the reference (rotated LL moves)."""
     from test_fused_rows import gqa, gqa_sizes, random_layout
+    from test_fused_seg_sim import _sent
 
-    from purlin.atom.fused import fused_unit, rank_ops
+    from purlin.atom.fused import fused_unit, kernel_name, rank_ops
     from purlin.atom.fused_rows import ll_pieces
     from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
-    from purlin.kernels import fused, isa
+    from purlin.kernels import isa
+    from purlin.kernels.launch import KERNELS
     from purlin.snac import plan
     from purlin.spec import reference
 
@@ -1080,8 +1084,10 @@ def fused_rotated_ll_pieces():
         def units(dst, nbytes):  # a PUT's LL units on even calls
             return dst, 2 * unit * -(-nbytes // unit)
 
-        sent = {(dst, nb): ctypes.string_at(*units(dst, nb)) for rank in puts
-                for dst, nb, _ in rank}
+        # (a piece after one of odd size: the narrow build, and its LL units' bytes past the
+        # row are not the interpreter's zeros)
+        kernel = KERNELS[kernel_name(programs)][0]
+        sent = {(dst, nb): _sent(*units(dst, nb), nb) for rank in puts for dst, nb, _ in rank}
         for r in range(n):
             for dst, nb, _ in puts[r]:
                 at, size = units(dst, nb)
@@ -1089,8 +1095,8 @@ def fused_rotated_ll_pieces():
             bufs.outputs[r][:] = 0
             counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
             w = programs[r]
-            fused.fused[blocks, threads](w.ctypes.data, 1, blocks, 10_000_000, w.size,
-                                         counters.ctypes.data)
+            kernel[blocks, threads](w.ctypes.data, 1, blocks, 10_000_000, w.size,
+                                    counters.ctypes.data)
             assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, r, bufs.fused_error)
             got = bufs.outputs[r][:len(want[r])]
             got = bf16_floats(got) if dtype == "bfloat16" else \
@@ -1099,7 +1105,7 @@ def fused_rotated_ll_pieces():
             assert (np.abs(got - want[r]) <= tol * (1 + np.abs(want[r]))).all(), \
                 (coll.name, dtype, r, got, want[r])
         for (dst, nb), was in sent.items():
-            assert ctypes.string_at(*units(dst, nb)) == was, (coll.name, dtype, hex(dst))
+            assert _sent(*units(dst, nb), nb) == was, (coll.name, dtype, hex(dst))
         ran += 1
     assert ran >= 8, ran
 

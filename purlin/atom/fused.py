@@ -39,7 +39,7 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
                                 F_OP_MOVE, F_OP_MOVES, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT,
                                 F_OP_PUTS, F_OP_WAIT, F_RANK, SEG_COUNT, SEG_TABLE,
-                                F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_NARROW, MOVE_NSRC,
+                                F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_DST, MOVE_NSRC,
                                 MOVE_SOURCES,
                                 F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_KIND,
                                 OP_WIDTH, OPCODE_NAMES, PEER, PER_CALL, PUT_BYTES, PUT_SRC, REDOP,
@@ -230,6 +230,12 @@ def epilogue_problem(low: LoweredRank, epilogue: Epilogue, unit: int,
 def _epilogue_problem(r: int, ops: list[tuple], epilogue: Epilogue, unit: int,
                       threads: int) -> str | None:
     """:func:`epilogue_problem` on rank ``r``'s fused ops."""
+    for op in ops:  # (the NORM builds take no piece of odd size inside a user's buffer)
+        addresses = [op.source] if op.kind == "put" else [] if op.kind != "move" else \
+            [op.dst_even, op.dst_odd] + [a for s in op.sources if not s.is_ll
+                                         for a in (s.even, s.odd)]
+        if any(a % unit for a in addresses):
+            return f"rank {r}: it moves a piece at addresses not aligned to {unit} bytes"
     last = ops[-1] if ops else None
     if last is None or last.kind != "move" or last.dst_even != epilogue.target or \
             last.dst_odd != epilogue.target:
@@ -260,7 +266,7 @@ def rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
         raise CapabilityError(f"cannot fuse: {exc}") from None
 
 
-def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
+def _rank_ops(low: LoweredRank, unit: int = 16, narrow_units: bool = True) -> list[tuple]:
     r = low.rank
     if len(low.lane_offsets) != 2:
         raise _Refused(f"rank {r} runs {len(low.lane_offsets) - 1} lanes (the fused kernel "
@@ -289,16 +295,20 @@ def _rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
         srcs_b = [int(x) for x in low.srcs[b[SRC]: b[SRC] + max(1, b[NSRC])]]
         addresses = [int(a[DST]), int(b[DST]), *srcs_a, *srcs_b]
         # a last partial item (a scalar tail) is fine: its thread reads the whole aligned
-        # item and stores only the row's bytes. A one-source copy of plain memory at other
-        # addresses (pieces of odd size inside a user's buffer) moves each item in narrower
-        # words (Move.narrow); LL transfers and reductions need aligned items.
+        # item and stores only the row's bytes. One source copied or sent at other addresses
+        # (pieces of odd size inside a user's buffer) is fine too: in 16-byte items a plain
+        # copy moves each item in narrower words (Move.narrow, the copy-only builds); in LL
+        # units the narrow builds load and store each unit's words as the address allows
+        # (narrow_program; ``narrow``). Reductions need aligned items.
         narrow = 0
         if any(x % unit for x in addresses):
             ll_source = (srcs_a[0], srcs_b[0]) in gets
-            if unit != 16 or op != COPY or len(srcs_a) != 1 or ll_source:
+            if op not in (COPY, LL_PUT) or len(srcs_a) != 1 or \
+                    unit == 16 and (op != COPY or ll_source) or unit != 16 and not narrow_units:
                 raise _Refused(f"rank {r} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
                                f"not at {unit}-byte aligned addresses")
-            narrow = word_width(addresses)
+            if unit == 16:
+                narrow = word_width(addresses)
         if op == LL_PUT:
             ops.append(Put("put", srcs_a[0], int(a[DST]), int(b[DST]), nbytes, int(a[PEER]),
                            int(a[STEP])))
@@ -441,19 +451,24 @@ def fused_unit(lowered: list[LoweredRank], protocol: str) -> tuple[int, str | No
     """(unit, None) for the largest unit ``protocol``'s fused programs can take on the ranks
     of ``lowered`` ("fused": 16-byte items; "fused-ll": 8-byte LL units, else 4-byte halves
     of them for rows of 4-byte multiples -- an 8-byte message's chunks), or (the smallest
-    unit, why not even that)."""
-    for unit in UNITS[protocol]:
-        problem = fuse_problem(lowered, unit)
-        if problem is None:
-            return unit, None
+    unit, why not even that). LL units at addresses they are not aligned to (the narrow
+    builds) are the last resort: a plan whose rows all align to some unit takes that one."""
+    for narrow in (False, True):
+        for unit in UNITS[protocol]:
+            problem = fuse_problem(lowered, unit, narrow)
+            if problem is None:
+                return unit, None
     return unit, problem
 
 
-def fuse_problem(lowered: list[LoweredRank], unit: int = 16) -> str | None:
+def fuse_problem(lowered: list[LoweredRank], unit: int = 16,
+                 narrow: bool = True) -> str | None:
     """Why the ranks of ``lowered`` cannot run as fused programs taking ``unit`` bytes per
-    thread at a time (a sentence naming the rank and row), or None."""
+    thread at a time (a sentence naming the rank and row), or None; ``narrow``: 8- and
+    4-byte units may copy and send pieces at addresses they are not aligned to (the narrow
+    builds, :func:`narrow_program`)."""
     try:
-        _check_ranks([_rank_ops(low, unit) for low in lowered])
+        _check_ranks([_rank_ops(low, unit, narrow) for low in lowered])
     except _Refused as exc:
         return str(exc)
     return None
@@ -612,45 +627,67 @@ def copies_only(words: np.ndarray) -> bool:
     """
     if int(words[F_UNIT]) != 16:
         return False
-    for k in range(int(words[F_NOPS])):
-        at = F_HEAD + k * OP_WIDTH
-        kind = int(words[at + OP_KIND])
-        if kind in (F_OP_WAIT, F_OP_NOTIFY):
-            continue
-        if kind == F_OP_MOVE:
-            records = [at]
-        elif kind == F_OP_MOVES:
-            first = int(words[at + SEG_TABLE])
-            records = range(first, first + OP_WIDTH * int(words[at + SEG_COUNT]), OP_WIDTH)
-        else:  # a PUT, segmented PUTs, a NORM
+    for kind, rec in _data_records(words):
+        if kind != F_OP_MOVE:  # a PUT, a NORM
             return False
-        for rec in records:
-            if int(words[rec + MOVE_NSRC]) != 1 or \
-                    int(words[int(words[rec + MOVE_SOURCES]) + SOURCE_LL]) != 0:
-                return False
+        if int(words[rec + MOVE_NSRC]) != 1 or \
+                int(words[int(words[rec + MOVE_SOURCES]) + SOURCE_LL]) != 0:
+            return False
     return True
 
 
 def kernel_name(programs, traced: bool = False) -> str:
     """The Launcher name of the fused kernel that runs ``programs`` (one launch's words; no
     NORM): "fused", with "-seg" where one holds segmented ops, "-copy" where every one
-    :func:`copies_only`, and "-trace" for the traced twin. Each is the one kernel source
-    compiled with only the code its programs need (``purlin.kernels.fused``)."""
+    :func:`copies_only`, else "-narrow" where one is a :func:`narrow_program`, and "-trace"
+    for the traced twin. Each is the one kernel source compiled with only the code its
+    programs need (``purlin.kernels.fused``)."""
     programs = list(programs)
     name = "fused"
     if any(segmented_program(w) for w in programs):
         name += "-seg"
     if programs and all(copies_only(w) for w in programs):
         name += "-copy"
+    elif any(narrow_program(w) for w in programs):
+        name += "-narrow"
     return name + "-trace" if traced else name
 
 
+def _data_records(words: np.ndarray):
+    """(kind, word) of every PUT and MOVE of the fused program ``words``, a segmented op's
+    records each as its own (kind ``F_OP_PUT`` / ``F_OP_MOVE``), and (kind, word) of the
+    other ops (NORM: ``F_OP_NORM``); waits and notifies left out."""
+    for k in range(int(words[F_NOPS])):
+        at = F_HEAD + k * OP_WIDTH
+        kind = int(words[at + OP_KIND])
+        if kind in (F_OP_PUTS, F_OP_MOVES):
+            first = int(words[at + SEG_TABLE])
+            for rec in range(first, first + OP_WIDTH * int(words[at + SEG_COUNT]), OP_WIDTH):
+                yield (F_OP_PUT if kind == F_OP_PUTS else F_OP_MOVE), rec
+        elif kind not in (F_OP_WAIT, F_OP_NOTIFY):
+            yield kind, at
+
+
 def narrow_program(words: np.ndarray) -> bool:
-    """Does the fused program ``words`` copy a piece at addresses not 16-byte aligned
-    (``isa.MOVE_NARROW``: the copy-only kernels run such copies)?"""
-    at = F_HEAD + OP_WIDTH * np.arange(int(words[F_NOPS]))
-    moves = at[words[at + OP_KIND] == F_OP_MOVE]
-    return bool((words[moves + MOVE_NARROW] != 0).any())
+    """Does the fused program ``words`` copy or send a piece at addresses not aligned to its
+    unit (a piece of odd size inside a user's buffer)? Copy-only programs of 16-byte items
+    move such pieces in narrow words (``isa.MOVE_NARROW``), programs of LL units run on the
+    narrow builds (``purlin.kernels.fused.fused_narrow``)."""
+    unit = int(words[F_UNIT])
+    for kind, at in _data_records(words):
+        if kind == F_OP_PUT:
+            addresses = [words[at + PUT_SRC]]
+        elif kind == F_OP_MOVE:
+            first = int(words[at + MOVE_SOURCES])
+            entries = [first + s * SOURCE_WIDTH for s in range(int(words[at + MOVE_NSRC]))]
+            addresses = [words[at + MOVE_DST], words[at + MOVE_DST + 1]] + \
+                [words[e + SOURCE_ADDR + p] for e in entries if words[e + SOURCE_LL] == 0
+                 for p in (0, 1)]
+        else:
+            continue
+        if any(int(a) % unit for a in addresses):
+            return True
+    return False
 
 
 def oneshot_problem(words: np.ndarray) -> str | None:
@@ -678,6 +715,8 @@ def oneshot_problem(words: np.ndarray) -> str | None:
     r, nops = head[F_RANK], head[F_NOPS]
     if head[F_UNIT] != 8:
         return f"rank {r}: its threads take {head[F_UNIT]} bytes at a time, not one LL unit's 8"
+    if narrow_program(words):
+        return f"rank {r}: it moves a piece at addresses not aligned to 8 bytes"
     if head[F_DTYPE] not in (0, 1, 2) or head[F_REDOP] != 0:
         return (f"rank {r}: it sums dtype code {head[F_DTYPE]} with reduce op code "
                 f"{head[F_REDOP]}, not a float sum")

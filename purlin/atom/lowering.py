@@ -210,8 +210,8 @@ def ll_transfers(schedule: Schedule, layout: dict | None = None) -> LLTransfers:
 
     A Notify of flag F from a lane to rank p qualifies when, of everything its lane wrote
     before it in the call, exactly one region R lies on p: a one-source copy into p's
-    scratch, starting on an 8-byte boundary, that nothing else writes and no other rank
-    reads; F grows once per call and its only wait anywhere is one ``Wait(F, 1, call=0)`` in
+    scratch, starting on an 8-byte boundary (its source anywhere: a piece of odd size inside
+    a user's buffer too), that nothing else writes and no other rank reads; F grows once per call and its only wait anywhere is one ``Wait(F, 1, call=0)`` in
     the step that reads R; and p reads none of the lane's other writes (the Notify's release
     would have carried them too).
 
@@ -315,8 +315,7 @@ def _ll_piece(note, since, ordinal, per_call, waits, reads, writers, schedule, i
         return None
     if sum(1 for r in reads.get(p, ()) if r.overlaps(region)) != 1:
         return None
-    if _byte_at(region, item, layout) % LL_DATA or \
-            _byte_at(stage.srcs[0], item, layout) % LL_DATA:
+    if _byte_at(region, item, layout) % LL_DATA:  # (the source may lie anywhere: ll_put)
         return None
     return stage_at, (rank, index, flag)
 
@@ -340,8 +339,7 @@ def _ll_pair(note, written, per_call, waits, reads, writers, schedule, item, lay
     # once LL, R is written by p's own LL_GET: nobody elsewhere may read it off p
     if any(r.overlaps(region) for q, regs in reads.items() if q != p for r in regs):
         return None
-    if _byte_at(region, item, layout) % LL_DATA or \
-            _byte_at(stage.srcs[0], item, layout) % LL_DATA:
+    if _byte_at(region, item, layout) % LL_DATA:  # (the source may lie anywhere: ll_put)
         return None
     return stage_at, (rank, index, flag)
 

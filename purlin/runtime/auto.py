@@ -459,7 +459,7 @@ def borrowed(table, sizing, virtual: bool = False) -> Choice | None:
 
 def _several_pieces_without_ll(sizing, choice: Choice) -> bool:
     """Does ``choice``'s plan send a peer several pieces (GQA's q, k and v) and the fused
-    kernel refuse it LL (pieces off 16-byte boundaries)? Then a pull is faster: one ready
+    kernel refuse it LL (``fuse_problem`` names the rule)? Then a pull is faster: one ready
     flag covers all of a peer's pieces, where a push's rows each carry one."""
     from purlin.atom.fused_rows import several_pieces
 
