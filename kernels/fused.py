@@ -307,9 +307,14 @@ def _reduce_pairs_half(meta, head, at, nsrc, dst, items, nbytes, g, stride, odd,
 
 
 @device
-def _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort):
-    """8-byte unit ``unit_i`` of a source: (code, tag seen, address polled, w0, w1)."""
+def _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort, valid, narrow):
+    """8-byte unit ``unit_i`` of a source: (code, tag seen, address polled, w0, w1);
+    ``narrow`` (the narrow builds): plain memory at any alignment, read up to ``valid``
+    bytes (:func:`_load4`)."""
     addr = _word(meta, head, at + SOURCE_ADDR + odd)
+    if narrow and _word(meta, head, at + SOURCE_LL) == 0:
+        return (0, np.int64(0), addr, _load4(addr + unit_i * 8, valid),
+                _load4(addr + unit_i * 8 + 4, valid - 4))
     if _word(meta, head, at + SOURCE_LL) == 0:
         return (0, np.int64(0), addr, np.int64(load_u32(addr + unit_i * 8)),
                 np.int64(load_u32(addr + unit_i * 8 + 4)))
@@ -319,10 +324,12 @@ def _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort):
 
 
 @device
-def _source4(meta, head, at, i, odd, tag, timeout_ns, abort):
+def _source4(meta, head, at, i, odd, tag, timeout_ns, abort, valid, narrow):
     """4-byte item ``i`` of a source (half of an LL unit): (code, tag seen, address polled,
-    word)."""
+    word); ``narrow``: as :func:`_source8`'s."""
     addr = _word(meta, head, at + SOURCE_ADDR + odd)
+    if narrow and _word(meta, head, at + SOURCE_LL) == 0:
+        return 0, np.int64(0), addr, _load4(addr + i * 4, valid)
     if _word(meta, head, at + SOURCE_LL) == 0:
         return 0, np.int64(0), addr, np.int64(load_u32(addr + i * 4))
     unit = addr + (i >> 1) * 16
@@ -335,14 +342,15 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
                narrow):
     """:func:`_move_unit` for 4 bytes (half an LL unit: rows of 4-byte multiples): two
     16-bit or one 32-bit element (``valid``: 2 for a tail of one 16-bit element)."""
-    if narrow and _word(meta, head, op_at + MOVE_NSRC) == 1:
-        return _copy_four_narrow(meta, head, op_at, i, odd, tag, timeout_ns, abort, valid)
     dst = _word(meta, head, op_at + MOVE_DST + odd) + i * 4
     nsrc = _word(meta, head, op_at + MOVE_NSRC)
     at = _word(meta, head, op_at + MOVE_SOURCES)
-    code, seen, unit, w = _source4(meta, head, at, i, odd, tag, timeout_ns, abort)
+    code, seen, unit, w = _source4(meta, head, at, i, odd, tag, timeout_ns, abort, valid, narrow)
     if code != 0:
         return code, seen, unit, at
+    if nsrc == 1 and narrow:
+        _store4n(dst, w, valid)
+        return 0, seen, unit, at
     if nsrc == 1:
         _store4(dst, w, valid)
         return 0, seen, unit, at
@@ -351,17 +359,23 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
         a0, a1 = unpack_half2(w, dt)
         for s in range(1, nsrc):
             entry = at + s * SOURCE_WIDTH
-            code, seen, unit, v = _source4(meta, head, entry, i, odd, tag, timeout_ns, abort)
+            code, seen, unit, v = _source4(meta, head, entry, i, odd, tag, timeout_ns, abort,
+                                           valid, narrow)
             if code != 0:
                 return code, seen, unit, entry
             b0, b1 = unpack_half2(v, dt)
             a0, a1 = combine(a0, b0, redop), combine(a1, b1, redop)
-        _store4(dst, pack_half2(avg_float(a0, redop, div), avg_float(a1, redop, div), dt), valid)
+        h = pack_half2(avg_float(a0, redop, div), avg_float(a1, redop, div), dt)
+        if narrow:
+            _store4n(dst, h, valid)
+        else:
+            _store4(dst, h, valid)
     elif dt == F32:
         f = bits_to_f32(w)
         for s in range(1, nsrc):
             entry = at + s * SOURCE_WIDTH
-            code, seen, unit, v = _source4(meta, head, entry, i, odd, tag, timeout_ns, abort)
+            code, seen, unit, v = _source4(meta, head, entry, i, odd, tag, timeout_ns, abort,
+                                           valid, narrow)
             if code != 0:
                 return code, seen, unit, entry
             f = combine(f, bits_to_f32(v), redop)
@@ -370,7 +384,8 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
         n = _signed(w)
         for s in range(1, nsrc):
             entry = at + s * SOURCE_WIDTH
-            code, seen, unit, v = _source4(meta, head, entry, i, odd, tag, timeout_ns, abort)
+            code, seen, unit, v = _source4(meta, head, entry, i, odd, tag, timeout_ns, abort,
+                                           valid, narrow)
             if code != 0:
                 return code, seen, unit, entry
             n = combine(n, _signed(v), redop)
@@ -379,46 +394,14 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
 
 
 @device
-def _copy_four_narrow(meta, head, op_at, i, odd, tag, timeout_ns, abort, valid):
-    """:func:`_move_four` for a one-source copy at addresses of any alignment (the narrow
-    builds)."""
-    dst = _word(meta, head, op_at + MOVE_DST + odd) + i * 4
-    at = _word(meta, head, op_at + MOVE_SOURCES)
-    if _word(meta, head, at + SOURCE_LL) == 0:
-        addr = _word(meta, head, at + SOURCE_ADDR + odd)
-        _store4n(dst, _load4(addr + i * 4, valid), valid)
-        return 0, np.int64(0), addr, at
-    code, seen, unit, w = _source4(meta, head, at, i, odd, tag, timeout_ns, abort)
-    if code == 0:
-        _store4n(dst, w, valid)
-    return code, seen, unit, at
-
-
-@device
-def _source8_narrow(meta, head, op_at, unit_i, odd, tag, timeout_ns, abort, valid):
-    """:func:`_source8` of a one-source copy at addresses of any alignment (the narrow
-    builds): (code, tag seen, address polled, word of the source entry, w0, w1), plain words
-    loaded by :func:`_load4` up to the row's end."""
-    at = _word(meta, head, op_at + MOVE_SOURCES)
-    if _word(meta, head, at + SOURCE_LL) == 0:
-        unit = _word(meta, head, at + SOURCE_ADDR + odd) + unit_i * 8
-        return 0, np.int64(0), unit, at, _load4(unit, valid), _load4(unit + 4, valid - 4)
-    code, seen, unit, w0, w1 = _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort)
-    return code, seen, unit, at, w0, w1
-
-
-@device
 def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort,
                valid, narrow):
     """:func:`_move_item` for 8 bytes (one LL unit): four 16-bit or two 32-bit elements
     (``valid`` of its bytes: fewer than 8 for a row's scalar tail); ``narrow``: the narrow
-    builds, whose one-source copies take addresses of any alignment."""
-    if narrow and _word(meta, head, op_at + MOVE_NSRC) == 1:
-        code, seen, unit, entry, w0, w1 = _source8_narrow(meta, head, op_at, unit_i, odd, tag,
-                                                          timeout_ns, abort, valid)
-    else:
-        code, seen, unit, entry, w0, w1 = _unit_result(meta, head, op_at, unit_i, odd, tag,
-                                                       dt, redop, divisor, timeout_ns, abort)
+    builds, whose plain sources and destinations lie at addresses of any alignment."""
+    code, seen, unit, entry, w0, w1 = _unit_result(meta, head, op_at, unit_i, odd, tag, dt,
+                                                   redop, divisor, timeout_ns, abort, valid,
+                                                   narrow)
     if code == 0:
         dst = _word(meta, head, op_at + MOVE_DST + odd) + unit_i * 8
         if narrow:
@@ -433,13 +416,15 @@ def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_
 
 
 @device
-def _unit_result(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort):
+def _unit_result(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort,
+                 valid, narrow):
     """8-byte unit ``unit_i`` of a MOVE's result, accumulated as the interpreter does (each
     element type in its own loop, so no tuple ever changes type): (code, tag seen, address
     polled, word of the source entry, w0, w1) -- code 0 when every source was there."""
     nsrc = _word(meta, head, op_at + MOVE_NSRC)
     at = _word(meta, head, op_at + MOVE_SOURCES)
-    code, seen, unit, w0, w1 = _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort)
+    code, seen, unit, w0, w1 = _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort,
+                                        valid, narrow)
     if code != 0 or nsrc == 1:
         return code, seen, unit, at, w0, w1
     div = np.float32(divisor)
@@ -450,7 +435,7 @@ def _unit_result(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeou
         for s in range(1, nsrc):
             entry = at + s * SOURCE_WIDTH
             code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
-                                                timeout_ns, abort)
+                                                timeout_ns, abort, valid, narrow)
             if code != 0:
                 return code, seen, unit, entry, w0, w1
             b0, b1 = unpack_half2(v0, dt)
@@ -463,7 +448,7 @@ def _unit_result(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeou
         for s in range(1, nsrc):
             entry = at + s * SOURCE_WIDTH
             code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
-                                                timeout_ns, abort)
+                                                timeout_ns, abort, valid, narrow)
             if code != 0:
                 return code, seen, unit, entry, w0, w1
             f0 = combine(f0, bits_to_f32(v0), redop)
@@ -475,7 +460,7 @@ def _unit_result(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeou
         for s in range(1, nsrc):
             entry = at + s * SOURCE_WIDTH
             code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
-                                                timeout_ns, abort)
+                                                timeout_ns, abort, valid, narrow)
             if code != 0:
                 return code, seen, unit, entry, w0, w1
             n0 = combine(n0, _signed(v0), redop)

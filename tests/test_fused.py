@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from purlin.atom.fused import fuse_problem, fused_unit, grid, program, rank_ops
+from purlin.atom.fused import fuse_problem, fused_unit, grid, kernel_name, program, rank_ops
 from purlin.atom.lowering import lower
 from purlin.errors import CapabilityError
 from purlin.kernels import isa
@@ -168,14 +168,17 @@ def test_eight_byte_items_take_what_sixteen_byte_ones_cannot():
 def test_eight_byte_messages_fuse_in_four_byte_halves_of_ll_units(name):
     """An 8-byte message's chunks are 4 bytes here: fused-ll takes half an LL unit per thread,
     and the programs give the reference on host threads (an 8-byte all-reduce moves whole
-    8-byte units; 16-byte items fit none of them)."""
+    8-byte units; 16-byte items fit none of them: the plain protocol takes 8-byte items at
+    their addresses, on the narrow build)."""
     coll = standard(name, 2)
     s = plan(coll, "direct-push", nbytes=8, dtype="bfloat16")
     bufs = HostBuffers(s, ll=True)
     low = bufs.lower()
     assert fused_unit(low, "fused-ll") == (4, None)
     assert "not at 8-byte aligned addresses" in fuse_problem(low, 8, narrow=False)
-    assert "not at 16-byte aligned addresses" in fused_unit(low, "fused")[1]
+    assert "not at 16-byte aligned addresses" in fuse_problem(low, 16)
+    assert fused_unit(low, "fused") == (8, None)
+    assert kernel_name(fused_programs(low, bufs, 8)).endswith("-narrow")
     ar = plan(standard("all-reduce", 2), "direct-push", nbytes=8, dtype="bfloat16")
     assert fused_unit(HostBuffers(ar, ll=True).lower(), "fused-ll") == (8, None)
     programs = fused_programs(low, bufs, 4)

@@ -216,12 +216,13 @@ def pieces_of_odd_size_on_the_copy_kernels():
 
 
 @case
-def pieces_of_odd_size_in_ll_units_on_the_narrow_kernels():
+def pieces_of_odd_size_on_the_narrow_kernels():
     """Pieces whose odd element counts leave the pieces after them off 8- and 4-byte
     boundaries (GQA's q, k, v; seeded random copy layouts), on LL units, pushed and pulled,
     2..6 ranks, 1..3 blocks, segmented or not: their PUTs load and their LL copies store each
     unit's words as the addresses allow, on the narrow kernel a launch picks; the reference,
-    and the LL units the interpreter writes."""
+    and the LL units the interpreter writes. Then random reductions of such pieces (sum and
+    max, four dtypes, both protocols: plain ones in 8-byte units)."""
     from test_fused_rows import gqa, gqa_sizes, random_layout
 
     rng = np.random.default_rng(3)
@@ -234,17 +235,20 @@ def pieces_of_odd_size_in_ll_units_on_the_narrow_kernels():
                                      blocks, threads, rng, segments=segments)
                 assert got == {"fused-seg-narrow" if segments else "fused-narrow"}, got
                 kernels |= got
-    ran = 0
-    while ran < 6:
+    ran = sums = 0  # (copies on LL, then sums on either protocol)
+    while ran < 6 or sums < 8:
         n = int(rng.integers(2, 7))
         dt = str(rng.choice(list(ITEM)))
-        coll, sizes = random_layout(rng, n, dt, odd_pieces=True, copies=1.0)
+        copies = float(ran < 6)
+        coll, sizes = random_layout(rng, n, dt, odd_pieces=True, copies=copies)
+        protocol = "fused-ll" if copies else str(rng.choice(["fused", "fused-ll"]))
         got = _run_on_kernel(coll, sizes, dt, str(rng.choice(["direct-push", "direct-pull"])),
-                             "fused-ll", int(rng.integers(1, 4)), int(rng.integers(1, 5)), rng,
+                             protocol, int(rng.integers(1, 4)), int(rng.integers(1, 5)), rng,
                              segments=False)
         assert len(got) == 1, got
         kernels |= got
-        ran += 1
+        ran += bool(copies)
+        sums += not copies and got == {"fused-narrow"}
     assert kernels >= {"fused-narrow", "fused-seg-narrow"}, kernels
 
 

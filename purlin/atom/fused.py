@@ -295,16 +295,16 @@ def _rank_ops(low: LoweredRank, unit: int = 16, narrow_units: bool = True) -> li
         srcs_b = [int(x) for x in low.srcs[b[SRC]: b[SRC] + max(1, b[NSRC])]]
         addresses = [int(a[DST]), int(b[DST]), *srcs_a, *srcs_b]
         # a last partial item (a scalar tail) is fine: its thread reads the whole aligned
-        # item and stores only the row's bytes. One source copied or sent at other addresses
-        # (pieces of odd size inside a user's buffer) is fine too: in 16-byte items a plain
-        # copy moves each item in narrower words (Move.narrow, the copy-only builds); in LL
-        # units the narrow builds load and store each unit's words as the address allows
-        # (narrow_program; ``narrow``). Reductions need aligned items.
+        # item and stores only the row's bytes. Other addresses (pieces of odd size inside a
+        # user's buffer) are fine too: in 16-byte items a one-source plain copy moves each
+        # item in narrower words (Move.narrow, the copy-only builds); in 8- and 4-byte units
+        # the narrow builds load and store every word as its address allows
+        # (narrow_program; ``narrow_units``), copies, PUTs and reductions alike.
         narrow = 0
         if any(x % unit for x in addresses):
             ll_source = (srcs_a[0], srcs_b[0]) in gets
-            if op not in (COPY, LL_PUT) or len(srcs_a) != 1 or \
-                    unit == 16 and (op != COPY or ll_source) or unit != 16 and not narrow_units:
+            if (op != COPY or len(srcs_a) != 1 or ll_source) if unit == 16 else \
+                    (not narrow_units or op == LL_GET):
                 raise _Refused(f"rank {r} row {k} ({OPCODE_NAMES[op]}) moves {nbytes} bytes, "
                                f"not at {unit}-byte aligned addresses")
             if unit == 16:
@@ -445,20 +445,24 @@ def _check_ranks(ops_by_rank: list[list[tuple]]) -> None:
 
 
 UNITS = {"fused": (16,), "fused-ll": (8, 4)}  # bytes a thread takes at a time, largest first
+# ... and those the narrow builds take pieces at any address in (the last resort)
+NARROW_UNITS = {"fused": (8,), "fused-ll": (8, 4)}
 
 
 def fused_unit(lowered: list[LoweredRank], protocol: str) -> tuple[int, str | None]:
     """(unit, None) for the largest unit ``protocol``'s fused programs can take on the ranks
     of ``lowered`` ("fused": 16-byte items; "fused-ll": 8-byte LL units, else 4-byte halves
     of them for rows of 4-byte multiples -- an 8-byte message's chunks), or (the smallest
-    unit, why not even that). LL units at addresses they are not aligned to (the narrow
-    builds) are the last resort: a plan whose rows all align to some unit takes that one."""
-    for narrow in (False, True):
-        for unit in UNITS[protocol]:
+    unit, why not even that). 8- and 4-byte units at addresses they are not aligned to (the
+    narrow builds, ``NARROW_UNITS``: on "fused" too, in plain 8-byte items) are the last
+    resort: a plan whose rows all align to some unit takes that one."""
+    for narrow, units in ((False, UNITS[protocol]), (True, NARROW_UNITS[protocol])):
+        for unit in units:
             problem = fuse_problem(lowered, unit, narrow)
             if problem is None:
                 return unit, None
-    return unit, problem
+    unit = UNITS[protocol][-1]  # (why not, said in the protocol's own smallest unit)
+    return unit, fuse_problem(lowered, unit, False)
 
 
 def fuse_problem(lowered: list[LoweredRank], unit: int = 16,
