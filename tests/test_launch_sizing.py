@@ -161,18 +161,19 @@ def test_auto_picks_the_fused_kernel_on_a_virtual_cluster(gpu, source):
 
 
 def test_auto_picks_what_binds_where_the_fused_kernel_cannot():
-    """Sizes whose rows do not all start aligned (uneven chunks): auto's choice is a
-    protocol whose plan runs (the interpreter where the fused kernel refuses)."""
+    """Sizes whose rows do not all start aligned (uneven chunks) and FP8 sums: auto's choice
+    is a protocol whose plan runs (the interpreter where the fused kernel refuses)."""
     seen = 0
     for name in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
         coll = standard(name, 4)
         names = coll.input.names()
-        for each in (1, 3, 4097):
+        for each, dtype in ((1, "bfloat16"), (3, "bfloat16"), (4097, "bfloat16"),
+                            (4097, "float8_e4m3fn")):
             sizes = {k: each + i % 2 for i, k in enumerate(names)}
-            choice = select(coll, Virtual(4), chunk_sizes=sizes, dtype="bfloat16",
+            choice = select(coll, Virtual(4), chunk_sizes=sizes, dtype=dtype,
                             gpu="NVIDIA H200")
             schedule = plan(coll, choice.strategy, sizing=coll.sized(chunk_sizes=sizes,
-                                                                     dtype="bfloat16"),
+                                                                     dtype=dtype),
                             chunks=choice.chunks, lanes=choice.lanes)
             if choice.protocol.startswith("fused"):
                 assert fused_problems(schedule)[choice.protocol] is None, (name, each, choice)
@@ -181,7 +182,7 @@ def test_auto_picks_what_binds_where_the_fused_kernel_cannot():
                 assert choice.protocol in ("simple", "ll")
                 bpl, threads = interpreter_launch(schedule, Gpu(0, 132), 4)
                 assert _fits(Gpu(0, 132), 4, schedule.lanes, bpl, threads)
-    assert seen  # some sizes the fused kernel refuses (rows that start unaligned)
+    assert seen  # the FP8 sums (the fused kernel reduces no FP8)
 
 
 def test_tables_are_keyed_by_virtual_or_real_ranks(tmp_path):

@@ -453,6 +453,7 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     rs = collectives.reduce_scatter(2)
     odd = plan(rs, "direct-push", dtype="bfloat16",
                sizing=rs.sized(chunk_sizes={0: 1, 1: 2}, dtype="bfloat16"))
+    fp8 = plan(ar, "direct-push", nbytes=16 << 10, dtype="float8_e4m3fn")  # (an FP8 sum)
 
     def runs(schedule, protocol, datapath="sm", pdl=None, choice=None):
         comm = SimpleNamespace(protocol=protocol, datapath=datapath, pdl=pdl)
@@ -468,7 +469,8 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     # flags, not LL
     assert runs(ring, "fused-ll") == ("fused", True)
     assert runs(tail, "fused-ll") == ("fused-ll", True)
-    assert runs(odd, "fused-ll") == ("ll", False)
+    assert runs(odd, "fused-ll") == ("fused-ll", True)  # (at byte 2: the narrow build)
+    assert runs(fp8, "fused-ll") == ("ll", False)
     table = SimpleNamespace(strategy="direct-push", protocol="fused-ll", pdl=True)
     rules = SimpleNamespace(strategy="direct-push", protocol="simple", pdl=False)
     assert runs(small, "auto", choice=table) == ("fused-ll", True)
