@@ -5,7 +5,8 @@ each flag has a slot per block, so a block waits only for the same block of its 
 ``fused`` / ``fused_pdl`` run WAIT, NOTIFY, PUT (LL) and MOVE ops; ``fused_norm`` / ``_pdl`` add
 the NORM epilogue (residual add and RMSNorm); ``fused_copy`` / ``_pdl`` run only programs whose
 data ops copy plain memory in 16-byte items (a third of the code: no LL units, no reductions);
-``fused_narrow`` / ``_pdl`` also copy and PUT 8- or 4-byte units at addresses of any alignment;
+``fused_narrow`` / ``_pdl`` also copy, PUT and sum 8- or 4-byte units at addresses of any
+alignment;
 the one-shot epilogue programs that
 ``purlin.atom.fused.oneshot_problem`` accepts run on the kernels :mod:`purlin.kernels.epilogue`
 builds from these functions. How it works: ARCHITECTURE.md, "The fused kernel".
@@ -1233,8 +1234,8 @@ def _entry(name, doc, norm=False, segs=False, copies=False, narrow=False, traced
            pdl=False):
     """The kernel ``name`` over :func:`_run` with its compile-time switches: ``norm`` (a NORM
     op may end the program), ``segs`` (segmented PUTs and MOVEs), ``copies`` (only plain
-    16-byte copies: no PUT, no LL source, no reduction), ``narrow`` (copies and PUTs of 8- and
-    4-byte units at addresses of any alignment), ``traced`` (two more
+    16-byte copies: no PUT, no LL source, no reduction), ``narrow`` (8- and 4-byte units
+    copied, sent and summed at addresses of any alignment), ``traced`` (two more
     arguments: the trace buffer and its records per block), ``pdl`` (programmatic dependent
     launch, as ``executor_pdl``: it reads its program before it waits for the kernel before
     it). Each switch is a constant of the kernel it builds, so a kernel without it carries
@@ -1281,7 +1282,7 @@ fused_seg_copy, fused_seg_copy_pdl = _pair("fused_seg_copy", """``fused_seg`` fo
     whose data ops (segmented ones too) are all plain copies, as ``fused_copy``.""", segs=True,
                                            copies=True)
 fused_narrow, fused_narrow_pdl = _pair("fused_narrow", """``fused`` for programs in 8- or
-    4-byte units that copy or PUT pieces at addresses of any alignment (pieces of odd size
+    4-byte units that move pieces at addresses of any alignment (pieces of odd size
     inside a user's buffer: ``purlin.atom.fused.narrow_program``); a separate kernel, so the
     others keep their code.""", narrow=True)
 fused_seg_narrow, fused_seg_narrow_pdl = _pair("fused_seg_narrow", """``fused_seg`` for such

@@ -220,8 +220,8 @@ def epilogue_problem(low: LoweredRank, epilogue: Epilogue, unit: int,
 
     (The module's example ends with one.)
     """
-    try:
-        ops = _rank_ops(low, unit)
+    try:  # (the NORM builds take no piece of odd size inside a user's buffer)
+        ops = _rank_ops(low, unit, narrow_units=False)
     except _Refused as exc:
         return str(exc)
     return _epilogue_problem(low.rank, ops, epilogue, unit, threads)
@@ -229,13 +229,7 @@ def epilogue_problem(low: LoweredRank, epilogue: Epilogue, unit: int,
 
 def _epilogue_problem(r: int, ops: list[tuple], epilogue: Epilogue, unit: int,
                       threads: int) -> str | None:
-    """:func:`epilogue_problem` on rank ``r``'s fused ops."""
-    for op in ops:  # (the NORM builds take no piece of odd size inside a user's buffer)
-        addresses = [op.source] if op.kind == "put" else [] if op.kind != "move" else \
-            [op.dst_even, op.dst_odd] + [a for s in op.sources if not s.is_ll
-                                         for a in (s.even, s.odd)]
-        if any(a % unit for a in addresses):
-            return f"rank {r}: it moves a piece at addresses not aligned to {unit} bytes"
+    """:func:`epilogue_problem` on rank ``r``'s fused ops (taken without narrow units)."""
     last = ops[-1] if ops else None
     if last is None or last.kind != "move" or last.dst_even != epilogue.target or \
             last.dst_odd != epilogue.target:
@@ -255,13 +249,14 @@ def _epilogue_problem(r: int, ops: list[tuple], epilogue: Epilogue, unit: int,
     return None
 
 
-def rank_ops(low: LoweredRank, unit: int = 16) -> list[tuple]:
+def rank_ops(low: LoweredRank, unit: int = 16, narrow_units: bool = True) -> list[tuple]:
     """The rank's rows as fused ops (:class:`Wait`, :class:`Notify`, :class:`Put`,
     :class:`Move`), LL_GET rows folded into the moves that read them. Raises CapabilityError
     naming the rank and row when the rank cannot be fused. ``unit``: the bytes a thread takes
-    at a time (16, or 8 -- one LL unit each)."""
+    at a time (16, or 8 -- one LL unit each); ``narrow_units``: as :func:`fuse_problem`'s
+    ``narrow``."""
     try:
-        return _rank_ops(low, unit)
+        return _rank_ops(low, unit, narrow_units)
     except _Refused as exc:
         raise CapabilityError(f"cannot fuse: {exc}") from None
 
@@ -469,8 +464,8 @@ def fuse_problem(lowered: list[LoweredRank], unit: int = 16,
                  narrow: bool = True) -> str | None:
     """Why the ranks of ``lowered`` cannot run as fused programs taking ``unit`` bytes per
     thread at a time (a sentence naming the rank and row), or None; ``narrow``: 8- and
-    4-byte units may copy and send pieces at addresses they are not aligned to (the narrow
-    builds, :func:`narrow_program`)."""
+    4-byte units may copy, send and sum pieces at addresses they are not aligned to (the
+    narrow builds, :func:`narrow_program`)."""
     try:
         _check_ranks([_rank_ops(low, unit, narrow) for low in lowered])
     except _Refused as exc:
@@ -488,13 +483,13 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
     bytes (16; 8: one LL unit, twice the threads for LL transfers; 4: half an LL unit) of a
     row at a time -- every rank of a cluster the same (:func:`fused_unit` picks it).
     ``epilogue`` (checked by :func:`epilogue_problem` for blocks of ``threads`` threads):
-    a NORM op after the last move. ``ops`` and ``rotation``: the rank's ops and the rotation
-    of each move (by op index) as :func:`regrouped` gives them (else :func:`rank_ops`'s, no
-    rotation)."""
+    a NORM op after the last move (its ops :func:`rank_ops`'s without narrow units). ``ops``
+    and ``rotation``: the rank's ops and the rotation of each move (by op index) as
+    :func:`regrouped` gives them (else :func:`rank_ops`'s, no rotation)."""
     if unit not in (4, 8, 16):
         raise CapabilityError(f"a fused program moves 16, 8 or 4 bytes per thread at a time, "
                               f"not {unit}")
-    ops = rank_ops(low, unit) if ops is None else list(ops)
+    ops = rank_ops(low, unit, epilogue is None) if ops is None else list(ops)
     if epilogue is not None:
         problem = _epilogue_problem(low.rank, ops, epilogue, unit, threads)
         if problem:
@@ -673,9 +668,9 @@ def _data_records(words: np.ndarray):
 
 
 def narrow_program(words: np.ndarray) -> bool:
-    """Does the fused program ``words`` copy or send a piece at addresses not aligned to its
-    unit (a piece of odd size inside a user's buffer)? Copy-only programs of 16-byte items
-    move such pieces in narrow words (``isa.MOVE_NARROW``), programs of LL units run on the
+    """Does the fused program ``words`` move a piece at addresses not aligned to its unit (a
+    piece of odd size inside a user's buffer)? Copy-only programs of 16-byte items move such
+    pieces in narrow words (``isa.MOVE_NARROW``), programs of 8- and 4-byte units run on the
     narrow builds (``purlin.kernels.fused.fused_narrow``)."""
     unit = int(words[F_UNIT])
     for kind, at in _data_records(words):

@@ -211,9 +211,10 @@ def ll_transfers(schedule: Schedule, layout: dict | None = None) -> LLTransfers:
     A Notify of flag F from a lane to rank p qualifies when, of everything its lane wrote
     before it in the call, exactly one region R lies on p: a one-source copy into p's
     scratch, starting on an 8-byte boundary (its source anywhere: a piece of odd size inside
-    a user's buffer too), that nothing else writes and no other rank reads; F grows once per call and its only wait anywhere is one ``Wait(F, 1, call=0)`` in
-    the step that reads R; and p reads none of the lane's other writes (the Notify's release
-    would have carried them too).
+    a user's buffer too), that nothing else writes and no other rank reads; F grows once per
+    call and its only wait anywhere is one ``Wait(F, 1, call=0)`` in the step that reads R;
+    and p reads none of the lane's other writes (the Notify's release would have carried
+    them too).
 
     >>> from purlin.spec import collectives
     >>> from purlin.snac import plan
