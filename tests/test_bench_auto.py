@@ -226,7 +226,8 @@ def _bench_cases():
     return _bench().cases
 
 
-@pytest.mark.parametrize("run", ["2026-12-06-custom-vs-standard-1xH100-9b2b6bf.json",
+@pytest.mark.parametrize("run", ["2026-12-06-custom-vs-standard-1xH100-2b9abb9.json",
+                                 "2026-12-06-custom-vs-standard-1xH100-9b2b6bf.json",
                                  "2026-12-06-custom-vs-standard-1xH100-c1ab685.json",
                                  "2026-12-06-custom-vs-standard-1xH100-6670c77.json",
                                  "2026-12-04-custom-vs-standard-1xH200-de6bb09.json"])

@@ -361,6 +361,13 @@ def test_pieces_of_odd_size_inside_a_buffer_fuse_and_are_right():
 
 # ---------------------------------------------------------------- the same on a GPU
 
+def _with_ll(sizes):
+    """(protocol, bytes) pairs: every size on plain fused, LL only where it runs."""
+    from purlin.atom.sm import LL_MAX_BYTES
+
+    return [("fused", b) for b in sizes] + [("fused-ll", b) for b in sizes if b <= LL_MAX_BYTES]
+
+
 def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2, kernel=None):
     import torch
 
@@ -391,12 +398,9 @@ def _gpu_check(coll, sizes, dtype, strategy, protocol, calls=2, kernel=None):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [4, 8])
-@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
-@pytest.mark.parametrize("nbytes", [8 << 10, 64 << 10, 1 << 20])
+@pytest.mark.parametrize("protocol,nbytes", _with_ll([8 << 10, 64 << 10, 1 << 20]))
 @pytest.mark.parametrize("strategy", ["direct-push", "direct-pull"])
 def test_gpu_gqa_all_gather(n, protocol, nbytes, strategy):
-    if protocol == "fused-ll" and nbytes > 256 << 10:
-        pytest.skip("LL runs up to 256 KiB")
     e = 8  # bfloat16 elements per 16 bytes
     unit = max(e, nbytes // 2 // n // 6 // e * e)
     for extra in (0, 1):
@@ -478,15 +482,12 @@ def test_gpu_sums_of_pieces_of_odd_size_run_on_the_narrow_kernels():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [4, 8])
-@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
-@pytest.mark.parametrize("nbytes", [8 << 10, 64 << 10, 1 << 20, 16 << 20])
+@pytest.mark.parametrize("protocol,nbytes", _with_ll([8 << 10, 64 << 10, 1 << 20, 16 << 20]))
 def test_gpu_gqa_runs_segmented_ops_and_its_twin_does_not(n, protocol, nbytes):
     """The GQA all-gather's direct-push programs hold segmented ops and run on the
     ``fused-seg`` kernel (``fused-seg-copy`` without LL: plain copies only), right (three
     calls, an odd size too); its twin runs ``fused-copy``, or on LL ``fused-seg`` too (its LL
     rows joined: ``fused_rows.joined``)."""
-    if protocol == "fused-ll" and nbytes > 256 << 10:
-        pytest.skip("LL runs up to 256 KiB")
     e = 8
     unit = max(e, nbytes // 2 // n // 6 // e * e)
     for extra in (0, 1):
