@@ -89,7 +89,7 @@ def cases(n: int, nbytes: int, item: int):
     ag6 = _sizes(ag.input.names(), 6 * unit)
     out.append(("gqa all-gather", "all-gather", qkv, qkv_sizes, ag, ag6))
     # the same with one element more per piece: every piece after a rank's first off a
-    # 16-byte boundary (copies in narrow words), against the whole size's twin
+    # 16-byte boundary (odd-aligned copies), against the whole size's twin
     odd_qkv = {(r, t): k + 1 for (r, t), k in qkv_sizes.items()}
     out.append(("gqa all-gather, odd pieces", "all-gather", qkv, odd_qkv, ag, ag6))
 

@@ -322,8 +322,8 @@ def test_random_layouts_sizes_strategies_and_dtypes():
 def test_pieces_of_odd_size_inside_a_buffer_fuse_and_are_right():
     """Pieces whose element counts leave the next piece off a 16-byte boundary, in every
     position (GQA's q, k, v of odd counts; random layouts of odd pieces): their copies fuse
-    (``Move.narrow``: words as wide as the addresses allow), their reductions too (in 8-byte
-    units on the narrow builds), and give the reference."""
+    (``Move.narrow``: a block's items in aligned words from shifted loads), their reductions
+    too (in 8-byte units on the narrow builds), and give the reference."""
     from purlin.atom.fused import narrow_program
 
     ran = narrow = 0
@@ -414,7 +414,7 @@ def test_gpu_gqa_all_gather(n, protocol, nbytes, strategy):
 @pytest.mark.parametrize("strategy", ["direct-push", "direct-pull"])
 def test_gpu_pieces_of_odd_size_run_on_the_copy_kernels(n, nbytes, strategy):
     """GQA's q, k, v of odd element counts (every piece after the first off a 16-byte
-    boundary) on the fused kernel: copies in narrow words on a copy-only build, three calls,
+    boundary) on the fused kernel: odd-aligned copies on a copy-only build, three calls,
     the reference; and a default bind takes the fused kernel for it (on LL units at 8 KiB:
     the narrow builds)."""
     import torch

@@ -188,7 +188,7 @@ def plain_copies_on_the_copy_kernels():
 def pieces_of_odd_size_on_the_copy_kernels():
     """Pieces whose odd element counts leave the pieces after them off 16-byte boundaries
     (GQA's q, k, v; seeded random copy layouts), pushed and pulled, 2..6 ranks, 1..3 blocks:
-    their copies in narrow words (``isa.MOVE_NARROW``) on the copy-only kernel a launch picks,
+    their odd-aligned copies (``isa.MOVE_NARROW``) on the copy-only kernel a launch picks,
     segmented or not."""
     from test_fused_rows import gqa, gqa_sizes, random_layout
 

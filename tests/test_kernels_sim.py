@@ -1039,7 +1039,7 @@ def fused_random_layouts_of_unequal_rows():
         if problem is not None:
             continue
         programs = [w.copy() for w in fused_programs(low, bufs, unit, segments=False)]
-        # (a piece of odd size placed before others: copies in narrow words on the copy-only
+        # (a piece of odd size placed before others: odd-aligned copies on the copy-only
         # build, LL units on the narrow one)
         kernel = KERNELS[kernel_name(programs)][0]
         xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)

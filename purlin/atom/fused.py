@@ -415,7 +415,7 @@ def _check_ranks(ops_by_rank: list[list[tuple]]) -> None:
     where both are the same span."""
     narrow = [(r, op) for r, ops in enumerate(ops_by_rank) for op in ops
               if op.kind == "move" and op.narrow]
-    if narrow:  # only the copy-only builds copy in narrow words: every rank must be one
+    if narrow:  # only the copy-only builds copy odd-aligned rows: every rank must be one
         for r, ops in enumerate(ops_by_rank):
             for op in ops:
                 if op.kind == "put" or op.kind == "move" and (
@@ -669,8 +669,8 @@ def _data_records(words: np.ndarray):
 
 def narrow_program(words: np.ndarray) -> bool:
     """Does the fused program ``words`` move a piece at addresses not aligned to its unit (a
-    piece of odd size inside a user's buffer)? Copy-only programs of 16-byte items move such
-    pieces in narrow words (``isa.MOVE_NARROW``), programs of 8- and 4-byte units run on the
+    piece of odd size inside a user's buffer)? Copy-only programs of 16-byte items copy such
+    pieces themselves (``isa.MOVE_NARROW``), programs of 8- and 4-byte units run on the
     narrow builds (``purlin.kernels.fused.fused_narrow``)."""
     unit = int(words[F_UNIT])
     for kind, at in _data_records(words):

@@ -343,7 +343,7 @@ def _key(op, partners) -> tuple:
     arrivals; the rank's own copies meet none)."""
     if op.kind == "put":
         return ("put", op.peer)
-    if op.narrow:  # (its items move in narrow words: only a row of its own runs that)
+    if op.narrow:  # (an odd-aligned copy: only a row of its own runs that)
         return ("narrow", id(op))
     lls = tuple(sorted(s.peer for s in op.sources if s.is_ll))
     return ("move", lls, len(op.sources), op.how, op.dtype, partners if not lls else None)
