@@ -302,10 +302,20 @@ def _reduce_scalar(dst, pool, nsrc, first, count, dt, op, divisor, tid, nthreads
 
 
 @device
-def _fp8_word(word, dt):
+def fp8_word(word, dt):
     """Four FP8 elements of a 32-bit word as float32, lowest byte first."""
     return (fp8_to_f32(word & 0xFF, dt), fp8_to_f32((word >> 8) & 0xFF, dt),
             fp8_to_f32((word >> 16) & 0xFF, dt), fp8_to_f32((word >> 24) & 0xFF, dt))
+
+
+@device
+def fp8_pack(a, dt, op, div):
+    """Four float32 sums (:func:`fp8_word`'s, folded) as one word of FP8, each rounded once
+    (``div``: the average's divisor, a float32)."""
+    return (f32_to_fp8(avg_float(a[0], op, div), dt)
+            | (f32_to_fp8(avg_float(a[1], op, div), dt) << 8)
+            | (f32_to_fp8(avg_float(a[2], op, div), dt) << 16)
+            | (f32_to_fp8(avg_float(a[3], op, div), dt) << 24))
 
 
 @device
@@ -317,17 +327,14 @@ def _reduce_w4_fp8(dst, pool, nsrc, base, nwords, dt, op, divisor, tid, nthreads
     i = tid
     while i < nwords:
         at = base + i * 4
-        a0, a1, a2, a3 = _fp8_word(load_u32(first + at), dt)
+        a0, a1, a2, a3 = fp8_word(load_u32(first + at), dt)
         for s in range(1, nsrc):
-            b0, b1, b2, b3 = _fp8_word(load_u32(load_i64(pool + s * 8) + at), dt)
+            b0, b1, b2, b3 = fp8_word(load_u32(load_i64(pool + s * 8) + at), dt)
             a0 = combine(a0, b0, op)
             a1 = combine(a1, b1, op)
             a2 = combine(a2, b2, op)
             a3 = combine(a3, b3, op)
-        store_u32(dst + at, f32_to_fp8(avg_float(a0, op, div), dt)
-                  | (f32_to_fp8(avg_float(a1, op, div), dt) << 8)
-                  | (f32_to_fp8(avg_float(a2, op, div), dt) << 16)
-                  | (f32_to_fp8(avg_float(a3, op, div), dt) << 24))
+        store_u32(dst + at, fp8_pack((a0, a1, a2, a3), dt, op, div))
         i += nthreads
 
 

@@ -368,7 +368,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
         i = c * nthreads + tid
         code, seen, unit, entry, w0, w1 = _unit_result(meta, head, move, i, odd, tag, DT,
                                                        meta[F_REDOP], meta[F_DIVISOR],
-                                                       timeout_ns, abort, 8, False)
+                                                       timeout_ns, abort, 8, False, False)
         if code != 0:  # (every thread of the block passes the same barriers before leaving)
             _record(meta, head, code, _word(meta, head, entry + SOURCE_STEP), unit, tag, seen,
                     _word(meta, head, entry + SOURCE_PEER), block)

@@ -40,6 +40,8 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
                                 SOURCE_STEP, SOURCE_WIDTH, WAIT_EPOCH_OFFSET, WAIT_FLAG,
                                 WAIT_PEER, WAIT_PER_CALL, WAIT_SLOT, WAIT_STEP, WAIT_VALUE)
 from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
+from purlin.kernels.atoms import fp8_pack, fp8_word  # FP8 sums (the narrow builds)
+from purlin.kernels.isa import E4M3, E5M2  # (FP8 sums)
 from purlin.kernels.intrinsics import load_u8, load_u16  # (odd-aligned words: _load4)
 from purlin.kernels.isa import MOVE_NARROW  # (odd-aligned copies: _copy_narrow)
 from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
@@ -396,13 +398,14 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
 
 @device
 def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort,
-               valid, narrow):
-    """:func:`_move_item` for 8 bytes (one LL unit): four 16-bit or two 32-bit elements
-    (``valid`` of its bytes: fewer than 8 for a row's scalar tail); ``narrow``: the narrow
-    builds, whose plain sources and destinations lie at addresses of any alignment."""
+               valid, narrow, fp8):
+    """:func:`_move_item` for 8 bytes (one LL unit): four 16-bit or two 32-bit elements, or
+    eight FP8 ones with ``fp8`` (``valid`` of its bytes: fewer than 8 for a row's scalar
+    tail); ``narrow``: the narrow builds, whose plain sources and destinations lie at
+    addresses of any alignment."""
     code, seen, unit, entry, w0, w1 = _unit_result(meta, head, op_at, unit_i, odd, tag, dt,
                                                    redop, divisor, timeout_ns, abort, valid,
-                                                   narrow)
+                                                   narrow, fp8)
     if code == 0:
         dst = _word(meta, head, op_at + MOVE_DST + odd) + unit_i * 8
         if narrow:
@@ -418,10 +421,12 @@ def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_
 
 @device
 def _unit_result(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_ns, abort,
-                 valid, narrow):
+                 valid, narrow, fp8):
     """8-byte unit ``unit_i`` of a MOVE's result, accumulated as the interpreter does (each
     element type in its own loop, so no tuple ever changes type): (code, tag seen, address
-    polled, word of the source entry, w0, w1) -- code 0 when every source was there."""
+    polled, word of the source entry, w0, w1) -- code 0 when every source was there.
+    ``fp8``: FP8 sums too (the narrow build without segmented ops: FP8 sums never join
+    one)."""
     nsrc = _word(meta, head, op_at + MOVE_NSRC)
     at = _word(meta, head, op_at + MOVE_SOURCES)
     code, seen, unit, w0, w1 = _source8(meta, head, at, unit_i, odd, tag, timeout_ns, abort,
@@ -456,6 +461,18 @@ def _unit_result(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeou
             f1 = combine(f1, bits_to_f32(v1), redop)
         w0 = np.int64(f32_to_bits(avg_float(f0, redop, div)))
         w1 = np.int64(f32_to_bits(avg_float(f1, redop, div)))
+    elif fp8 and (dt == E4M3 or dt == E5M2):
+        lo, hi = fp8_word(w0, dt), fp8_word(w1, dt)
+        for s in range(1, nsrc):
+            entry = at + s * SOURCE_WIDTH
+            code, seen, unit, v0, v1 = _source8(meta, head, entry, unit_i, odd, tag,
+                                                timeout_ns, abort, valid, narrow)
+            if code != 0:
+                return code, seen, unit, entry, w0, w1
+            lo = _fold4(lo, fp8_word(v0, dt), redop)
+            hi = _fold4(hi, fp8_word(v1, dt), redop)
+        w0 = np.int64(fp8_pack(lo, dt, redop, div))
+        w1 = np.int64(fp8_pack(hi, dt, redop, div))
     else:  # I32
         n0, n1 = _signed(w0), _signed(w1)
         for s in range(1, nsrc):
@@ -927,7 +944,7 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             while not copies and i < items:
                 if _move_one(meta, head, at, i, odd, tag, dt, redop, divisor, timeout_ns, abort,
                              min(unit_bytes, nbytes - (i << shift)), unit_bytes, status, block,
-                             narrow):
+                             narrow, narrow and not segs):
                     break
                 i += stride
         if trace != 0 and tid == 0:
@@ -1074,16 +1091,17 @@ def _copy_narrow(dst, src, nbytes, run0, stride, tid, threads):
 
 @device
 def _move_one(meta, head, at, i, odd, tag, dt, redop, divisor, timeout_ns, abort, valid,
-              unit_bytes, status, block, narrow):
+              unit_bytes, status, block, narrow, fp8):
     """Item ``i`` of MOVE ``at`` (its first ``valid`` bytes) in units of ``unit_bytes``; where
     a poll gave up, the error record written and ``status`` set: returns whether it did.
-    (``narrow``: the narrow builds, whose 8- and 4-byte units take any address.)"""
+    (``narrow``: the narrow builds, whose 8- and 4-byte units take any address; ``fp8``:
+    FP8 sums in 8-byte units.)"""
     if unit_bytes == 4:
         code, seen, unit, entry = _move_four(meta, head, at, i, odd, tag, dt, redop, divisor,
                                              timeout_ns, abort, valid, narrow)
     elif unit_bytes == 8:
         code, seen, unit, entry = _move_unit(meta, head, at, i, odd, tag, dt, redop, divisor,
-                                             timeout_ns, abort, valid, narrow)
+                                             timeout_ns, abort, valid, narrow, fp8)
     else:
         code, seen, unit, entry = _move_item(meta, head, at, i, odd, tag, dt, redop, divisor,
                                              timeout_ns, abort, valid)
@@ -1266,7 +1284,7 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
                       j, unit_bytes, tag)
         elif _move_one(meta, head, rec, j, odd, tag, dt, redop, divisor, timeout_ns, abort,
                        min(unit_bytes, nbytes - (j << shift)), unit_bytes, status, block,
-                       narrow):
+                       narrow, False):
             return
         i += stride
     if n != 0:
@@ -1337,10 +1355,11 @@ fused_seg_copy, fused_seg_copy_pdl = _pair("fused_seg_copy", """``fused_seg`` fo
                                            copies=True)
 fused_narrow, fused_narrow_pdl = _pair("fused_narrow", """``fused`` for programs in 8- or
     4-byte units that move pieces at addresses of any alignment (pieces of odd size
-    inside a user's buffer: ``purlin.atom.fused.narrow_program``); a separate kernel, so the
-    others keep their code.""", narrow=True)
+    inside a user's buffer) or sum FP8 (``purlin.atom.fused.narrow_program``); a separate
+    kernel, so the others keep their code.""", narrow=True)
 fused_seg_narrow, fused_seg_narrow_pdl = _pair("fused_seg_narrow", """``fused_seg`` for such
-    programs, as ``fused_narrow``.""", segs=True, narrow=True)
+    programs, as ``fused_narrow`` (FP8 sums aside: they never join a segmented op).""",
+                                               segs=True, narrow=True)
 
 # ---- the traced kernels: the same ops, thread 0 of each block stamping each one
 TRACE_SIGNATURE = "void(int64, int64, int64, int64, int64, int64, int64, int64)"

@@ -37,7 +37,8 @@ from purlin.kernels.occupancy import spread_shared_bytes
 # an epilogue (programs ``purlin.atom.fused.oneshot_problem`` accepts).
 # ``kernel="fused-copy"`` (``"fused-seg-copy"``) is the one built for programs that only copy
 # plain memory, ``kernel="fused-narrow"`` (``"fused-seg-narrow"``) the one for programs whose
-# 8- and 4-byte units move pieces at addresses of any alignment (``purlin.atom.fused.kernel_name``
+# 8- and 4-byte units move pieces at addresses of any alignment or sum FP8
+# (``purlin.atom.fused.kernel_name``
 # names the kernel a launch's programs need).
 # ``kernel="fused-trace"`` (``"fused-norm-trace"``, ...) is
 # ``"fused"`` (``"fused-norm"``, ...) with thread 0 of every block stamping each op into the
@@ -56,8 +57,8 @@ from purlin.kernels.occupancy import spread_shared_bytes
 KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
            "executor-fp8": (executor_fp8, executor_fp8_pdl, SIGNATURE)}
 # the fused kernel compiled with what its programs need: "fused", "-norm" (a NORM op) or
-# "-seg" (segmented ops), "-copy" (plain copies only) or "-narrow" (units at odd addresses),
-# and each one's "-trace" twin
+# "-seg" (segmented ops), "-copy" (plain copies only) or "-narrow" (units at odd addresses,
+# FP8 sums), and each one's "-trace" twin
 for _name in ("fused", "fused-norm", "fused-seg", "fused-copy", "fused-seg-copy", "fused-narrow",
               "fused-seg-narrow"):
     for _traced in (False, True):

@@ -80,8 +80,9 @@ def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng,
     xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64) for r in range(n)]]
     for x in xs[0]:
         x[x == 0] = 3
-    run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads)
+    emulated = run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads)[0]
     want = reference(s.sizing, xs[0])
+    fp8 = dtype.startswith("float8")  # (summed in float32, rounded once: the emulation's bits)
     sent = {p: _sent(*p) for w in programs for p in _puts(w, unit)}
     for r, name in ((r, name) for name in sorted(names) for r in range(n)):
         for at, size, _ in _puts(programs[r], unit):
@@ -93,6 +94,12 @@ def _run_on_kernel(coll, sizes, dtype, strategy, protocol, blocks, threads, rng,
                                           counters.ctypes.data)
         assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, name, r, bufs.fused_error)
         got = bufs.outputs[r][:len(want[r])]
+        if fp8:
+            from purlin.spec.dtypes import fp8_decode
+
+            got = fp8_decode(got, dtype)
+            assert np.array_equal(got, emulated[r][:len(got)]), (coll.name, name, r, got)
+            want[r] = got  # (the emulation is the interpreter's rounding, checked elsewhere)
         got = bf16_floats(got) if dtype == "bfloat16" else \
             (got.view(np.float16) if dtype == "float16" else got).astype(np.float64)
         tol = 0.02 if dtype in ("bfloat16", "float16") else 0
@@ -250,6 +257,52 @@ def pieces_of_odd_size_on_the_narrow_kernels():
         ran += bool(copies)
         sums += not copies and got == {"fused-narrow"}
     assert kernels >= {"fused-narrow", "fused-seg-narrow"}, kernels
+
+
+@case
+def fp8_sums_on_the_narrow_kernels():
+    """FP8 sums (e4m3fn, e5m2; sum, avg, max; all-reduce, reduce-scatter, reduce at odd
+    element counts, then random reductions of several pieces; direct-push and direct-pull on
+    both protocols): on the narrow kernel without segmented ops (FP8 sums never join one),
+    in 8-byte units, each element summed in float32 and rounded once -- the emulation's
+    bits, which are the interpreter's."""
+    from purlin.spec.collectives import standard
+
+    rng = np.random.default_rng(8)
+    kernels = set()
+    ran = 0
+    for name in ("all-reduce", "reduce-scatter", "reduce"):
+        for dt, op in (("float8_e4m3fn", "sum"), ("float8_e5m2", "avg"),
+                       ("float8_e4m3fn", "max")):
+            n = int(rng.integers(2, 6))
+            coll = standard(name, n, root=n - 1, op=op)
+            sizes = {x: int(rng.integers(5, 90)) for x in coll.input.names()}
+            for strategy in ("direct-push", "direct-pull"):
+                for protocol in ("fused", "fused-ll"):
+                    for segments in (True, False):
+                        got = _run_on_kernel(coll, sizes, dt, strategy, protocol,
+                                             int(rng.integers(1, 4)), int(rng.integers(1, 5)),
+                                             rng, segments=segments)
+                        assert got <= {"fused-narrow"}, got  # (FP8 sums: no segments)
+                        kernels |= got
+                        ran += bool(got)
+    assert ran >= 30 and kernels == {"fused-narrow"}, (ran, kernels)
+    from test_fused_rows import random_layout
+
+    ran = 0  # random reductions of several pieces: no segmented op holds an FP8 sum
+    for _ in range(12):
+        n = int(rng.integers(2, 6))
+        dt = str(rng.choice(["float8_e4m3fn", "float8_e5m2"]))
+        coll, sizes = random_layout(rng, n, "bfloat16", odd_pieces=bool(rng.random() < 0.5),
+                                    copies=0.0)
+        how = (coll, sizes, dt, str(rng.choice(["direct-push", "direct-pull"])),
+               str(rng.choice(["fused", "fused-ll"])), int(rng.integers(1, 4)),
+               int(rng.integers(1, 5)), rng)
+        assert _run_on_kernel(*how) == set()  # (no program holds a segmented op)
+        got = _run_on_kernel(*how, segments=False)
+        assert got <= {"fused-narrow"}, got
+        ran += bool(got)
+    assert ran >= 8, ran
 
 
 @case

@@ -160,10 +160,10 @@ def test_auto_picks_the_fused_kernel_on_a_virtual_cluster(gpu, source):
                   gpu=gpu).protocol == "fused-ll"
 
 
-def test_auto_picks_what_binds_where_the_fused_kernel_cannot():
+def test_auto_picks_a_fused_plan_that_runs_for_uneven_sizes_and_fp8_sums():
     """Sizes whose rows do not all start aligned (uneven chunks) and FP8 sums: auto's choice
-    is a protocol whose plan runs (the interpreter where the fused kernel refuses)."""
-    seen = 0
+    is the fused kernel with a plan it runs (odd-aligned pieces and FP8 sums on the narrow
+    builds)."""
     for name in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all"):
         coll = standard(name, 4)
         names = coll.input.names()
@@ -175,14 +175,8 @@ def test_auto_picks_what_binds_where_the_fused_kernel_cannot():
             schedule = plan(coll, choice.strategy, sizing=coll.sized(chunk_sizes=sizes,
                                                                      dtype=dtype),
                             chunks=choice.chunks, lanes=choice.lanes)
-            if choice.protocol.startswith("fused"):
-                assert fused_problems(schedule)[choice.protocol] is None, (name, each, choice)
-            else:
-                seen += 1
-                assert choice.protocol in ("simple", "ll")
-                bpl, threads = interpreter_launch(schedule, Gpu(0, 132), 4)
-                assert _fits(Gpu(0, 132), 4, schedule.lanes, bpl, threads)
-    assert seen  # the FP8 sums (the fused kernel reduces no FP8)
+            assert choice.protocol.startswith("fused"), (name, each, dtype, choice)
+            assert fused_problems(schedule)[choice.protocol] is None, (name, each, choice)
 
 
 def test_tables_are_keyed_by_virtual_or_real_ranks(tmp_path):

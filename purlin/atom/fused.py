@@ -69,7 +69,7 @@ __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reducti
            "row_grid", "row_sums_bytes", "round_blocks", "segmented_program", "threads_grid"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
-FUSED_COPY_DTYPES = (5, 6)  # FP8 (isa E4M3, E5M2): moved as bytes, never reduced here
+FUSED_COPY_DTYPES = (5, 6)  # FP8 (isa E4M3, E5M2): moved as bytes; summed on the narrow builds
 
 
 class _Refused(Exception):
@@ -280,9 +280,10 @@ def _rank_ops(low: LoweredRank, unit: int = 16, narrow_units: bool = True) -> li
             ops.append(Notify("notify", int(a[FLAG]), int(a[VALUE])))
             continue
         dt = int(a[DTYPE])
-        if dt in FUSED_COPY_DTYPES and op == REDUCE:
-            raise _Refused(f"rank {r} row {k}: the fused kernel copies FP8 but does not "
-                           "reduce it (the interpreter does: protocol 'simple' or 'll')")
+        if dt in FUSED_COPY_DTYPES and op == REDUCE and not (narrow_units and unit == 8):
+            raise _Refused(f"rank {r} row {k}: the fused kernel sums FP8 only in 8-byte units "
+                           f"on its narrow builds, not in {unit}-byte ones (the interpreter "
+                           "sums it too: protocol 'simple' or 'll')")
         if dt not in FUSED_DTYPES + FUSED_COPY_DTYPES:
             raise _Refused(f"rank {r}: the fused kernel does not move dtype code {dt}")
         nbytes = int(a[COUNT]) * ITEMSIZE[dt]
@@ -669,15 +670,18 @@ def _data_records(words: np.ndarray):
 
 def narrow_program(words: np.ndarray) -> bool:
     """Does the fused program ``words`` move a piece at addresses not aligned to its unit (a
-    piece of odd size inside a user's buffer)? Copy-only programs of 16-byte items copy such
-    pieces themselves (``isa.MOVE_NARROW``), programs of 8- and 4-byte units run on the
-    narrow builds (``purlin.kernels.fused.fused_narrow``)."""
+    piece of odd size inside a user's buffer), or sum FP8? Copy-only programs of 16-byte
+    items copy such pieces themselves (``isa.MOVE_NARROW``); programs of 8- and 4-byte units
+    that do either run on the narrow builds (``purlin.kernels.fused.fused_narrow``)."""
     unit = int(words[F_UNIT])
+    fp8 = int(words[F_DTYPE]) in FUSED_COPY_DTYPES
     for kind, at in _data_records(words):
         if kind == F_OP_PUT:
             addresses = [words[at + PUT_SRC]]
         elif kind == F_OP_MOVE:
             first = int(words[at + MOVE_SOURCES])
+            if fp8 and int(words[at + MOVE_NSRC]) > 1:
+                return True
             entries = [first + s * SOURCE_WIDTH for s in range(int(words[at + MOVE_NSRC]))]
             addresses = [words[at + MOVE_DST], words[at + MOVE_DST + 1]] + \
                 [words[e + SOURCE_ADDR + p] for e in entries if words[e + SOURCE_LL] == 0

@@ -42,6 +42,7 @@ from typing import NamedTuple
 
 from purlin.atom.fused import (Segments, Span, _Refused, _accesses, _check_rank, _clash, _meets,
                                program, rank_ops)
+from purlin.kernels.isa import E4M3, E5M2
 
 __all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "acked", "aligned", "cluster_programs",
            "deadlock_free", "gathered", "joined", "ll_pieces", "merged_flags", "regroup",
@@ -345,6 +346,8 @@ def _key(op, partners) -> tuple:
         return ("put", op.peer)
     if op.narrow:  # (an odd-aligned copy: only a row of its own runs that)
         return ("narrow", id(op))
+    if op.how is not None and op.dtype in (E4M3, E5M2):  # (FP8 sums: never in a segment)
+        return ("fp8 sum", id(op))
     lls = tuple(sorted(s.peer for s in op.sources if s.is_ll))
     return ("move", lls, len(op.sources), op.how, op.dtype, partners if not lls else None)
 
