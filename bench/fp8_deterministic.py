@@ -1,6 +1,6 @@
-"""FP8 against bfloat16 all-gathers, and deterministic against default all-reduces.
+"""FP8 against bfloat16 all-gathers, deterministic against default all-reduces, FP8 sums.
 
-Two tables on ``Cluster.virtual(n)`` (one GPU; ``Cluster.local(n)`` where n GPUs are visible
+Three tables on ``Cluster.virtual(n)`` (one GPU; ``Cluster.local(n)`` where n GPUs are visible
 and ``--kind local``), at 4 and 8 ranks, from 8 KiB to 64 MiB (the bfloat16 message: the
 largest per-rank buffer, as nccl-tests count it):
 
@@ -10,7 +10,10 @@ largest per-rank buffer, as nccl-tests count it):
 * all-reduce (sum, bfloat16) bound with ``strategy="auto"`` and with ``strategy="auto",
   deterministic=True``: what each bind runs (strategy, protocol), time and the ratio; each
   is checked once against the float64 reference within the benchmarks' bound, and the
-  deterministic bind is run twice on the same inputs for the same bits.
+  deterministic bind is run twice on the same inputs for the same bits;
+* all-reduce (sum, ``float8_e4m3fn``) bound with ``strategy="auto"`` (the fused kernel's
+  narrow build) and on the interpreter (the same strategy, ``protocol="ll"`` or "simple"):
+  time and ratio, the two binds' outputs equal bit for bit (the sm datapath only).
 
     PYTHONPATH=. python3 bench/fp8_deterministic.py [--ranks 4,8]
         [--sizes 8KiB,64KiB,1MiB,16MiB,64MiB] [--out FILE.json] [--datapath sm|cpu]
@@ -200,6 +203,49 @@ def reduce_row(cluster, n: int, nbytes: int, half: str, datapath: str, torch=Non
     return row
 
 
+def fp8_sum_row(cluster, n: int, nbytes: int, half: str, datapath: str, torch=None) -> dict:
+    """An FP8 (e4m3fn) sum all-reduce of ``nbytes / 2`` elements (the bfloat16 message's
+    count): ``auto`` (the fused kernel's narrow build) against the interpreter on the same
+    strategy (LL up to ``LL_MAX_BYTES``, else simple), both on the same finite inputs, which
+    must give the same bits (``wrong``: the bytes that differ)."""
+    from purlin.atom.sm import LL_MAX_BYTES
+    from purlin.spec import collectives
+
+    coll = collectives.all_reduce(n)
+    count = max(16, nbytes // 2 // 16 * 16)
+    row = {"table": "fp8-sum", "nranks": n, "nbytes": nbytes, "count": count}
+    outs, strategy = {}, "direct-push"
+    for label in ("fused", "interpreter"):
+        entry = {}
+        try:
+            if label == "fused":
+                bound = cluster.bind(coll, "auto", count=count, dtype=FP8)
+                strategy = bound.schedule.strategy
+            else:
+                bound = cluster.bind(coll, strategy, count=count, dtype=FP8,
+                                     protocol="ll" if count <= LL_MAX_BYTES else "simple")
+            entry["how"] = _what(bound)
+            gen = torch.Generator(device=bound.inputs[0].device).manual_seed(3)
+            for x in bound.inputs:  # finite values: equal bits mean equal sums
+                values = torch.randn(x.numel(), generator=gen, device=x.device)
+                x.view(torch.uint8).view(-1).copy_(values.to(torch.float8_e4m3fn)
+                                                   .view(torch.uint8))
+            bound.launch()
+            bound.check()
+            count_out = bound.schedule.sizing.output_count
+            outs[label] = [o.view(torch.uint8)[:count_out(r)].clone()
+                           for r, o in enumerate(bound.outputs)]
+            entry["us"] = _time_gpu(torch, bound, nbytes)
+        except Exception as exc:  # noqa: BLE001 - a refused or failed bind is a row, said so
+            entry["refused"] = str(exc).splitlines()[0][:300]
+        row[label] = entry
+    if len(outs) == 2:
+        row["fused"]["wrong"] = sum(int((a != b).sum()) for a, b in
+                                    zip(outs["fused"], outs["interpreter"]))
+    row["ratio"] = _ratio(row["fused"], row["interpreter"])
+    return row
+
+
 def _ratio(a, b):
     if "us" not in a or "us" not in b or a.get("wrong") or b.get("wrong"):
         return None
@@ -218,7 +264,8 @@ def run(ranks, sizes, datapath="sm", kind="virtual", log=sys.stdout) -> dict:
         import torch
     half = "float16" if datapath == "cpu" else "bfloat16"  # numpy has no bfloat16
     rows, t0 = [], time.monotonic()
-    for table in (gather_row, reduce_row):
+    tables = (gather_row, reduce_row) + ((fp8_sum_row,) if datapath == "sm" else ())
+    for table in tables:
         for n in ranks:
             cluster = _cluster(datapath, kind, n)
             for nbytes in sizes:
@@ -258,6 +305,10 @@ def _print_row(row, log) -> None:
             print(f"\nall-gather, same elements: {'n':>2} {'size':>6} {'fp8 B':>10} "
                   f"{'bf16 B':>10} {'fp8 us':>9} {'bf16 us':>9} {'ratio':>6}  fp8 bind / "
                   "bf16 bind", file=log)
+        elif row["table"] == "fp8-sum":
+            print(f"\nall-reduce e4m3fn, sum:   {'n':>2} {'size':>6} {'fused':>9} "
+                  f"{'interp.':>9} {'ratio':>6}  fused bind / interpreter bind (same bits)",
+                  file=log)
         else:
             print(f"\nall-reduce {row['dtype']}: {'n':>2} {'size':>6} {'default':>9} "
                   f"{'determ.':>9} {'ratio':>6}  default bind / deterministic bind",
@@ -274,6 +325,11 @@ def _print_row(row, log) -> None:
               f"{f.get('output_bytes', '-'):>10} {b.get('output_bytes', '-'):>10} "
               f"{_us(f):>9} {_us(b):>9} {ratio:>6}  {f.get('how', f.get('refused'))} / "
               f"{b.get('how', b.get('refused'))}{tail}", file=log)
+    elif row["table"] == "fp8-sum":
+        f, i = row["fused"], row["interpreter"]
+        print(f"{'':<26} {row['nranks']:>2} {_size(row['nbytes']):>6} {_us(f):>9} "
+              f"{_us(i):>9} {ratio:>6}  {f.get('how', f.get('refused'))} / "
+              f"{i.get('how', i.get('refused'))}{tail}", file=log)
     else:
         d, k = row["default"], row["deterministic"]
         print(f"{'':<20} {row['nranks']:>2} {_size(row['nbytes']):>6} {_us(d):>9} "
