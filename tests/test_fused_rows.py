@@ -770,6 +770,37 @@ def _programs(coll, sizes, strategy, protocol, dtype="bfloat16", segments=True):
                             segments=segments and several_pieces(s)), bufs, s
 
 
+def test_fp8_sums_build_without_segmented_ops_for_the_narrow_kernel():
+    """Programs that sum FP8 (only ``fused_narrow`` runs them) never hold a segmented op,
+    whatever the layout (several pieces a peer, which bf16 sums segment), strategy or
+    protocol: their kernel is "fused-narrow", bfloat16's the one it was."""
+    from purlin.atom.fused import kernel_name, segmented_program
+
+    rng = np.random.default_rng(5)
+    ran = segmented_bf16 = 0
+    for case in range(40):
+        n = int(rng.integers(2, 7))
+        coll, sizes = random_layout(rng, n, "bfloat16", odd_pieces=bool(rng.random() < 0.3),
+                                    copies=0.0)
+        strategy = str(rng.choice(["direct-push", "direct-pull", "two-phase"]))
+        protocol = str(rng.choice(["fused", "fused-ll"]))
+        try:
+            fp8 = _programs(coll, sizes, strategy, protocol, "float8_e4m3fn")
+            bf16 = _programs(coll, sizes, strategy, protocol)
+        except Exception as exc:
+            if "cannot plan" in str(exc):  # (a strategy that does not plan this layout)
+                continue
+            raise
+        if fp8 is None:
+            continue
+        words = [p.words for p in fp8[0]]
+        assert not any(segmented_program(w) for w in words), (coll, strategy, protocol)
+        assert kernel_name(words) == "fused-narrow", kernel_name(words)
+        ran += 1
+        segmented_bf16 += bf16 is not None and any(segmented_program(p.words) for p in bf16[0])
+    assert ran >= 20 and segmented_bf16 >= 3, (ran, segmented_bf16)
+
+
 def _twin(n, sizes):
     """The all-gather moving the GQA layout's bytes: each rank's q + k + v as one piece."""
     from purlin.spec import collectives

@@ -646,6 +646,10 @@ def kernel_name(programs, traced: bool = False) -> str:
     name = "fused"
     if any(segmented_program(w) for w in programs):
         name += "-seg"
+        if any(fp8_sums(w) for w in programs):  # (fused_rows.cluster_programs keeps them apart)
+            raise RuntimeError("FP8 sums run on fused-narrow only, but these programs hold "
+                               "segmented ops (fused_rows.cluster_programs builds them "
+                               "without): a bug, please report it")
     if programs and all(copies_only(w) for w in programs):
         name += "-copy"
     elif any(narrow_program(w) for w in programs):
@@ -668,20 +672,26 @@ def _data_records(words: np.ndarray):
             yield kind, at
 
 
+def fp8_sums(words: np.ndarray) -> bool:
+    """Does the fused program ``words`` sum FP8 (a MOVE of several sources)?"""
+    return int(words[F_DTYPE]) in FUSED_COPY_DTYPES and any(
+        kind == F_OP_MOVE and int(words[at + MOVE_NSRC]) > 1
+        for kind, at in _data_records(words))
+
+
 def narrow_program(words: np.ndarray) -> bool:
     """Does the fused program ``words`` move a piece at addresses not aligned to its unit (a
     piece of odd size inside a user's buffer), or sum FP8? Copy-only programs of 16-byte
     items copy such pieces themselves (``isa.MOVE_NARROW``); programs of 8- and 4-byte units
     that do either run on the narrow builds (``purlin.kernels.fused.fused_narrow``)."""
     unit = int(words[F_UNIT])
-    fp8 = int(words[F_DTYPE]) in FUSED_COPY_DTYPES
+    if fp8_sums(words):
+        return True
     for kind, at in _data_records(words):
         if kind == F_OP_PUT:
             addresses = [words[at + PUT_SRC]]
         elif kind == F_OP_MOVE:
             first = int(words[at + MOVE_SOURCES])
-            if fp8 and int(words[at + MOVE_NSRC]) > 1:
-                return True
             entries = [first + s * SOURCE_WIDTH for s in range(int(words[at + MOVE_NSRC]))]
             addresses = [words[at + MOVE_DST], words[at + MOVE_DST + 1]] + \
                 [words[e + SOURCE_ADDR + p] for e in entries if words[e + SOURCE_LL] == 0

@@ -275,13 +275,15 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     (``purlin.atom.fused_trace.program_rows``)."""
     ops, rot = regrouped(lowered, unit)
     user = [low.user for low in lowered]
-    if segments:
+    # (FP8 sums run on fused_narrow alone: no segmented op anywhere in their programs)
+    fp8 = any(_fp8_sum(op) for rank in ops for op in rank)
+    if segments and not fp8:
         seg = segmented(ops, unit, ll_pieces(ops), user)
         if seg is not None:
             ops, rot = seg, aligned(seg, unit)
     norm = any(op.kind == "norm" for rank in ops for op in rank)  # (fused_norm: no segments)
     if join and not norm:
-        got = joined(ops, unit, user)
+        got = None if fp8 else joined(ops, unit, user)
         if got is not None:
             ops, rot = got, aligned(got, unit)
         got = gathered(ops, unit, user)
@@ -338,6 +340,11 @@ def _partners(ops_by_rank: list[list[tuple]], user: list | None = None) -> dict:
     return {row: frozenset(v) for row, v in out.items()}
 
 
+def _fp8_sum(op) -> bool:
+    """Is ``op`` a move summing FP8 (which only ``fused_narrow`` runs: no segmented ops)?"""
+    return op.kind == "move" and op.how is not None and op.dtype in (E4M3, E5M2)
+
+
 def _key(op, partners) -> tuple:
     """Rows of one key may share a segmented op: PUTs to one peer; moves reading LL units
     of the same peers; plain moves meeting the same other ranks (one peer's pushes or its
@@ -346,7 +353,7 @@ def _key(op, partners) -> tuple:
         return ("put", op.peer)
     if op.narrow:  # (an odd-aligned copy: only a row of its own runs that)
         return ("narrow", id(op))
-    if op.how is not None and op.dtype in (E4M3, E5M2):  # (FP8 sums: never in a segment)
+    if _fp8_sum(op):  # (FP8 sums: never in a segment)
         return ("fp8 sum", id(op))
     lls = tuple(sorted(s.peer for s in op.sources if s.is_ll))
     return ("move", lls, len(op.sources), op.how, op.dtype, partners if not lls else None)
