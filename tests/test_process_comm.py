@@ -470,7 +470,7 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     assert runs(ring, "fused-ll") == ("fused", True)
     assert runs(tail, "fused-ll") == ("fused-ll", True)
     assert runs(odd, "fused-ll") == ("fused-ll", True)  # (at byte 2: the narrow build)
-    assert runs(fp8, "fused-ll") == ("ll", False)
+    assert runs(fp8, "fused-ll") == ("fused-ll", True)  # (an FP8 sum: the narrow build)
     table = SimpleNamespace(strategy="direct-push", protocol="fused-ll", pdl=True)
     rules = SimpleNamespace(strategy="direct-push", protocol="simple", pdl=False)
     assert runs(small, "auto", choice=table) == ("fused-ll", True)
