@@ -264,10 +264,10 @@ def _load4(addr, valid):
 
 
 @device
-def _store4n(dst, w, valid):
-    """:func:`_store4` at an address of any alignment (the narrow builds): 2- or 1-byte
-    stores where it is not 4-byte aligned."""
-    if (dst & 3) == 0:
+def _store4n(dst, w, valid, narrow):
+    """:func:`_store4`; with ``narrow`` (the narrow builds) at an address of any alignment:
+    2- or 1-byte stores where it is not 4-byte aligned."""
+    if not narrow or (dst & 3) == 0:
         _store4(dst, w, valid)
         return
     n = min(valid, 4)
@@ -351,11 +351,8 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
     code, seen, unit, w = _source4(meta, head, at, i, odd, tag, timeout_ns, abort, valid, narrow)
     if code != 0:
         return code, seen, unit, at
-    if nsrc == 1 and narrow:
-        _store4n(dst, w, valid)
-        return 0, seen, unit, at
     if nsrc == 1:
-        _store4(dst, w, valid)
+        _store4n(dst, w, valid, narrow)
         return 0, seen, unit, at
     div = np.float32(divisor)
     if dt == BF16 or dt == F16:
@@ -368,11 +365,8 @@ def _move_four(meta, head, op_at, i, odd, tag, dt, redop, divisor, timeout_ns, a
                 return code, seen, unit, entry
             b0, b1 = unpack_half2(v, dt)
             a0, a1 = combine(a0, b0, redop), combine(a1, b1, redop)
-        h = pack_half2(avg_float(a0, redop, div), avg_float(a1, redop, div), dt)
-        if narrow:
-            _store4n(dst, h, valid)
-        else:
-            _store4(dst, h, valid)
+        _store4n(dst, pack_half2(avg_float(a0, redop, div), avg_float(a1, redop, div), dt),
+                 valid, narrow)
     elif dt == F32:
         f = bits_to_f32(w)
         for s in range(1, nsrc):
@@ -408,14 +402,9 @@ def _move_unit(meta, head, op_at, unit_i, odd, tag, dt, redop, divisor, timeout_
                                                    narrow, fp8)
     if code == 0:
         dst = _word(meta, head, op_at + MOVE_DST + odd) + unit_i * 8
-        if narrow:
-            _store4n(dst, w0, valid)
-            if valid > 4:
-                _store4n(dst + 4, w1, valid - 4)
-        else:
-            _store4(dst, w0, valid)
-            if valid > 4:
-                _store4(dst + 4, w1, valid - 4)
+        _store4n(dst, w0, valid, narrow)
+        if valid > 4:
+            _store4n(dst + 4, w1, valid - 4, narrow)
     return code, seen, unit, entry
 
 
@@ -905,7 +894,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
                 i += stride
             while i < items:
                 if narrow and unit_bytes != 16:
-                    _put_narrow(src, dst, i, unit_bytes, tag, _word(meta, head, at + PUT_BYTES))
+                    w0, w1 = _put_words_narrow(src, i, unit_bytes,
+                                               _word(meta, head, at + PUT_BYTES))
+                    _put_words(dst, i, unit_bytes, tag, w0, w1, np.int64(0), np.int64(0))
                 elif unit_bytes == 4:
                     store_volatile_v2_u32(dst + i * 8, (load_u32(src + i * 4), tag))
                 elif unit_bytes == 8:
@@ -1013,7 +1004,7 @@ def _copy_edge(dst, src, nbytes):
     """Fewer than 16 bytes at any alignment, in 4-byte words where both addresses allow."""
     k = 0
     while k < nbytes:
-        _store4n(dst + k, _load4(src + k, nbytes - k), nbytes - k)
+        _store4n(dst + k, _load4(src + k, nbytes - k), nbytes - k, True)
         k += 4
 
 
@@ -1031,7 +1022,7 @@ def _run_words(dst, nbytes, lo, hi):
 
 
 @device
-def _copy_run_edges(dst, src, nbytes, lo, hi, a0, n, d1, tid, last):
+def _copy_run_edges(dst, src, lo, hi, a0, n, d1, tid, last):
     """The bytes of items ``lo`` .. ``hi`` outside their aligned words: the run's head on
     thread 0, its tail on thread ``last``."""
     if hi <= lo:
@@ -1062,10 +1053,11 @@ def _copy_narrow(dst, src, nbytes, run0, stride, tid, threads):
     shift = (src - dst) & 15
     lo = run0 - stride  # (the round before: the items a rotation wraps to this block)
     while lo < items:
-        lo1 = lo + stride
+        l0, h0 = max(lo, 0), min(lo + threads, items)
+        l1, h1 = max(lo + stride, 0), min(lo + stride + threads, items)
         # two runs in flight: their loads before their stores
-        a0, n0, e0 = _run_words(dst, nbytes, max(lo, 0), min(lo + threads, items))
-        a1, n1, e1 = _run_words(dst, nbytes, max(lo1, 0), min(lo1 + threads, items))
+        a0, n0, e0 = _run_words(dst, nbytes, l0, h0)
+        a1, n1, e1 = _run_words(dst, nbytes, l1, h1)
         s0 = src + (a0 - dst) - shift
         s1 = src + (a1 - dst) - shift
         m = tid << 4
@@ -1082,10 +1074,8 @@ def _copy_narrow(dst, src, nbytes, run0, stride, tid, threads):
             store_v4_u32(a0 + m, _funnel16(x, x1, shift))
         if tid < n1:
             store_v4_u32(a1 + m, _funnel16(y, y1, shift))
-        _copy_run_edges(dst, src, nbytes, max(lo, 0), min(lo + threads, items), a0, n0, e0,
-                        tid, threads - 1)
-        _copy_run_edges(dst, src, nbytes, max(lo1, 0), min(lo1 + threads, items), a1, n1, e1,
-                        tid, threads - 1)
+        _copy_run_edges(dst, src, l0, h0, a0, n0, e0, tid, threads - 1)
+        _copy_run_edges(dst, src, l1, h1, a1, n1, e1, tid, threads - 1)
         lo += 2 * stride
 
 
@@ -1152,17 +1142,6 @@ def _put_words_narrow(src, i, unit_bytes, nbytes):
     if unit_bytes == 4:
         return w0, np.int64(0)
     return w0, _load4(src + i * unit_bytes + 4, left - 4)
-
-
-@device
-def _put_narrow(src, dst, i, unit_bytes, tag, nbytes):
-    """:func:`_put_item` for a source of ``nbytes`` at an address of any alignment (the
-    narrow builds)."""
-    w0, w1 = _put_words_narrow(src, i, unit_bytes, nbytes)
-    if unit_bytes == 4:
-        store_volatile_v2_u32(dst + i * 8, (w0, tag))
-    else:
-        store_volatile_v4_u32(dst + i * 16, (w0, tag, w1, tag))
 
 
 @device
@@ -1277,8 +1256,9 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
                        p3)
             read = False
         elif kind == F_OP_PUTS and narrow and unit_bytes != 16:
-            _put_narrow(_word(meta, head, rec + PUT_SRC), _word(meta, head, rec + PUT_DST + odd),
-                        j, unit_bytes, tag, nbytes)
+            w0, w1 = _put_words_narrow(_word(meta, head, rec + PUT_SRC), j, unit_bytes, nbytes)
+            _put_words(_word(meta, head, rec + PUT_DST + odd), j, unit_bytes, tag, w0, w1,
+                       np.int64(0), np.int64(0))
         elif kind == F_OP_PUTS:
             _put_item(_word(meta, head, rec + PUT_SRC), _word(meta, head, rec + PUT_DST + odd),
                       j, unit_bytes, tag)

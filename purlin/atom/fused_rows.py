@@ -40,9 +40,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from purlin.atom.fused import (Segments, Span, _Refused, _accesses, _check_rank, _clash, _meets,
-                               program, rank_ops)
-from purlin.kernels.isa import E4M3, E5M2
+from purlin.atom.fused import (FUSED_COPY_DTYPES, Segments, Span, _Refused, _accesses,
+                               _check_rank, _clash, _meets, program, rank_ops)
 
 __all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "acked", "aligned", "cluster_programs",
            "deadlock_free", "gathered", "joined", "ll_pieces", "merged_flags", "regroup",
@@ -342,7 +341,7 @@ def _partners(ops_by_rank: list[list[tuple]], user: list | None = None) -> dict:
 
 def _fp8_sum(op) -> bool:
     """Is ``op`` a move summing FP8 (which only ``fused_narrow`` runs: no segmented ops)?"""
-    return op.kind == "move" and op.how is not None and op.dtype in (E4M3, E5M2)
+    return op.kind == "move" and op.how is not None and op.dtype in FUSED_COPY_DTYPES
 
 
 def _key(op, partners) -> tuple:
