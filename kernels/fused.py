@@ -42,7 +42,7 @@ from purlin.kernels.isa import (BF16, E_BLOCK, E_CODE, E_EXPECTED, E_FLAG, E_LAN
 from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
 from purlin.kernels.atoms import fp8_pack, fp8_word  # FP8 sums (the narrow builds)
 from purlin.kernels.isa import E4M3, E5M2  # (FP8 sums)
-from purlin.kernels.intrinsics import load_u8, load_u16  # (odd-aligned words: _load4)
+from purlin.kernels.intrinsics import load_u8, load_u16  # (_copy_narrow, _load4)
 from purlin.kernels.isa import MOVE_NARROW  # (odd-aligned copies: _copy_narrow)
 from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
 from purlin.kernels.isa import PUT_ROTATE  # (a PUT's rotation: _rotated)
@@ -917,12 +917,9 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             i = gm
             # (odd-aligned pieces: only copy-only programs hold them, atom.fused checks)
             if copies and _word(meta, head, at + MOVE_NARROW) != 0:
-                cuda.syncthreads()  # (the block's threads share the row's items)
                 _copy_narrow(_word(meta, head, at + MOVE_DST + odd),
-                             _word(meta, head, first + SOURCE_ADDR + odd), nbytes,
-                             _rotated(g - tid, _word(meta, head, at + MOVE_ROTATE), stride),
-                             stride, tid, cuda.blockDim.x)
-                cuda.syncthreads()
+                             _word(meta, head, first + SOURCE_ADDR + odd), nbytes, gm, stride,
+                             _word(meta, head, at + MOVE_NARROW))
                 i = items
             elif copies or (plain and nsrc == 1):
                 _copy_row(_word(meta, head, at + MOVE_DST + odd),
@@ -975,108 +972,58 @@ def _copy_row(dst, src, nbytes, first, stride):
 
 
 @device
-def _funnel4(lo, hi, bits):
-    """The 4 bytes from bit ``bits`` (0, 8, 16 or 24) of the 8 bytes ``lo`` then ``hi``."""
-    x = (np.uint64(hi) << np.uint64(32)) | np.uint64(lo)
-    return np.uint32((x >> np.uint64(bits)) & np.uint64(0xFFFFFFFF))
-
-
-@device
-def _funnel16(a, b, shift):
-    """The 16 bytes from byte ``shift`` (0..15) of the 32 bytes ``a`` then ``b`` (16-byte
-    words as 4-tuples of uint32)."""
-    q = shift >> 2
-    if q == 0:
-        w0, w1, w2, w3, w4 = a[0], a[1], a[2], a[3], b[0]
-    elif q == 1:
-        w0, w1, w2, w3, w4 = a[1], a[2], a[3], b[0], b[1]
-    elif q == 2:
-        w0, w1, w2, w3, w4 = a[2], a[3], b[0], b[1], b[2]
-    else:
-        w0, w1, w2, w3, w4 = a[3], b[0], b[1], b[2], b[3]
-    bits = (shift & 3) << 3
-    return (_funnel4(w0, w1, bits), _funnel4(w1, w2, bits), _funnel4(w2, w3, bits),
-            _funnel4(w3, w4, bits))
-
-
-@device
-def _copy_edge(dst, src, nbytes):
-    """Fewer than 16 bytes at any alignment, in 4-byte words where both addresses allow."""
-    k = 0
-    while k < nbytes:
-        _store4n(dst + k, _load4(src + k, nbytes - k), nbytes - k, True)
-        k += 4
-
-
-@device
-def _run_words(dst, nbytes, lo, hi):
-    """Items ``lo`` .. ``hi`` of a row at ``dst``: (the first 16-byte aligned destination
-    address in them, how many aligned 16-byte words follow it, the end of their bytes)."""
-    d0 = dst + (lo << 4)
-    d1 = dst + min(hi << 4, nbytes)
-    a0 = (d0 + 15) & -16
-    n = ((d1 & -16) - a0) >> 4
-    if hi <= lo or n < 0:
-        n = 0
-    return a0, n, d1
-
-
-@device
-def _copy_run_edges(dst, src, lo, hi, a0, n, d1, tid, last):
-    """The bytes of items ``lo`` .. ``hi`` outside their aligned words: the run's head on
-    thread 0, its tail on thread ``last``."""
-    if hi <= lo:
-        return
-    d0 = dst + (lo << 4)
-    if n == 0:
-        if tid == 0:
-            _copy_edge(d0, src + (lo << 4), d1 - d0)
-        return
-    if tid == 0 and a0 > d0:
-        _copy_edge(d0, src + (lo << 4), a0 - d0)
-    end = a0 + (n << 4)
-    if tid == last and d1 > end:
-        _copy_edge(end, src + (end - dst), d1 - end)
-
-
-@device
-def _copy_narrow(dst, src, nbytes, run0, stride, tid, threads):
-    """A copy of ``nbytes`` at addresses of any alignment (a piece of odd size inside a
-    user's buffer) whose 16-byte items fall to blocks as an aligned row's do: item i is
-    thread (i + rotation) mod ``stride``'s, so a block's items of a round are consecutive,
-    from ``run0`` (its thread 0's first item) on. The block stores each run in aligned
-    16-byte words, each built from the two aligned source words it straddles, and only the
-    run's two ends in narrow words. The block's ``threads`` share its items: the caller
-    fences the copy with barriers on both sides (the other rows between two flag operations
-    keep an item on one thread)."""
+def _copy_narrow(dst, src, nbytes, first, stride, width):
+    """A copy of ``nbytes`` at addresses aligned only to ``width`` bytes (8, 4, 2 or 1: a
+    piece of odd size inside a user's buffer): this thread's 16-byte items of the row from
+    item ``first`` on, as an aligned row's fall to threads, each in words of that width --
+    a whole item's loads all issued before its stores (raw addresses: the compiler may not
+    move a load past a store), the last item's bytes only."""
     items = (nbytes + 15) >> 4
-    shift = (src - dst) & 15
-    lo = run0 - stride  # (the round before: the items a rotation wraps to this block)
-    while lo < items:
-        l0, h0 = max(lo, 0), min(lo + threads, items)
-        l1, h1 = max(lo + stride, 0), min(lo + stride + threads, items)
-        # two runs in flight: their loads before their stores
-        a0, n0, e0 = _run_words(dst, nbytes, l0, h0)
-        a1, n1, e1 = _run_words(dst, nbytes, l1, h1)
-        s0 = src + (a0 - dst) - shift
-        s1 = src + (a1 - dst) - shift
-        m = tid << 4
-        x = x1 = y = y1 = (np.uint32(0), np.uint32(0), np.uint32(0), np.uint32(0))
-        if tid < n0:
-            x = load_v4_u32(s0 + m)
-            if shift != 0:
-                x1 = load_v4_u32(s0 + m + 16)
-        if tid < n1:
-            y = load_v4_u32(s1 + m)
-            if shift != 0:
-                y1 = load_v4_u32(s1 + m + 16)
-        if tid < n0:
-            store_v4_u32(a0 + m, _funnel16(x, x1, shift))
-        if tid < n1:
-            store_v4_u32(a1 + m, _funnel16(y, y1, shift))
-        _copy_run_edges(dst, src, l0, h0, a0, n0, e0, tid, threads - 1)
-        _copy_run_edges(dst, src, l1, h1, a1, n1, e1, tid, threads - 1)
-        lo += 2 * stride
+    whole = nbytes >> 4
+    i = first
+    while i < items:
+        s = src + (i << 4)
+        d = dst + (i << 4)
+        if i < whole and width == 8:
+            a0, a1 = load_i64(s), load_i64(s + 8)
+            store_i64(d, a0)
+            store_i64(d + 8, a1)
+        elif i < whole and width == 4:
+            w0, w1, w2, w3 = load_u32(s), load_u32(s + 4), load_u32(s + 8), load_u32(s + 12)
+            store_u32(d, w0)
+            store_u32(d + 4, w1)
+            store_u32(d + 8, w2)
+            store_u32(d + 12, w3)
+        elif i < whole and width == 2:
+            h0, h1, h2, h3 = load_u16(s), load_u16(s + 2), load_u16(s + 4), load_u16(s + 6)
+            h4, h5, h6, h7 = load_u16(s + 8), load_u16(s + 10), load_u16(s + 12), \
+                load_u16(s + 14)
+            store_u16(d, h0)
+            store_u16(d + 2, h1)
+            store_u16(d + 4, h2)
+            store_u16(d + 6, h3)
+            store_u16(d + 8, h4)
+            store_u16(d + 10, h5)
+            store_u16(d + 12, h6)
+            store_u16(d + 14, h7)
+        else:  # 1-byte words, or the row's last, partial item
+            n = min(16, nbytes - (i << 4))
+            k = 0
+            while k < n:
+                left = n - k
+                if width >= 8 and left >= 8:
+                    store_i64(d + k, load_i64(s + k))
+                    k += 8
+                elif width >= 4 and left >= 4:
+                    store_u32(d + k, load_u32(s + k))
+                    k += 4
+                elif width >= 2 and left >= 2:
+                    store_u16(d + k, load_u16(s + k))
+                    k += 2
+                else:
+                    store_u8(d + k, load_u8(s + k))
+                    k += 1
+        i += stride
 
 
 @device

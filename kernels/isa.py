@@ -125,8 +125,8 @@ MOVE_DST, MOVE_BYTES, MOVE_NSRC, MOVE_SOURCES = 1, 3, 4, 5
 MOVE_ROTATE = 6
 # (and, word 7, for a one-source copy whose addresses are not all 16-byte aligned -- pieces of
 #  odd size inside a user's buffer --, the widest word, 8, 4, 2 or 1 bytes, that every one of
-#  them is aligned to; 0 for rows of aligned 16-byte items. The kernel reads it as a switch:
-#  a block copies its items as one run of aligned stores from shifted loads, _copy_narrow)
+#  them is aligned to: each 16-byte item of the row moves in words of that width; 0 for rows
+#  of aligned 16-byte items)
 MOVE_NARROW = 7
 # NORM:   kind, target on even calls, on odd calls, bytes, 1, first parameter word, chunks,
 #         chunks per row -- the epilogue (residual add and RMSNorm) over a MOVE's

@@ -74,65 +74,26 @@ def copy_bytes_every_offset_and_length():
                 assert _guards_intact(dst_raw, dst, n), (src_off, dst_off, n)
 
 
-def _narrow_copy_kernel():
-    """A kernel over ``_copy_narrow`` alone, the blocks past ``only`` (when >= 0) idle. The
-    simulator swaps ``numba.cuda`` in a kernel's globals, so the name is bound there."""
-    global cuda
-    from numba import cuda
-
-    from purlin.kernels.fused import _copy_narrow, _rotated
-
-    @cuda.jit
-    def copy(dst, src, nbytes, rotation, only, stride):
-        if only >= 0 and cuda.blockIdx.x != only:
-            return
-        _copy_narrow(dst, src, nbytes, _rotated(cuda.blockIdx.x * cuda.blockDim.x, rotation,
-                                                stride), stride, cuda.threadIdx.x,
-                     cuda.blockDim.x)
-
-    return copy
-
-
 @case
-def narrow_copies_every_offset_length_and_rotation():
-    """The fused kernel's copy of an odd-aligned piece (``_copy_narrow``): every source
-    offset against destination offsets of each alignment, lengths 0..50 and longer, 1-3
-    blocks of 1-5 threads, rotations that wrap a block's items; aligned 16-byte stores from
-    shifted source words, narrow only at a block's run ends (the simulator checks each
-    access's alignment as a GPU does)."""
-    copy = _narrow_copy_kernel()
+def narrow_copies_every_width_offset_and_length():
+    """The fused kernel's copy of an odd-aligned piece (``_copy_narrow``): words of 8, 4, 2
+    and 1 bytes at every offset that width allows, lengths 0..40 and longer, 3 threads; the
+    simulator's accesses are checked for alignment as a GPU's are."""
+    from purlin.kernels.fused import _copy_narrow
+
     rng = np.random.default_rng(3)
-    lengths = [0, 1, 2, 3, 5, 15, 16, 17, 31, 32, 33, 47, 50, 97, 256, 1001]
-    ran = 0
-    for src_off in range(16):
-        for dst_off in (1, 2, 4, 8, 14, 0):
-            for n in lengths:
-                blocks, threads = int(rng.integers(1, 4)), int(rng.integers(1, 6))
-                rotation = int(rng.integers(0, 2 * blocks * threads))
-                src_raw, src = _aligned(n, src_off)
-                dst_raw, dst = _aligned(n, dst_off)
-                src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
-                copy[blocks, threads](dst, src, n, rotation, -1, blocks * threads)
-                assert np.array_equal(_view(dst_raw, dst, n, np.uint8),
-                                      _view(src_raw, src, n, np.uint8)), \
-                    (src_off, dst_off, n, blocks, threads, rotation)
-                assert _guards_intact(dst_raw, dst, n), (src_off, dst_off, n)
-                ran += 1
-    # each block writes exactly its items' bytes, as an aligned row's blocks do (flags order
-    # a row's items per block)
-    for n, blocks, threads, rotation, src_off, dst_off in ((1001, 3, 5, 7, 3, 10),
-                                                           (97, 2, 4, 9, 1, 2), (256, 3, 2, 0, 6, 0)):
-        stride = blocks * threads
-        for b in range(blocks):
-            src_raw, src = _aligned(n, src_off)
-            dst_raw, dst = _aligned(n, dst_off)
-            src_raw[:] = rng.integers(0, GUARD, src_raw.size, dtype=np.uint8)
-            copy[blocks, threads](dst, src, n, rotation, b, stride)
-            written = _view(dst_raw, dst, n, np.uint8) != GUARD
-            owned = np.array([((i // 16 + rotation) % stride) // threads == b for i in range(n)])
-            assert np.array_equal(written, owned), (n, blocks, threads, rotation, b)
-            assert _guards_intact(dst_raw, dst, n), (n, b)
-    assert ran == 16 * 6 * len(lengths)
+    for width in (8, 4, 2, 1):
+        for src_off in range(0, 16, width):
+            for dst_off in (width % 16, (16 - width) % 16, 0):
+                for n in list(range(41)) + [97, 256]:
+                    src_raw, src = _aligned(n, src_off)
+                    dst_raw, dst = _aligned(n, dst_off)
+                    src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
+                    for tid in range(3):
+                        _copy_narrow(dst, src, n, tid, 3, width)
+                    assert np.array_equal(_view(dst_raw, dst, n, np.uint8),
+                                          _view(src_raw, src, n, np.uint8)), (width, n)
+                    assert _guards_intact(dst_raw, dst, n), (width, src_off, dst_off, n)
 
 
 @case

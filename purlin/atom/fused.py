@@ -131,7 +131,7 @@ class Source(NamedTuple):
 class Move(NamedTuple):
     """Write ``nbytes`` at ``dst_even`` / ``dst_odd`` from ``sources`` (a copy when ``how`` is
     None, else their reduction); ``narrow``: a one-source copy at addresses not all 16-byte
-    aligned, the widest word they all align to (``isa.MOVE_NARROW``; 0: aligned)."""
+    aligned, its items moved in words of that many bytes (``isa.MOVE_NARROW``; 0: aligned)."""
 
     kind: str  # "move"
     dst_even: int
