@@ -43,7 +43,7 @@ from purlin.kernels.intrinsics import store_u8  # FP8 rows end on any byte
 from purlin.kernels.atoms import fp8_pack, fp8_word  # FP8 sums (the narrow builds)
 from purlin.kernels.isa import E4M3, E5M2  # (FP8 sums)
 from purlin.kernels.intrinsics import load_u8, load_u16  # (_copy_narrow, _load4)
-from purlin.kernels.isa import MOVE_NARROW  # (odd-aligned copies: _copy_narrow)
+from purlin.kernels.isa import MOVE_NARROW, NARROW_SHIFT  # (odd-aligned copies)
 from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
 from purlin.kernels.isa import PUT_ROTATE  # (a PUT's rotation: _rotated)
 from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
@@ -916,10 +916,16 @@ def _run(desc_ptr, nranks_in_launch, blocks_per_rank, timeout_ns, stride_words, 
             gm = _rotated(g, _word(meta, head, at + MOVE_ROTATE), stride)
             i = gm
             # (odd-aligned pieces: only copy-only programs hold them, atom.fused checks)
-            if copies and _word(meta, head, at + MOVE_NARROW) != 0:
+            narrow_word = _word(meta, head, at + MOVE_NARROW) if copies else 0
+            if narrow_word & NARROW_SHIFT:
+                _copy_shifted(_word(meta, head, at + MOVE_DST + odd),
+                              _word(meta, head, first + SOURCE_ADDR + odd), nbytes, gm,
+                              stride)
+                i = items
+            elif narrow_word != 0:
                 _copy_narrow(_word(meta, head, at + MOVE_DST + odd),
                              _word(meta, head, first + SOURCE_ADDR + odd), nbytes, gm, stride,
-                             _word(meta, head, at + MOVE_NARROW))
+                             narrow_word)
                 i = items
             elif copies or (plain and nsrc == 1):
                 _copy_row(_word(meta, head, at + MOVE_DST + odd),
@@ -1007,23 +1013,101 @@ def _copy_narrow(dst, src, nbytes, first, stride, width):
             store_u16(d + 12, h6)
             store_u16(d + 14, h7)
         else:  # 1-byte words, or the row's last, partial item
-            n = min(16, nbytes - (i << 4))
-            k = 0
-            while k < n:
-                left = n - k
-                if width >= 8 and left >= 8:
-                    store_i64(d + k, load_i64(s + k))
-                    k += 8
-                elif width >= 4 and left >= 4:
-                    store_u32(d + k, load_u32(s + k))
-                    k += 4
-                elif width >= 2 and left >= 2:
-                    store_u16(d + k, load_u16(s + k))
-                    k += 2
-                else:
-                    store_u8(d + k, load_u8(s + k))
-                    k += 1
+            _copy_edge(d, s, min(16, nbytes - (i << 4)))
         i += stride
+
+
+@device
+def _funnel4(lo, hi, bits):
+    """The 4 bytes from bit ``bits`` (0, 8, 16 or 24) of the 8 bytes ``lo`` then ``hi``."""
+    x = (np.uint64(hi) << np.uint64(32)) | np.uint64(lo)
+    return np.uint32((x >> np.uint64(bits)) & np.uint64(0xFFFFFFFF))
+
+
+@device
+def _funnel16(a, b, shift):
+    """The 16 bytes from byte ``shift`` (0..15) of the 32 bytes ``a`` then ``b`` (16-byte
+    words as 4-tuples of uint32)."""
+    q = shift >> 2
+    if q == 0:
+        w0, w1, w2, w3, w4 = a[0], a[1], a[2], a[3], b[0]
+    elif q == 1:
+        w0, w1, w2, w3, w4 = a[1], a[2], a[3], b[0], b[1]
+    elif q == 2:
+        w0, w1, w2, w3, w4 = a[2], a[3], b[0], b[1], b[2]
+    else:
+        w0, w1, w2, w3, w4 = a[3], b[0], b[1], b[2], b[3]
+    bits = (shift & 3) << 3
+    return (_funnel4(w0, w1, bits), _funnel4(w1, w2, bits), _funnel4(w2, w3, bits),
+            _funnel4(w3, w4, bits))
+
+
+@device
+def _shifted_word(d, s, shift):
+    """The aligned 16-byte word at ``d`` from the bytes at ``s`` (any alignment), read as
+    the one or two aligned source words holding them."""
+    a = load_v4_u32(s - shift)
+    if shift == 0:
+        return a
+    return _funnel16(a, load_v4_u32(s - shift + 16), shift)
+
+
+@device
+def _copy_shifted(dst, src, nbytes, first, stride):
+    """A copy of ``nbytes`` at addresses of any alignment, cut at the destination's 16-byte
+    boundaries (``isa.NARROW_SHIFT``: the destination is aligned, so the cut is the items',
+    or nothing else in the launch touches it): every store but the row's two ends is an
+    aligned 16-byte word, funnel-shifted from the aligned source words it straddles. This thread takes words ``first``, ``first + stride``, ... (two in
+    flight); the thread of word 0 the bytes before the first boundary, the thread the word
+    after the last would fall to the bytes after it (an aligned row's partial last item's
+    thread)."""
+    a0 = (dst + 15) & -16
+    words = ((dst + nbytes) & -16) - a0
+    words = (words >> 4) if words > 0 else 0
+    diff = src - dst
+    shift = diff & 15
+    j = first
+    while j + stride < words:
+        d0 = a0 + (j << 4)
+        d1 = d0 + (stride << 4)
+        w0 = _shifted_word(d0, d0 + diff, shift)
+        w1 = _shifted_word(d1, d1 + diff, shift)
+        store_v4_u32(d0, w0)
+        store_v4_u32(d1, w1)
+        j += 2 * stride
+    if j < words:
+        d0 = a0 + (j << 4)
+        store_v4_u32(d0, _shifted_word(d0, d0 + diff, shift))
+    if words == 0:  # (fewer than 32 bytes)
+        if first == 0:
+            _copy_edge(dst, src, min(nbytes, 16))
+            if nbytes > 16:
+                _copy_edge(dst + 16, src + 16, nbytes - 16)
+        return
+    if first == 0:
+        _copy_edge(dst, src, a0 - dst)
+    if first == words % stride:
+        end = a0 + (words << 4)
+        _copy_edge(end, end + diff, dst + nbytes - end)
+
+
+@device
+def _copy_edge(dst, src, nbytes):
+    """At most 16 bytes at any alignment, every load issued before the first store (one
+    memory latency, not one a word)."""
+    if nbytes <= 0:
+        return
+    w0 = _load4(src, nbytes)
+    w1 = _load4(src + 4, nbytes - 4) if nbytes > 4 else np.int64(0)
+    w2 = _load4(src + 8, nbytes - 8) if nbytes > 8 else np.int64(0)
+    w3 = _load4(src + 12, nbytes - 12) if nbytes > 12 else np.int64(0)
+    _store4n(dst, w0, nbytes, True)
+    if nbytes > 4:
+        _store4n(dst + 4, w1, nbytes - 4, True)
+    if nbytes > 8:
+        _store4n(dst + 8, w2, nbytes - 8, True)
+    if nbytes > 12:
+        _store4n(dst + 12, w3, nbytes - 12, True)
 
 
 @device

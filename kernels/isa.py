@@ -126,8 +126,12 @@ MOVE_ROTATE = 6
 # (and, word 7, for a one-source copy whose addresses are not all 16-byte aligned -- pieces of
 #  odd size inside a user's buffer --, the widest word, 8, 4, 2 or 1 bytes, that every one of
 #  them is aligned to: each 16-byte item of the row moves in words of that width; 0 for rows
-#  of aligned 16-byte items)
+#  of aligned 16-byte items. Plus NARROW_SHIFT where the row may be cut at the destination's
+#  16-byte boundaries -- the destination is aligned (the same cut), or no other row of the
+#  launch, on any rank, touches it or writes the source --: aligned 16-byte stores from
+#  shifted loads, _copy_shifted)
 MOVE_NARROW = 7
+NARROW_SHIFT = 16
 # NORM:   kind, target on even calls, on odd calls, bytes, 1, first parameter word, chunks,
 #         chunks per row -- the epilogue (residual add and RMSNorm) over a MOVE's
 #         destination, in chunks of threads x unit bytes; its parameters take one source

@@ -15,6 +15,7 @@ import pytest
 from purlin.atom.fused import fused_unit, rank_ops
 from purlin.atom.fused_rows import regroup, regrouped, rotations
 from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
+from purlin.kernels.isa import F_HEAD, F_NOPS, F_OP_MOVE, MOVE_NARROW, NARROW_SHIFT, OP_WIDTH
 from purlin.snac import plan
 from purlin.spec import Collective, reference
 
@@ -319,14 +320,55 @@ def test_random_layouts_sizes_strategies_and_dtypes():
     assert ran >= 30 and merged >= 10, (ran, merged)
 
 
+def _narrow_rows(words: np.ndarray) -> np.ndarray:
+    """The ``isa.MOVE_NARROW`` word of each odd-aligned MOVE of a fused program."""
+    rows = words[F_HEAD: F_HEAD + OP_WIDTH * int(words[F_NOPS])].reshape(-1, OP_WIDTH)
+    rows = rows[rows[:, 0] == F_OP_MOVE, MOVE_NARROW]
+    return rows[rows != 0]
+
+
+def test_odd_aligned_copies_are_cut_at_the_destinations_boundaries_where_they_may():
+    """``shifted_copies``: an odd-aligned copy takes ``isa.NARROW_SHIFT`` when its
+    destination is aligned or no other row of the launch touches it (GQA pulled: every one,
+    into the puller's own output) and keeps its items' narrow words otherwise (a ring
+    forwards pieces from its outputs)."""
+    from purlin.atom.fused import _accesses, _meets
+    from purlin.atom.fused_rows import shifted_copies
+
+    seen = set()
+    for strategy in ("direct-pull", "direct-push", "ring"):
+        s = plan(gqa(4), strategy, chunk_sizes=gqa_sizes(4, 21), dtype="bfloat16")
+        ops, _ = regrouped(HostBuffers(s).lower(), 16)
+        out = shifted_copies(ops)
+        spans = [(r, k) + _accesses(op) for r, rank in enumerate(ops)
+                 for k, op in enumerate(rank) if op.kind in ("put", "move")]
+        for r, rank in enumerate(out):
+            for k, op in enumerate(rank):
+                if op.kind != "move" or not op.narrow:
+                    continue
+                assert op.narrow & ~NARROW_SHIFT == ops[r][k].narrow in (1, 2, 4, 8)
+                w, reads = _accesses(op)
+                aligned = op.dst_even % 16 == 0 and op.dst_odd % 16 == 0
+                touched = any(_meets(w, w2) or any(_meets(w, x) for x in r2) or
+                              any(_meets(w2, x) for x in reads)
+                              for (a, b, w2, r2) in spans if (a, b) != (r, k))
+                assert bool(op.narrow & NARROW_SHIFT) == (aligned or not touched), \
+                    (strategy, r, k)
+                seen.add((strategy, bool(op.narrow & NARROW_SHIFT)))
+    assert {("direct-pull", True), ("ring", True), ("ring", False)} <= seen, seen
+    assert ("direct-pull", False) not in seen
+
+
 def test_pieces_of_odd_size_inside_a_buffer_fuse_and_are_right():
     """Pieces whose element counts leave the next piece off a 16-byte boundary, in every
     position (GQA's q, k, v of odd counts; random layouts of odd pieces): their copies fuse
-    (``Move.narrow``: a block's items in aligned words from shifted loads), their reductions
-    too (in 8-byte units on the narrow builds), and give the reference."""
+    (``Move.narrow``: in narrow words, or aligned stores from shifted loads where the row
+    may be cut at its destination's 16-byte boundaries), their reductions too (in 8-byte
+    units on the narrow builds), and give the reference."""
     from purlin.atom.fused import narrow_program
 
     ran = narrow = 0
+    shifted = [0, 0]  # (rows cut at the destination's boundaries, rows of items)
     for n, dtype, unit, blocks, threads in ((2, "bfloat16", 21, 2, 3), (4, "bfloat16", 5, 1, 4),
                                             (3, "float32", 7, 3, 2), (4, "float16", 3, 2, 5),
                                             (8, "bfloat16", 3, 2, 3)):
@@ -335,10 +377,16 @@ def test_pieces_of_odd_size_inside_a_buffer_fuse_and_are_right():
             bufs = HostBuffers(s)
             low = bufs.lower()
             assert fused_unit(low, "fused") == (16, None), (n, dtype, strategy)
-            narrow += any(narrow_program(w) for w in fused_programs(low, bufs, 16))
+            programs = fused_programs(low, bufs, 16)
+            narrow += any(narrow_program(w) for w in programs)
+            for w in programs:
+                rows = _narrow_rows(w)
+                shifted[0] += int((rows & NARROW_SHIFT != 0).sum())
+                shifted[1] += int((rows & NARROW_SHIFT == 0).sum())
             ran += check_on_host(gqa(n), gqa_sizes(n, unit), dtype, strategy, "fused",
                                  blocks=blocks, threads=threads) is not None
     assert ran == 10 and narrow == 10, (ran, narrow)
+    assert min(shifted) > 0, shifted
     rng = np.random.default_rng(77)
     ran = narrow = sums = 0
     for case in range(30):

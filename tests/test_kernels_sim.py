@@ -75,6 +75,35 @@ def copy_bytes_every_offset_and_length():
 
 
 @case
+def shifted_copies_every_offset_and_length():
+    """The fused kernel's copy of an odd-aligned piece into bytes nothing else touches
+    (``_copy_shifted``): every source offset against every destination offset, lengths 0..50
+    and longer, 1-5 threads; aligned 16-byte stores from funnel-shifted source words, the
+    row's two ends in 4-, 2- and 1-byte words (the simulator's accesses are checked for
+    alignment as a GPU's are)."""
+    from purlin.kernels.fused import _copy_shifted
+
+    rng = np.random.default_rng(4)
+    lengths = list(range(51)) + [97, 256, 1001]
+    ran = 0
+    for src_off in range(16):
+        for dst_off in range(16):
+            for n in lengths:
+                src_raw, src = _aligned(n, src_off)
+                dst_raw, dst = _aligned(n, dst_off)
+                src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
+                threads = int(rng.integers(1, 6))
+                for tid in range(threads):
+                    _copy_shifted(dst, src, n, tid, threads)
+                assert np.array_equal(_view(dst_raw, dst, n, np.uint8),
+                                      _view(src_raw, src, n, np.uint8)), \
+                    (src_off, dst_off, n, threads)
+                assert _guards_intact(dst_raw, dst, n), (src_off, dst_off, n, threads)
+                ran += 1
+    assert ran == 16 * 16 * len(lengths)
+
+
+@case
 def narrow_copies_every_width_offset_and_length():
     """The fused kernel's copy of an odd-aligned piece (``_copy_narrow``): words of 8, 4, 2
     and 1 bytes at every offset that width allows, lengths 0..40 and longer, 3 threads; the

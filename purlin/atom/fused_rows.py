@@ -40,12 +40,13 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from purlin.kernels.isa import NARROW_SHIFT
 from purlin.atom.fused import (FUSED_COPY_DTYPES, Segments, Span, _Refused, _accesses,
                                _check_rank, _clash, _meets, program, rank_ops)
 
 __all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "acked", "aligned", "cluster_programs",
            "deadlock_free", "gathered", "joined", "ll_pieces", "merged_flags", "regroup",
-           "regrouped", "rotations", "rounds", "segmented", "several_pieces"]
+           "regrouped", "rotations", "rounds", "segmented", "several_pieces", "shifted_copies"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -269,7 +270,8 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     LL rows joined across flag operations (:func:`joined`) and each program's flags
     gathered around its copies and PUTs (:func:`gathered`) where a program has no NORM;
     odd-aligned rows (``Move.narrow``, in no segmented op) spread over threads
-    (:func:`rotations`). A
+    (:func:`rotations`) and, where they may, cut at the destination's 16-byte boundaries
+    (:func:`shifted_copies`). A
     trace of the program names the table rows of each op
     (``purlin.atom.fused_trace.program_rows``)."""
     ops, rot = regrouped(lowered, unit)
@@ -292,9 +294,34 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
         # (odd-aligned rows never join a segmented op: spread them over threads instead, or
         # each row between two flag operations waits for the one before on the same threads)
         rot = rotations(ops, unit)
+        ops = shifted_copies(ops)
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
                     rotation=rot[i]) for i, low in enumerate(lowered)]
 
+
+def shifted_copies(ops_by_rank: list[list[tuple]]) -> list[list[tuple]]:
+    """The ops with ``isa.NARROW_SHIFT`` added to each odd-aligned copy (``Move.narrow``)
+    that may be cut at its destination's 16-byte boundaries (the kernel then stores aligned
+    16-byte words from shifted loads, ``_copy_shifted``): one whose destination is aligned
+    (the same cut as its items'), or whose destination no other row of the launch, on any
+    rank, reads or writes and whose source none writes (its bytes may fall to other blocks
+    than its items': only the launch's end orders them for their readers)."""
+    out = [list(ops) for ops in ops_by_rank]
+    norm = any(op.kind == "norm" for ops in out for op in ops)
+    spans = [(r, k) + _accesses(part) for r, ops in enumerate(ops_by_rank)
+             for k, op in enumerate(ops) if op.kind in ("put", "move", "puts", "moves")
+             for part in (op.parts if op.kind in ("puts", "moves") else (op,))]
+    for r, k, w, reads in spans:  # (a narrow row is in no segmented op: its (r, k) is its own)
+        op = out[r][k]
+        if op.kind != "move" or not op.narrow:
+            continue
+        aligned = op.dst_even % 16 == 0 and op.dst_odd % 16 == 0
+        if aligned or not norm and not any(
+                _meets(w, w2) or any(_meets(w, x) for x in reads2) or
+                any(_meets(w2, x) for x in reads)
+                for r2, k2, w2, reads2 in spans if (r2, k2) != (r, k)):
+            out[r][k] = op._replace(narrow=op.narrow | NARROW_SHIFT)
+    return out
 
 
 # ---------------------------------------------------------------- segmented ops
