@@ -1057,10 +1057,10 @@ def _copy_shifted(dst, src, nbytes, first, stride):
     """A copy of ``nbytes`` at addresses of any alignment, cut at the destination's 16-byte
     boundaries (``isa.NARROW_SHIFT``: the destination is aligned, so the cut is the items',
     or nothing else in the launch touches it): every store but the row's two ends is an
-    aligned 16-byte word, funnel-shifted from the aligned source words it straddles. This thread takes words ``first``, ``first + stride``, ... (two in
-    flight); the thread of word 0 the bytes before the first boundary, the thread the word
-    after the last would fall to the bytes after it (an aligned row's partial last item's
-    thread)."""
+    aligned 16-byte word, funnel-shifted from the aligned source words it straddles. This
+    thread takes words ``first``, ``first + stride``, ... (two in flight); the thread of
+    word 0 the bytes before the first boundary, the thread the word after the last would
+    fall to the bytes after it (an aligned row's partial last item's thread)."""
     a0 = (dst + 15) & -16
     words = ((dst + nbytes) & -16) - a0
     words = (words >> 4) if words > 0 else 0
