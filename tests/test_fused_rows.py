@@ -332,26 +332,22 @@ def test_odd_aligned_copies_are_cut_at_the_destinations_boundaries_where_they_ma
     destination is aligned or no other row of the launch touches it (GQA pulled: every one,
     into the puller's own output) and keeps its items' narrow words otherwise (a ring
     forwards pieces from its outputs)."""
-    from purlin.atom.fused import _accesses, _meets
-    from purlin.atom.fused_rows import shifted_copies
+    from purlin.atom.fused_rows import _conflict, shifted_copies
 
     seen = set()
     for strategy in ("direct-pull", "direct-push", "ring"):
         s = plan(gqa(4), strategy, chunk_sizes=gqa_sizes(4, 21), dtype="bfloat16")
         ops, _ = regrouped(HostBuffers(s).lower(), 16)
         out = shifted_copies(ops)
-        spans = [(r, k) + _accesses(op) for r, rank in enumerate(ops)
-                 for k, op in enumerate(rank) if op.kind in ("put", "move")]
+        rows = [(r, k, op) for r, rank in enumerate(ops)
+                for k, op in enumerate(rank) if op.kind in ("put", "move")]
         for r, rank in enumerate(out):
             for k, op in enumerate(rank):
                 if op.kind != "move" or not op.narrow:
                     continue
                 assert op.narrow & ~NARROW_SHIFT == ops[r][k].narrow in (1, 2, 4, 8)
-                w, reads = _accesses(op)
                 aligned = op.dst_even % 16 == 0 and op.dst_odd % 16 == 0
-                touched = any(_meets(w, w2) or any(_meets(w, x) for x in r2) or
-                              any(_meets(w2, x) for x in reads)
-                              for (a, b, w2, r2) in spans if (a, b) != (r, k))
+                touched = any(_conflict(op, other) for a, b, other in rows if (a, b) != (r, k))
                 assert bool(op.narrow & NARROW_SHIFT) == (aligned or not touched), \
                     (strategy, r, k)
                 seen.add((strategy, bool(op.narrow & NARROW_SHIFT)))

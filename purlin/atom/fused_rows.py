@@ -308,18 +308,16 @@ def shifted_copies(ops_by_rank: list[list[tuple]]) -> list[list[tuple]]:
     than its items': only the launch's end orders them for their readers)."""
     out = [list(ops) for ops in ops_by_rank]
     norm = any(op.kind == "norm" for ops in out for op in ops)
-    spans = [(r, k) + _accesses(part) for r, ops in enumerate(ops_by_rank)
+    spans = [(r, k, _accesses(part)) for r, ops in enumerate(ops_by_rank)
              for k, op in enumerate(ops) if op.kind in ("put", "move", "puts", "moves")
-             for part in (op.parts if op.kind in ("puts", "moves") else (op,))]
-    for r, k, w, reads in spans:  # (a narrow row is in no segmented op: its (r, k) is its own)
+             for part in _parts(op)]
+    for r, k, acc in spans:  # (a narrow row is in no segmented op: its (r, k) is its own)
         op = out[r][k]
         if op.kind != "move" or not op.narrow:
             continue
         aligned = op.dst_even % 16 == 0 and op.dst_odd % 16 == 0
-        if aligned or not norm and not any(
-                _meets(w, w2) or any(_meets(w, x) for x in reads2) or
-                any(_meets(w2, x) for x in reads)
-                for r2, k2, w2, reads2 in spans if (r2, k2) != (r, k)):
+        if aligned or not norm and not any(_accesses_conflict(acc, acc2)
+                                           for r2, k2, acc2 in spans if (r2, k2) != (r, k)):
             out[r][k] = op._replace(narrow=op.narrow | NARROW_SHIFT)
     return out
 
@@ -332,8 +330,12 @@ def _plain_move(op) -> bool:
 
 def _conflict(a, b) -> bool:
     """Do data ops ``a`` and ``b`` touch a byte in common that one of them writes?"""
-    wa, ra = _accesses(a)
-    wb, rb = _accesses(b)
+    return _accesses_conflict(_accesses(a), _accesses(b))
+
+
+def _accesses_conflict(a: tuple, b: tuple) -> bool:
+    """:func:`_conflict` on two ops' :func:`_accesses`."""
+    (wa, ra), (wb, rb) = a, b
     return any(_meets(wa, x) for x in (wb, *rb)) or any(_meets(wb, x) for x in ra)
 
 
