@@ -64,23 +64,79 @@ def copy_v16(dst, src, nvec, tid, nthreads):
 
 @device
 def copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3):
-    """The first ``n`` (1 to 4) 16-byte words at ``s0`` .. ``s3`` to ``d0`` .. ``d3``: every
-    load, then every store (in flight together)."""
-    a = load_v4_u32(s0)
-    b, c, d = a, a, a
+    """The first ``n`` (1 to 4) 16 bytes at ``s0`` .. ``s3`` to ``d0`` .. ``d3``, any
+    alignment: every load, then every store (in flight together). Each source is read as
+    the two aligned 16-byte words holding its first and last byte (one word twice where it
+    is aligned) and funnel-shifted (:func:`funnel16`), all eight loads issued before any
+    is used: a load behind a branch on the alignment would wait for the one before. An
+    entry past ``n`` loads the first one's words again (no branch) and stores nothing."""
+    s1 = s1 if n > 1 else s0
+    s2 = s2 if n > 2 else s0
+    s3 = s3 if n > 3 else s0
+    a0, a1 = load_v4_u32(s0 & -16), load_v4_u32((s0 + 15) & -16)
+    b0, b1 = load_v4_u32(s1 & -16), load_v4_u32((s1 + 15) & -16)
+    c0, c1 = load_v4_u32(s2 & -16), load_v4_u32((s2 + 15) & -16)
+    e0, e1 = load_v4_u32(s3 & -16), load_v4_u32((s3 + 15) & -16)
+    store16(d0, funnel16(a0, a1, s0 & 15))
     if n > 1:
-        b = load_v4_u32(s1)
+        store16(d1, funnel16(b0, b1, s1 & 15))
     if n > 2:
-        c = load_v4_u32(s2)
+        store16(d2, funnel16(c0, c1, s2 & 15))
     if n > 3:
-        d = load_v4_u32(s3)
-    store_v4_u32(d0, a)
-    if n > 1:
-        store_v4_u32(d1, b)
-    if n > 2:
-        store_v4_u32(d2, c)
-    if n > 3:
-        store_v4_u32(d3, d)
+        store16(d3, funnel16(e0, e1, s3 & 15))
+
+
+@device
+def store16(d, w):
+    """16 bytes (four uint32) at ``d``: one vector store where it is aligned, else words of
+    the widest width its address allows (a piece of odd size inside a user's buffer)."""
+    if (d & 15) == 0:
+        store_v4_u32(d, w)
+        return
+    _store4_at(d, w[0])
+    _store4_at(d + 4, w[1])
+    _store4_at(d + 8, w[2])
+    _store4_at(d + 12, w[3])
+
+
+@device
+def _store4_at(d, x):
+    """4 bytes (a uint32) at ``d``, any alignment: one, two or four stores."""
+    if (d & 3) == 0:
+        store_u32(d, x)
+    elif (d & 1) == 0:
+        store_u16(d, x & 0xFFFF)
+        store_u16(d + 2, x >> 16)
+    else:
+        store_u8(d, x & 0xFF)
+        store_u8(d + 1, (x >> 8) & 0xFF)
+        store_u8(d + 2, (x >> 16) & 0xFF)
+        store_u8(d + 3, x >> 24)
+
+
+@device
+def funnel16(a, b, shift):
+    """The 16 bytes from byte ``shift`` (0..15) of the 32 bytes ``a`` then ``b`` (16-byte
+    words as 4-tuples of uint32)."""
+    q = shift >> 2
+    if q == 0:
+        w0, w1, w2, w3, w4 = a[0], a[1], a[2], a[3], b[0]
+    elif q == 1:
+        w0, w1, w2, w3, w4 = a[1], a[2], a[3], b[0], b[1]
+    elif q == 2:
+        w0, w1, w2, w3, w4 = a[2], a[3], b[0], b[1], b[2]
+    else:
+        w0, w1, w2, w3, w4 = a[3], b[0], b[1], b[2], b[3]
+    bits = (shift & 3) << 3
+    return (funnel4(w0, w1, bits), funnel4(w1, w2, bits), funnel4(w2, w3, bits),
+            funnel4(w3, w4, bits))
+
+
+@device
+def funnel4(lo, hi, bits):
+    """The 4 bytes from bit ``bits`` (0, 8, 16 or 24) of the 8 bytes ``lo`` then ``hi``."""
+    x = (np.uint64(hi) << np.uint64(32)) | np.uint64(lo)
+    return np.uint32((x >> np.uint64(bits)) & np.uint64(0xFFFFFFFF))
 
 
 @device

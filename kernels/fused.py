@@ -19,8 +19,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, copy_words, ll_tag,
-                                  pack_half2, unpack_half2)
+from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, copy_words, funnel16,
+                                  ll_tag, pack_half2, unpack_half2)
 from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
@@ -1018,77 +1018,44 @@ def _copy_narrow(dst, src, nbytes, first, stride, width):
 
 
 @device
-def _funnel4(lo, hi, bits):
-    """The 4 bytes from bit ``bits`` (0, 8, 16 or 24) of the 8 bytes ``lo`` then ``hi``."""
-    x = (np.uint64(hi) << np.uint64(32)) | np.uint64(lo)
-    return np.uint32((x >> np.uint64(bits)) & np.uint64(0xFFFFFFFF))
-
-
-@device
-def _funnel16(a, b, shift):
-    """The 16 bytes from byte ``shift`` (0..15) of the 32 bytes ``a`` then ``b`` (16-byte
-    words as 4-tuples of uint32)."""
-    q = shift >> 2
-    if q == 0:
-        w0, w1, w2, w3, w4 = a[0], a[1], a[2], a[3], b[0]
-    elif q == 1:
-        w0, w1, w2, w3, w4 = a[1], a[2], a[3], b[0], b[1]
-    elif q == 2:
-        w0, w1, w2, w3, w4 = a[2], a[3], b[0], b[1], b[2]
-    else:
-        w0, w1, w2, w3, w4 = a[3], b[0], b[1], b[2], b[3]
-    bits = (shift & 3) << 3
-    return (_funnel4(w0, w1, bits), _funnel4(w1, w2, bits), _funnel4(w2, w3, bits),
-            _funnel4(w3, w4, bits))
-
-
-@device
-def _shifted_word(d, s, shift):
-    """The aligned 16-byte word at ``d`` from the bytes at ``s`` (any alignment), read as
-    the one or two aligned source words holding them."""
-    a = load_v4_u32(s - shift)
-    if shift == 0:
-        return a
-    return _funnel16(a, load_v4_u32(s - shift + 16), shift)
-
-
-@device
 def _copy_shifted(dst, src, nbytes, first, stride):
     """A copy of ``nbytes`` at addresses of any alignment, cut at the destination's 16-byte
     boundaries (``isa.NARROW_SHIFT``: the destination is aligned, so the cut is the items',
-    or nothing else in the launch touches it): every store but the row's two ends is an
-    aligned 16-byte word, funnel-shifted from the aligned source words it straddles. This
-    thread takes words ``first``, ``first + stride``, ... (two in flight); the thread of
-    word 0 the bytes before the first boundary, the thread the word after the last would
-    fall to the bytes after it (an aligned row's partial last item's thread)."""
-    a0 = (dst + 15) & -16
-    words = ((dst + nbytes) & -16) - a0
-    words = (words >> 4) if words > 0 else 0
+    or nothing else in the launch touches it). Its items are the destination's 16-byte slots
+    from ``dst & -16`` (``purlin.atom.fused.row_items``): a whole slot is an aligned
+    16-byte store funnel-shifted from the aligned source words it straddles, the row's
+    partial first and last slots its bytes in them (:func:`_slot_edge`). This thread takes
+    slots ``first``, ``first + stride``, ... (two whole ones in flight, as ``copy_words``'s:
+    a source's two words, one twice where it is aligned)."""
+    base = dst & -16
+    slots = ((dst & 15) + nbytes + 15) >> 4
+    f0 = 1 if dst & 15 else 0  # the first whole slot
+    f1 = slots - 1 if (dst + nbytes) & 15 else slots  # past the last whole slot
     diff = src - dst
+    j = first if first >= f0 else first + stride
     shift = diff & 15
-    j = first
-    while j + stride < words:
-        d0 = a0 + (j << 4)
-        d1 = d0 + (stride << 4)
-        w0 = _shifted_word(d0, d0 + diff, shift)
-        w1 = _shifted_word(d1, d1 + diff, shift)
-        store_v4_u32(d0, w0)
-        store_v4_u32(d1, w1)
+    while j < f1:  # (two whole slots in flight: their four loads, then two stores)
+        j1 = j + stride if j + stride < f1 else j
+        s0 = base + (j << 4) + diff
+        s1 = base + (j1 << 4) + diff
+        a0, a1 = load_v4_u32(s0 & -16), load_v4_u32((s0 + 15) & -16)
+        b0, b1 = load_v4_u32(s1 & -16), load_v4_u32((s1 + 15) & -16)
+        store_v4_u32(base + (j << 4), funnel16(a0, a1, shift))
+        if j1 != j:
+            store_v4_u32(base + (j1 << 4), funnel16(b0, b1, shift))
         j += 2 * stride
-    if j < words:
-        d0 = a0 + (j << 4)
-        store_v4_u32(d0, _shifted_word(d0, d0 + diff, shift))
-    if words == 0:  # (fewer than 32 bytes)
-        if first == 0:
-            _copy_edge(dst, src, min(nbytes, 16))
-            if nbytes > 16:
-                _copy_edge(dst + 16, src + 16, nbytes - 16)
-        return
-    if first == 0:
-        _copy_edge(dst, src, a0 - dst)
-    if first == words % stride:
-        end = a0 + (words << 4)
-        _copy_edge(end, end + diff, dst + nbytes - end)
+    if first == 0 and f0 == 1:
+        _slot_edge(dst, diff, nbytes, base)
+    if f1 < slots and (slots - 1) % stride == first and (slots > 1 or f0 == 0):
+        _slot_edge(dst, diff, nbytes, base + ((slots - 1) << 4))
+
+
+@device
+def _slot_edge(dst, diff, nbytes, d):
+    """The bytes of a row (``nbytes`` at ``dst``, its source ``diff`` bytes on) in the
+    destination's 16-byte slot at ``d``: a partial first or last slot."""
+    lo = max(d, dst)
+    _copy_edge(lo, lo + diff, min(d + 16, dst + nbytes) - lo)
 
 
 @device
@@ -1188,7 +1155,7 @@ def _put_words(dst, i, unit_bytes, tag, p0, p1, p2, p3):
 
 
 @device
-def _segment_of(meta, head, at, i, first_word, bytes_word, unit_bytes, shift):
+def _segment_of(meta, head, at, i, first_word, bytes_word, unit_bytes, shift, copies):
     """(record word, first item, bytes, end item) of the segment holding item ``i`` of
     segmented op ``at``'s union (``i`` below its items): from the record its bucket index
     names for ``i`` (``isa.SEG_INDEX``), forward."""
@@ -1196,13 +1163,23 @@ def _segment_of(meta, head, at, i, first_word, bytes_word, unit_bytes, shift):
                 (i >> _word(meta, head, at + SEG_SHIFT)))
     start = _word(meta, head, rec + first_word)
     nbytes = _word(meta, head, rec + bytes_word)
-    end = start + ((nbytes + unit_bytes - 1) >> shift)
+    end = start + _record_items(meta, head, rec, nbytes, unit_bytes, shift, copies)
     while i >= end:
         rec += OP_WIDTH
         start = _word(meta, head, rec + first_word)
         nbytes = _word(meta, head, rec + bytes_word)
-        end = start + ((nbytes + unit_bytes - 1) >> shift)
+        end = start + _record_items(meta, head, rec, nbytes, unit_bytes, shift, copies)
     return rec, start, nbytes, end
+
+
+@device
+def _record_items(meta, head, rec, nbytes, unit_bytes, shift, copies):
+    """Items of a segment record of ``nbytes``: whole or partial units; a copy cut at its
+    destination's 16-byte boundaries (``copies`` builds): the destination's slots
+    (``purlin.atom.fused.row_items``)."""
+    if copies and _word(meta, head, rec + MOVE_NARROW) & NARROW_SHIFT:
+        nbytes += _word(meta, head, rec + MOVE_DST) & 15
+    return (nbytes + unit_bytes - 1) >> shift
 
 
 @device
@@ -1214,7 +1191,7 @@ def _first_segment_item(meta, head, g, stride, unit_bytes, shift, narrow):
     if i >= meta[F_HEAD + SEG_ITEMS]:
         return z, z, z, z
     rec, start, _, _ = _segment_of(meta, head, F_HEAD, i, PUT_ROTATE, PUT_BYTES, unit_bytes,
-                                   shift)
+                                   shift, False)
     if narrow and unit_bytes != 16:
         w0, w1 = _put_words_narrow(_word(meta, head, rec + PUT_SRC), i - start, unit_bytes,
                                    _word(meta, head, rec + PUT_BYTES))
@@ -1242,7 +1219,7 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     bytes_word = PUT_BYTES if kind == F_OP_PUTS else MOVE_BYTES
     rec, start, nbytes, end = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     i = _rotated(g, _word(meta, head, at + SEG_ROTATE), stride)
-    plain = False
+    plain = cut = False
     src0, dst0 = np.int64(0), np.int64(0)
     # a plain copy's whole items go four at a time across segments (loads, then stores):
     # a thread holds only one or two items of each of GQA's pieces, and copied one after the
@@ -1253,16 +1230,28 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     while i < total:
         if i >= end:  # (segments in union order: a thread's items only move forward)
             rec, start, nbytes, end = _segment_of(meta, head, at, i, first_word, bytes_word,
-                                                  unit_bytes, shift)
+                                                  unit_bytes, shift, copies)
             plain = copies or (kind == F_OP_MOVES and _plain_copy(meta, head, rec, unit_bytes))
+            # (odd-aligned copies: in 16-byte items at any alignment, copy_words; cut at
+            # their destination's boundaries, the destination's 16-byte slots instead)
+            cut = copies and (_word(meta, head, rec + MOVE_NARROW) & NARROW_SHIFT) != 0
             if plain:  # (a plain copy's addresses once a segment, not once an item)
                 src0 = _word(meta, head, _word(meta, head, rec + MOVE_SOURCES) + SOURCE_ADDR +
                              odd)
                 dst0 = _word(meta, head, rec + MOVE_DST + odd)
         j = i - start
-        if plain and j < nbytes >> shift:
-            src = src0 + j * 16
-            dst = dst0 + j * 16
+        whole = plain and j < nbytes >> shift
+        src = src0 + j * 16
+        dst = dst0 + j * 16
+        if cut:
+            dst = (dst0 & -16) + j * 16
+            src = dst + (src0 - dst0)
+            whole = dst >= dst0 and dst + 16 <= dst0 + nbytes
+            if not whole:  # the row's partial first or last slot
+                _slot_edge(dst0, src0 - dst0, nbytes, dst)
+                i += stride
+                continue
+        if whole:
             if n == 0:
                 s0, d0 = src, dst
             elif n == 1:
@@ -1280,8 +1269,8 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
         if n != 0:
             copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
             n = 0
-        if copies:  # a plain segment's partial last item (the others: _move_one)
-            _store16(dst0 + j * 16, load_v4_u32(src0 + j * 16), nbytes - (j << shift))
+        if copies:  # a copy's partial last item, at any alignment (the others: _move_one)
+            _copy_edge(dst, src, nbytes - (j << shift))
         elif kind == F_OP_PUTS and read:
             _put_words(_word(meta, head, rec + PUT_DST + odd), j, unit_bytes, tag, p0, p1, p2,
                        p3)

@@ -321,9 +321,12 @@ def test_random_layouts_sizes_strategies_and_dtypes():
 
 
 def _narrow_rows(words: np.ndarray) -> np.ndarray:
-    """The ``isa.MOVE_NARROW`` word of each odd-aligned MOVE of a fused program."""
-    rows = words[F_HEAD: F_HEAD + OP_WIDTH * int(words[F_NOPS])].reshape(-1, OP_WIDTH)
-    rows = rows[rows[:, 0] == F_OP_MOVE, MOVE_NARROW]
+    """The ``isa.MOVE_NARROW`` word of each odd-aligned MOVE of a fused program (segment
+    records too)."""
+    from purlin.atom.fused import _data_records
+
+    rows = np.array([int(words[rec + MOVE_NARROW]) for kind, rec in _data_records(words)
+                     if kind == F_OP_MOVE], dtype=np.int64)
     return rows[rows != 0]
 
 
@@ -544,30 +547,63 @@ def test_gpu_gqa_runs_segmented_ops_and_its_twin_does_not(n, protocol, nbytes):
                               kernel="fused-seg" if ll else "fused-copy")
 
 
-def test_odd_aligned_rows_between_two_flag_operations_take_different_threads():
-    """GQA's pieces one element longer each on 8 ranks: the narrow rows a rank moves between
-    two flag operations (a pull's 21 after its gathered waits) start on different threads,
-    as regrouped rows do, instead of all on thread 0 -- each would otherwise wait for the
-    row before on the same threads (they never join a segmented op)."""
-    from purlin.atom.fused import narrow_program
+def test_odd_aligned_rows_join_segmented_ops_as_their_whole_sized_twins_do():
+    """GQA's pieces one element longer each (every piece after the first off a 16-byte
+    boundary): each rank's program has the op kinds, in order, of the same layout at whole
+    sizes -- a peer's odd-aligned rows in one segmented op, as its aligned rows are --, on
+    every strategy that segments, with rows cut at their destination's boundaries
+    (``isa.NARROW_SHIFT``) and rows of 16-byte items at any alignment among them."""
+    from purlin.atom.fused import kernel_name
     from purlin.kernels import isa
 
+    def kinds(w):
+        return [int(w[isa.F_HEAD + k * isa.OP_WIDTH]) for k in range(int(w[isa.F_NOPS]))]
+
+    cut = [0, 0]  # (segment records cut at the destination's boundaries, of 16-byte items)
+    for n in (4, 8):
+        for strategy in ("direct-pull", "direct-push", "ring"):
+            programs = []
+            for unit in (41, 40):
+                s = plan(gqa(n), strategy, chunk_sizes=gqa_sizes(n, unit), dtype="bfloat16")
+                bufs = HostBuffers(s)
+                programs.append(fused_programs(bufs.lower(), bufs, 16))
+            odd, whole = programs
+            assert kernel_name(odd) == kernel_name(whole) == "fused-seg-copy", (n, strategy)
+            assert [kinds(w) for w in odd] == [kinds(w) for w in whole], (n, strategy)
+            for w in odd:
+                rows = _narrow_rows(w)
+                cut[0] += int((rows & NARROW_SHIFT != 0).sum())
+                cut[1] += int((rows & NARROW_SHIFT == 0).sum())
+    assert min(cut) > 0, cut
+
+
+def test_large_odd_aligned_rows_stay_rows_of_their_own():
+    """GQA's pieces one element longer each on 8 ranks, each above
+    ``NARROW_SEGMENT_BYTES``: no segmented op holds an odd-aligned row (aligned ones still
+    join), and the programs give the reference on the host."""
+    from purlin.atom.fused import _data_records, narrow_program
+    from purlin.atom.fused_rows import NARROW_SEGMENT_BYTES
+    from purlin.kernels import isa
+
+    unit = NARROW_SEGMENT_BYTES // 2 + 1  # bf16 elements of k and v (q: four times)
     for strategy in ("direct-pull", "direct-push"):
-        s = plan(gqa(8), strategy, chunk_sizes=gqa_sizes(8, 41), dtype="bfloat16")
+        s = plan(gqa(8), strategy, chunk_sizes=gqa_sizes(8, unit), dtype="bfloat16")
         bufs = HostBuffers(s)
         programs = fused_programs(bufs.lower(), bufs, 16)
         assert all(narrow_program(w) for w in programs)
+        rows = 0
         for w in programs:
-            runs, run = [], []
             for k in range(int(w[isa.F_NOPS])):
                 at = isa.F_HEAD + k * isa.OP_WIDTH
-                if w[at + isa.OP_KIND] == isa.F_OP_MOVE:
-                    run.append(int(w[at + isa.MOVE_ROTATE]))
-                elif run:
-                    runs, run = runs + [run], []
-            runs += [run] if run else []
-            longest = max(runs, key=len)
-            assert len(longest) >= 7 and len(set(longest)) == len(longest), (strategy, runs)
+                if w[at + isa.OP_KIND] == isa.F_OP_MOVES:
+                    first = int(w[at + isa.SEG_TABLE])
+                    assert not any(w[first + isa.OP_WIDTH * j + isa.MOVE_NARROW]
+                                   for j in range(int(w[at + isa.SEG_COUNT]))), (strategy, k)
+            rows += sum(1 for kind, rec in _data_records(w)
+                        if kind == isa.F_OP_MOVE and w[rec + isa.MOVE_NARROW])
+        assert rows >= 8 * 20, (strategy, rows)
+    assert check_on_host(gqa(4), gqa_sizes(4, unit), "bfloat16", "direct-pull", "fused",
+                         blocks=2, threads=3) is not None
 
 
 def test_verified_schedules_take_the_fast_path():

@@ -999,6 +999,22 @@ def fused_rotated_rows_of_a_gqa_all_gather():
             assert np.array_equal(got, want[r]), (n, dtype, r, got, want[r])
 
 
+def _kernel_outputs(kernel, programs, bufs, want, name: str):
+    """(rank, its output's first ``len(want[rank])`` elements) after ``kernel`` (2 blocks of
+    3 threads) ran each rank's program once more (call 0 again), for every rank that
+    receives something; a rank's error record must stay clear."""
+    from purlin.kernels import isa
+
+    for r, w in enumerate(programs):
+        if not len(want[r]):
+            continue
+        bufs.outputs[r][:] = 0
+        counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
+        kernel[2, 3](w.ctypes.data, 1, 2, 10_000_000, w.size, counters.ctypes.data)
+        assert bufs.fused_error[isa.E_CODE] == 0, (name, r, bufs.fused_error)
+        yield r, bufs.outputs[r][:len(want[r])]
+
+
 @case
 def fused_random_layouts_of_unequal_rows():
     """Seeded random layouts of unequal pieces (copies and reductions, scalar tails, 2..6
@@ -1038,15 +1054,7 @@ def fused_random_layouts_of_unequal_rows():
             x[x == 0] = 3
         run_fused_calls(programs, bufs, xs, blocks=2, threads=3)
         want = reference(s.sizing, xs[0])
-        for r in range(n):
-            if not len(want[r]):
-                continue
-            bufs.outputs[r][:] = 0
-            counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
-            w = programs[r]
-            kernel[2, 3](w.ctypes.data, 1, 2, 10_000_000, w.size, counters.ctypes.data)
-            assert bufs.fused_error[isa.E_CODE] == 0, (coll.name, r, bufs.fused_error)
-            got = bufs.outputs[r][:len(want[r])]
+        for r, got in _kernel_outputs(kernel, programs, bufs, want, coll.name):
             got = bf16_floats(got) if dtype == "bfloat16" else \
                 (got.view(np.float16) if dtype == "float16" else got).astype(np.float64)
             tol = 0.02 if dtype in ("bfloat16", "float16") else 0
@@ -1054,6 +1062,57 @@ def fused_random_layouts_of_unequal_rows():
                 (coll.name, strategy, protocol, dtype, r, got, want[r])
         ran += 1
     assert ran >= 5, ran
+
+@case
+def fused_odd_pieces_in_segmented_ops():
+    """Pieces of odd size (GQA's q, k, v one element longer each; seeded random layouts of
+    odd pieces) pulled, pushed and ringed on the segmented copy build: a peer's odd-aligned
+    rows in one segmented op, some cut at their destination's 16-byte boundaries (the
+    destination's slots, funnel-shifted loads), some in 16-byte items at any alignment --
+    every rank's program, run again by the kernel after the host interpreter ran call 0,
+    gives the reference."""
+    from test_fused_rows import _narrow_rows, gqa, gqa_sizes, random_layout
+
+    from purlin.atom.fused import kernel_name
+    from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
+    from purlin.kernels import isa
+    from purlin.kernels.launch import KERNELS
+    from purlin.snac import plan
+    from purlin.spec import reference
+
+    rng = np.random.default_rng(5)
+    layouts = [(gqa(n), {k: v + 1 for k, v in gqa_sizes(n, 8).items()}, "bfloat16", st)
+               for n, st in ((3, "direct-pull"), (4, "direct-push"), (3, "ring"))]
+    while len(layouts) < 7:
+        coll, sizes = random_layout(rng, int(rng.integers(2, 5)), "bfloat16",
+                                    odd_pieces=True, copies=1.0)
+        layouts.append((coll, sizes, "bfloat16", str(rng.choice(["direct-push",
+                                                                  "direct-pull"]))))
+    cut = [0, 0]
+    ran = 0
+    for coll, sizes, dtype, strategy in layouts:
+        s = plan(coll, strategy, chunk_sizes=sizes, dtype=dtype)
+        bufs = HostBuffers(s)
+        low = bufs.lower()
+        programs = [w.copy() for w in fused_programs(low, bufs, 16)]
+        name = kernel_name(programs)
+        if name != "fused-seg-copy":
+            continue
+        for w in programs:
+            rows = _narrow_rows(w)
+            cut[0] += int((rows & isa.NARROW_SHIFT != 0).sum())
+            cut[1] += int((rows & isa.NARROW_SHIFT == 0).sum())
+        kernel = KERNELS[name][0]
+        n = len(programs)
+        xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
+               for r in range(n)]]
+        run_fused_calls(programs, bufs, xs, blocks=2, threads=3)
+        want = reference(s.sizing, xs[0])
+        for r, got in _kernel_outputs(kernel, programs, bufs, want, coll.name):
+            assert np.array_equal(bf16_floats(got), want[r]), (coll.name, strategy, r)
+        ran += 1
+    assert ran >= 5 and min(cut) > 0, (ran, cut)
+
 
 @case
 def fused_rotated_ll_pieces():

@@ -40,7 +40,7 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
                                 F_OP_MOVE, F_OP_MOVES, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT,
                                 F_OP_PUTS, F_OP_WAIT, F_RANK, SEG_COUNT, SEG_TABLE,
                                 F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_DST, MOVE_NSRC,
-                                MOVE_SOURCES,
+                                MOVE_SOURCES, NARROW_SHIFT,
                                 F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_KIND,
                                 OP_WIDTH, OPCODE_NAMES, PEER, PER_CALL, PUT_BYTES, PUT_SRC, REDOP,
                                 REDUCE, SOURCE_ADDR, SOURCE_LL, SOURCE_WIDTH, SRC, STEP, VALUE,
@@ -549,10 +549,29 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
     return FusedProgram(words, len(ops), items, len(segs), tuple(ops))
 
 
+def row_items(nbytes: int, unit: int, narrow: int = 0, dst: int = 0) -> int:
+    """Items a row of ``nbytes`` is cut into, one a thread: ``unit`` bytes each, the last
+    one maybe partial; for a copy cut at its destination ``dst``'s 16-byte boundaries
+    (``narrow`` holds ``isa.NARROW_SHIFT``), the destination's 16-byte slots it touches.
+
+    >>> row_items(40, 16), row_items(40, 16, NARROW_SHIFT | 2, dst=14)
+    (3, 4)
+    """
+    if narrow & NARROW_SHIFT:
+        return ((dst & 15) + nbytes + 15) >> 4
+    return -(-nbytes // unit)
+
+
+def part_items(op, unit: int) -> int:
+    """:func:`row_items` of a :class:`Put` or :class:`Move` (its even destination: a cut
+    copy's destinations share their offset from a 16-byte boundary where it joins a
+    segmented op)."""
+    return row_items(op.nbytes, unit, op.narrow if op.kind == "move" else 0, op.dst_even)
+
+
 def _union_items(op: Segments, unit: int) -> int:
-    """Items of ``unit`` bytes the threads stride over in a segmented op (each part's last
-    item may be partial)."""
-    return sum(-(-part.nbytes // unit) for part in op.parts)
+    """Items the threads stride over in a segmented op (:func:`part_items` of each part)."""
+    return sum(part_items(part, unit) for part in op.parts)
 
 
 def _index_shape(op: Segments, unit: int) -> tuple[int, int]:
@@ -583,13 +602,13 @@ def _segmented_row(words: np.ndarray, op: Segments, index_at: int, records_at: i
                    part.step, start)
         else:
             rec = (F_OP_MOVE, part.dst_even, part.dst_odd, part.nbytes, len(part.sources), at,
-                   start)
+                   start, part.narrow)
             for src in part.sources:
                 words[at: at + SOURCE_WIDTH] = src
                 at += SOURCE_WIDTH
         words[records_at: records_at + len(rec)] = rec
         records_at += OP_WIDTH
-        start += -(-part.nbytes // unit)
+        start += part_items(part, unit)
     # bucket b's record: the last one starting at or before its first item (an empty
     # segment's record starts where the next one does; the walk steps over it)
     bucket_firsts = np.arange(buckets, dtype=np.int64) << shift

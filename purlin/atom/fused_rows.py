@@ -42,14 +42,17 @@ from typing import NamedTuple
 
 from purlin.kernels.isa import NARROW_SHIFT
 from purlin.atom.fused import (FUSED_COPY_DTYPES, Segments, Span, _Refused, _accesses,
-                               _check_rank, _clash, _meets, program, rank_ops)
+                               _check_rank, _clash, _meets, part_items, program, rank_ops)
 
-__all__ = ["MERGE_BYTES", "ROTATE_ITEMS", "acked", "aligned", "cluster_programs",
+__all__ = ["MERGE_BYTES", "NARROW_SEGMENT_BYTES", "ROTATE_ITEMS", "acked", "aligned", "cluster_programs",
            "deadlock_free", "gathered", "joined", "ll_pieces", "merged_flags", "regroup",
            "regrouped", "rotations", "rounds", "segmented", "several_pieces", "shifted_copies"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
+NARROW_SEGMENT_BYTES = 256 << 10  # odd-aligned rows above it stay rows of their own: a
+# segmented op's batches gain where a thread holds a slot or two of each row and cost where
+# it holds many (docs/PERF_NOTES.md, "Odd-aligned copies in aligned words")
 ROTATE_ITEMS = 4096  # rows rotated past this many items would gain nothing (every thread
 # has work) and would cost the kernel a longer loop to find its first item
 
@@ -174,7 +177,7 @@ def rotations(ops_by_rank: list[list[tuple]], unit: int, ll: bool = False) -> li
     out: list = [{} for _ in ops_by_rank]
     for group in sorted(members.values()):
         ops = [ops_by_rank[r][k] for r, k in group]
-        items = max(-(-op.nbytes // unit) for op in ops)
+        items = max(part_items(op, unit) for op in ops)
         fixed = not ll and any(op.kind == "put" or any(s.is_ll for s in op.sources)
                                for op in ops)
         segs = {segment[row] for row in group}
@@ -268,13 +271,16 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     ``segments`` (for the layouts :func:`several_pieces` finds) one peer's rows gathered
     into segmented ops where :func:`segmented` can, else the rotated rows; then (``join``)
     LL rows joined across flag operations (:func:`joined`) and each program's flags
-    gathered around its copies and PUTs (:func:`gathered`) where a program has no NORM;
-    odd-aligned rows (``Move.narrow``, in no segmented op) spread over threads
-    (:func:`rotations`) and, where they may, cut at the destination's 16-byte boundaries
-    (:func:`shifted_copies`). A
-    trace of the program names the table rows of each op
+    gathered around its copies and PUTs (:func:`gathered`) where a program has no NORM.
+    Odd-aligned rows (``Move.narrow``) are first cut at their destination's 16-byte
+    boundaries where they may (:func:`shifted_copies`); they join segmented ops as plain
+    copies do (but :func:`_own_row`); where no segmented op holds them they spread over threads
+    (:func:`rotations`). A trace of the program names the table rows of each op
     (``purlin.atom.fused_trace.program_rows``)."""
     ops, rot = regrouped(lowered, unit)
+    narrow = any(op.kind == "move" and op.narrow for rank in ops for op in rank)
+    if narrow:  # (before segments: a copy cut at its destination's boundaries may join one)
+        ops = shifted_copies(ops)
     user = [low.user for low in lowered]
     # (FP8 sums run on fused_narrow alone: no segmented op anywhere in their programs)
     fp8 = any(_fp8_sum(op) for rank in ops for op in rank)
@@ -290,11 +296,10 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
         got = gathered(ops, unit, user)
         if got is not None:
             ops, rot = got, aligned(got, unit)
-    if any(op.kind == "move" and op.narrow for rank in ops for op in rank):
-        # (odd-aligned rows never join a segmented op: spread them over threads instead, or
-        # each row between two flag operations waits for the one before on the same threads)
+    if narrow and not any(op.kind in ("puts", "moves") for rank in ops for op in rank):
+        # (odd-aligned rows in no segmented op: spread them over threads, or each row between
+        # two flag operations waits for the one before on the same threads)
         rot = rotations(ops, unit)
-        ops = shifted_copies(ops)
     return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
                     rotation=rot[i]) for i, low in enumerate(lowered)]
 
@@ -368,6 +373,16 @@ def _partners(ops_by_rank: list[list[tuple]], user: list | None = None) -> dict:
     return {row: frozenset(v) for row, v in out.items()}
 
 
+def _own_row(op) -> bool:
+    """Must odd-aligned copy ``op`` stay out of segmented ops? Where it is above
+    :data:`NARROW_SEGMENT_BYTES`, or cut at its destination's 16-byte boundaries
+    (:func:`shifted_copies`) at different offsets from one on even and odd calls (its items,
+    the destination's slots, ``fused.row_items``, would differ between them). The others
+    join as plain copies do: the kernel's segment loop moves 16 bytes at any alignment."""
+    return op.nbytes > NARROW_SEGMENT_BYTES or \
+        bool(op.narrow & NARROW_SHIFT) and (op.dst_even - op.dst_odd) % 16 != 0
+
+
 def _fp8_sum(op) -> bool:
     """Is ``op`` a move summing FP8 (which only ``fused_narrow`` runs: no segmented ops)?"""
     return op.kind == "move" and op.how is not None and op.dtype in FUSED_COPY_DTYPES
@@ -379,7 +394,7 @@ def _key(op, partners) -> tuple:
     arrivals; the rank's own copies meet none)."""
     if op.kind == "put":
         return ("put", op.peer)
-    if op.narrow:  # (an odd-aligned copy: only a row of its own runs that)
+    if op.narrow and _own_row(op):
         return ("narrow", id(op))
     if _fp8_sum(op):  # (FP8 sums: never in a segment)
         return ("fp8 sum", id(op))
@@ -593,7 +608,7 @@ def _matched(ops_by_rank: list[list[tuple]], unit: int, ll: bool,
                     firsts.setdefault(span, set()).add(start)
                     if writes:
                         written.add(span)
-                start += -(-part.nbytes // unit)
+                start += part_items(part, unit)
     return all(len(firsts[span]) == 1 for span in written)
 
 
@@ -638,7 +653,7 @@ def aligned(ops_by_rank: list[list[tuple]], unit: int) -> list[dict] | None:
                     touching.setdefault(span, []).append((r, k, start))
                     if writes:
                         written.add(span)
-                start += -(-part.nbytes // unit)
+                start += part_items(part, unit)
     parent: dict = {}  # op -> (parent op, rotation of op minus rotation of parent)
 
     def find(x):

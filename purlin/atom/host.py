@@ -422,9 +422,9 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
         else:
             if delay:
                 time.sleep(delay)
-            _move_items(head, op, _items(op[isa.MOVE_BYTES], unit, block, blocks, threads,
-                                         op[isa.MOVE_ROTATE]), mem, unit, odd, tag, code, redop,
-                        divisor, what)
+            _move_items(head, op, _items(_row_items(op, unit, odd) * unit, unit, block, blocks,
+                                         threads, op[isa.MOVE_ROTATE]), mem, unit, odd, tag,
+                        code, redop, divisor, what)
 
 
 def _segment_items(head, op, unit: int, block: int, blocks: int, threads: int) -> list:
@@ -439,9 +439,30 @@ def _segment_items(head, op, unit: int, block: int, blocks: int, threads: int) -
     for s in range(op[isa.SEG_COUNT]):
         at = op[isa.SEG_TABLE] + s * isa.OP_WIDTH
         rec = [int(x) for x in head[at: at + isa.OP_WIDTH]]
-        start, n = rec[first_word], -(-rec[bytes_word] // unit)
+        start = rec[first_word]
+        n = _row_items(rec, unit) if kind == isa.F_OP_MOVES else -(-rec[bytes_word] // unit)
         out.append((rec, [u - start for u in union if start <= u < start + n]))
     return out
+
+
+def _row_items(op, unit: int, odd: int = 0) -> int:
+    """Items of a MOVE's words on an even or ``odd`` call (``purlin.atom.fused.row_items``:
+    a copy cut at its destination's 16-byte boundaries has the destination's slots)."""
+    from purlin.atom.fused import row_items
+
+    return row_items(op[isa.MOVE_BYTES], unit, op[isa.MOVE_NARROW], op[isa.MOVE_DST + odd])
+
+
+def _slot(op, i: int, unit: int, odd: int) -> tuple[int, int]:
+    """(first byte in the row, bytes) of item ``i`` of a MOVE's words: ``unit`` bytes from
+    ``unit * i`` (the last item maybe partial), or the part of the row in its
+    destination's 16-byte slot ``i`` for a copy cut at its boundaries."""
+    nbytes = op[isa.MOVE_BYTES]
+    if not op[isa.MOVE_NARROW] & isa.NARROW_SHIFT:
+        return unit * i, min(unit, nbytes - unit * i)
+    skew = op[isa.MOVE_DST + odd] & 15
+    lo = max(0, 16 * i - skew)
+    return lo, min(nbytes, 16 * (i + 1) - skew) - lo
 
 
 def _put_items(op, items, mem: _Memory, unit: int, odd: int, tag: int) -> None:
@@ -462,6 +483,11 @@ def _move_items(head, op, items, mem: _Memory, unit: int, odd: int, tag: int, co
                 [:isa.SOURCE_WIDTH]] for s in range(nsrc)]
     count = unit // isa.ITEMSIZE[code]
     for i in items:
+        if nsrc == 1 and not sources[0][0]:  # a plain copy: its item's bytes (_slot)
+            at, valid = _slot(op, i, unit, odd)
+            src = sources[0][2] if odd else sources[0][1]
+            _bytes(dst + at, valid)[:] = _bytes(src + at, valid)
+            continue
         valid = min(unit, nbytes - unit * i)  # a scalar tail: the row's bytes only
         raw = []
         for is_ll, even, odd_at, _, _ in sources:
