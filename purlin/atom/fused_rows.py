@@ -44,9 +44,10 @@ from purlin.kernels.isa import NARROW_SHIFT
 from purlin.atom.fused import (FUSED_COPY_DTYPES, Segments, Span, _Refused, _accesses,
                                _check_rank, _clash, _meets, part_items, program, rank_ops)
 
-__all__ = ["MERGE_BYTES", "NARROW_SEGMENT_BYTES", "ROTATE_ITEMS", "acked", "aligned", "cluster_programs",
-           "deadlock_free", "gathered", "joined", "ll_pieces", "merged_flags", "regroup",
-           "regrouped", "rotations", "rounds", "segmented", "several_pieces", "shifted_copies"]
+__all__ = ["MERGE_BYTES", "NARROW_SEGMENT_BYTES", "ROTATE_ITEMS", "acked", "aligned",
+           "cluster_programs", "deadlock_free", "gathered", "joined", "ll_pieces",
+           "merged_flags", "regroup", "regrouped", "rotations", "rounds", "segmented",
+           "several_pieces", "shifted_copies"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
