@@ -606,6 +606,61 @@ def test_large_odd_aligned_rows_stay_rows_of_their_own():
                          blocks=2, threads=3) is not None
 
 
+def test_no_segmented_op_holds_a_row_touching_what_another_of_its_rows_writes():
+    """The kernel's segment loop issues a later row's loads before an earlier row's stores
+    (``copy_words``, four in flight across segments), so no segmented op may hold a row that
+    reads or writes bytes another of its rows writes: seeded random layouts (copies and
+    sums, odd pieces, every dtype) x direct-push, direct-pull and ring x plain and LL, every
+    record of every segmented op of every rank's program."""
+    from purlin.kernels import isa
+    from purlin.snac.strategies import check_strategy
+
+    def spans(w, rec, puts):  # (written (address, bytes), [read ones]) of a record
+        if puts:
+            return (w[rec + isa.PUT_DST], 2 * w[rec + isa.PUT_BYTES]), \
+                [(w[rec + isa.PUT_SRC], w[rec + isa.PUT_BYTES])]
+        n, first = w[rec + isa.MOVE_BYTES], w[rec + isa.MOVE_SOURCES]
+        entries = [first + k * isa.SOURCE_WIDTH for k in range(w[rec + isa.MOVE_NSRC])]
+        return (w[rec + isa.MOVE_DST], n), \
+            [(w[e + isa.SOURCE_ADDR], 2 * n if w[e + isa.SOURCE_LL] else n) for e in entries]
+
+    def meets(a, b):
+        return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+    rng = np.random.default_rng(3)
+    segmented = 0
+    for _ in range(40):
+        n, dtype = int(rng.integers(2, 7)), str(rng.choice(list(ITEM)))
+        coll, sizes = random_layout(rng, n, dtype, odd_pieces=bool(rng.random() < 0.5),
+                                    copies=0.8)
+        for strategy in ("direct-push", "direct-pull", "ring"):
+            try:
+                check_strategy(strategy, coll)
+            except Exception:  # (the strategy is not for this layout)
+                continue
+            for ll in (False, True):
+                bufs = HostBuffers(plan(coll, strategy, chunk_sizes=sizes, dtype=dtype), ll=ll)
+                low = bufs.lower()
+                unit, problem = fused_unit(low, "fused-ll" if ll else "fused")
+                if problem:
+                    continue
+                for w in fused_programs(low, bufs, unit):
+                    for k in range(int(w[F_NOPS])):
+                        at = F_HEAD + k * OP_WIDTH
+                        if w[at] not in (isa.F_OP_PUTS, isa.F_OP_MOVES):
+                            continue
+                        segmented += 1
+                        recs = [spans(w, int(w[at + isa.SEG_TABLE]) + j * OP_WIDTH,
+                                      w[at] == isa.F_OP_PUTS)
+                                for j in range(int(w[at + isa.SEG_COUNT]))]
+                        for i, (wa, _) in enumerate(recs):
+                            for j, (wb, rb) in enumerate(recs):
+                                assert i == j or not (meets(wa, wb) or
+                                                      any(meets(wa, x) for x in rb)), \
+                                    (coll.name, strategy, ll, k, i, j)
+    assert segmented >= 300, segmented
+
+
 def test_verified_schedules_take_the_fast_path():
     """Seeded random layouts (copies and reductions, pieces of any size, 2..8 ranks) x every
     strategy that plans them x chunks and lanes x five dtypes: what a default bind runs
