@@ -230,7 +230,8 @@ def _bench_cases():
                                  "2026-12-06-custom-vs-standard-1xH100-9b2b6bf.json",
                                  "2026-12-06-custom-vs-standard-1xH100-c1ab685.json",
                                  "2026-12-06-custom-vs-standard-1xH100-6670c77.json",
-                                 "2026-12-04-custom-vs-standard-1xH200-de6bb09.json"])
+                                 "2026-12-04-custom-vs-standard-1xH200-de6bb09.json",
+                                 "2026-12-06-gqa-odd-pieces-1xH100-1b00232.json"])
 def test_auto_replayed_on_recorded_runs_is_within_5_percent_of_their_best_bind(run):
     """This tree's auto choices for every point of a recorded one-GPU run (custom and
     standard, 4 and 8 virtual ranks, 8 KiB .. 16 MiB; that GPU's shipped table), each looked up
