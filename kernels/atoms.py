@@ -66,17 +66,17 @@ def copy_v16(dst, src, nvec, tid, nthreads):
 def copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3):
     """The first ``n`` (1 to 4) 16 bytes at ``s0`` .. ``s3`` to ``d0`` .. ``d3``, any
     alignment: every load, then every store (in flight together). Each source is read as
-    the two aligned 16-byte words holding its first and last byte (one word twice where it
-    is aligned) and funnel-shifted (:func:`funnel16`), all eight loads issued before any
-    is used: a load behind a branch on the alignment would wait for the one before. An
-    entry past ``n`` loads the first one's words again (no branch) and stores nothing."""
+    :func:`aligned_words` and funnel-shifted (:func:`funnel16`), all eight loads issued
+    before any is used: a load behind a branch on the alignment would wait for the one
+    before. An entry past ``n`` loads the first one's words again (no branch) and stores
+    nothing."""
     s1 = s1 if n > 1 else s0
     s2 = s2 if n > 2 else s0
     s3 = s3 if n > 3 else s0
-    a0, a1 = load_v4_u32(s0 & -16), load_v4_u32((s0 + 15) & -16)
-    b0, b1 = load_v4_u32(s1 & -16), load_v4_u32((s1 + 15) & -16)
-    c0, c1 = load_v4_u32(s2 & -16), load_v4_u32((s2 + 15) & -16)
-    e0, e1 = load_v4_u32(s3 & -16), load_v4_u32((s3 + 15) & -16)
+    a0, a1 = aligned_words(s0)
+    b0, b1 = aligned_words(s1)
+    c0, c1 = aligned_words(s2)
+    e0, e1 = aligned_words(s3)
     store16(d0, funnel16(a0, a1, s0 & 15))
     if n > 1:
         store16(d1, funnel16(b0, b1, s1 & 15))
@@ -84,6 +84,14 @@ def copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3):
         store16(d2, funnel16(c0, c1, s2 & 15))
     if n > 3:
         store16(d3, funnel16(e0, e1, s3 & 15))
+
+
+@device
+def aligned_words(s):
+    """The two aligned 16-byte words holding the first and the last of the 16 bytes at
+    ``s`` (the same word twice where ``s`` is aligned): no branch, so a caller's loads
+    are all issued before any is used."""
+    return load_v4_u32(s & -16), load_v4_u32((s + 15) & -16)
 
 
 @device

@@ -19,8 +19,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, copy_words, funnel16,
-                                  ll_tag, pack_half2, unpack_half2)
+from purlin.kernels.atoms import (aligned_words, avg_float, avg_int, combine, copy_v16,
+                                  copy_words, funnel16, ll_tag, pack_half2, unpack_half2)
 from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
@@ -1025,8 +1025,8 @@ def _copy_shifted(dst, src, nbytes, first, stride):
     from ``dst & -16`` (``purlin.atom.fused.row_items``): a whole slot is an aligned
     16-byte store funnel-shifted from the aligned source words it straddles, the row's
     partial first and last slots its bytes in them (:func:`_slot_edge`). This thread takes
-    slots ``first``, ``first + stride``, ... (two whole ones in flight, as ``copy_words``'s:
-    a source's two words, one twice where it is aligned)."""
+    slots ``first``, ``first + stride``, ... (two whole ones in flight, each source's
+    ``aligned_words`` loaded before either is shifted)."""
     base = dst & -16
     slots = ((dst & 15) + nbytes + 15) >> 4
     f0 = 1 if dst & 15 else 0  # the first whole slot
@@ -1038,8 +1038,8 @@ def _copy_shifted(dst, src, nbytes, first, stride):
         j1 = j + stride if j + stride < f1 else j
         s0 = base + (j << 4) + diff
         s1 = base + (j1 << 4) + diff
-        a0, a1 = load_v4_u32(s0 & -16), load_v4_u32((s0 + 15) & -16)
-        b0, b1 = load_v4_u32(s1 & -16), load_v4_u32((s1 + 15) & -16)
+        a0, a1 = aligned_words(s0)
+        b0, b1 = aligned_words(s1)
         store_v4_u32(base + (j << 4), funnel16(a0, a1, shift))
         if j1 != j:
             store_v4_u32(base + (j1 << 4), funnel16(b0, b1, shift))
