@@ -369,13 +369,11 @@ def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None
                     threads=threads).words for low in lowered]
 
 
-def _items(nbytes: int, unit: int, block: int, blocks: int, threads: int,
-           rotation: int = 0) -> list[int]:
-    """The items (``unit`` bytes each, the last one partial where ``nbytes`` is not whole
-    items: a scalar tail) block ``block`` takes: item i goes to thread ``(i + rotation) %
-    (blocks * threads)`` of the rank's grid, as in the fused kernel."""
-    return [i for i in range(-(-nbytes // unit))
-            if ((i + rotation) % (blocks * threads)) // threads == block]
+def _items(count: int, block: int, blocks: int, threads: int, rotation: int = 0) -> list[int]:
+    """Which of a row's ``count`` items (a MOVE's: :func:`_row_items`) block ``block`` takes:
+    item i goes to thread ``(i + rotation) % (blocks * threads)`` of the rank's grid, as in
+    the fused kernel."""
+    return [i for i in range(count) if ((i + rotation) % (blocks * threads)) // threads == block]
 
 
 def _tail(data: bytes, valid: int, unit: int) -> bytes:
@@ -408,7 +406,7 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
         elif kind == isa.F_OP_NORM:
             _norm_block(head, op, tag, mem, block, blocks, threads, unit, code, what)
         elif kind == isa.F_OP_PUT:
-            _put_items(op, _items(op[isa.PUT_BYTES], unit, block, blocks, threads,
+            _put_items(op, _items(-(-op[isa.PUT_BYTES] // unit), block, blocks, threads,
                                   op[isa.PUT_ROTATE]), mem, unit, odd, tag)
         elif kind in (isa.F_OP_PUTS, isa.F_OP_MOVES):
             if delay and kind == isa.F_OP_MOVES:
@@ -422,9 +420,9 @@ def _run_fused_block(words, epoch, mem: _Memory, rank: int, block: int, blocks: 
         else:
             if delay:
                 time.sleep(delay)
-            _move_items(head, op, _items(_row_items(op, unit, odd) * unit, unit, block, blocks,
-                                         threads, op[isa.MOVE_ROTATE]), mem, unit, odd, tag,
-                        code, redop, divisor, what)
+            _move_items(head, op, _items(_row_items(op, unit, odd), block, blocks, threads,
+                                         op[isa.MOVE_ROTATE]), mem, unit, odd, tag, code, redop,
+                        divisor, what)
 
 
 def _segment_items(head, op, unit: int, block: int, blocks: int, threads: int) -> list:
@@ -434,7 +432,7 @@ def _segment_items(head, op, unit: int, block: int, blocks: int, threads: int) -
     kind = op[isa.OP_KIND]
     first_word = isa.PUT_ROTATE if kind == isa.F_OP_PUTS else isa.MOVE_ROTATE
     bytes_word = isa.PUT_BYTES if kind == isa.F_OP_PUTS else isa.MOVE_BYTES
-    union = _items(op[isa.SEG_ITEMS] * unit, unit, block, blocks, threads, op[isa.SEG_ROTATE])
+    union = _items(op[isa.SEG_ITEMS], block, blocks, threads, op[isa.SEG_ROTATE])
     out = []
     for s in range(op[isa.SEG_COUNT]):
         at = op[isa.SEG_TABLE] + s * isa.OP_WIDTH
