@@ -19,8 +19,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from purlin.kernels.atoms import (aligned_words, avg_float, avg_int, combine, copy_v16,
-                                  copy_words, funnel16, ll_tag, pack_half2, unpack_half2)
+from purlin.kernels.atoms import (ALL_WHOLE, avg_float, avg_int, byte_range, combine,
+                                  copy_v16, copy_words, ll_tag, pack_half2, unpack_half2)
 from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
@@ -1022,32 +1022,34 @@ def _copy_shifted(dst, src, nbytes, first, stride):
     """A copy of ``nbytes`` at addresses of any alignment, cut at the destination's 16-byte
     boundaries (``isa.NARROW_SHIFT``: the destination is aligned, so the cut is the items',
     or nothing else in the launch touches it). Its items are the destination's 16-byte slots
-    from ``dst & -16`` (``purlin.atom.fused.row_items``): a whole slot is an aligned
-    16-byte store funnel-shifted from the aligned source words it straddles, the row's
-    partial first and last slots its bytes in them (:func:`_slot_edge`). This thread takes
-    slots ``first``, ``first + stride``, ... (two whole ones in flight, each source's
-    ``aligned_words`` loaded before either is shifted)."""
+    from ``dst & -16`` (``purlin.atom.fused.row_items``), the first and the last perhaps
+    partial (:func:`_slot_range`): this thread takes slots ``first``, ``first + stride``,
+    ..., four in flight (``copy_words``)."""
     base = dst & -16
     slots = ((dst & 15) + nbytes + 15) >> 4
-    f0 = 1 if dst & 15 else 0  # the first whole slot
-    f1 = slots - 1 if (dst + nbytes) & 15 else slots  # past the last whole slot
     diff = src - dst
-    j = first if first >= f0 else first + stride
-    shift = diff & 15
-    while j < f1:  # (two whole slots in flight: their four loads, then two stores)
-        j1 = j + stride if j + stride < f1 else j
-        s0 = base + (j << 4) + diff
-        s1 = base + (j1 << 4) + diff
-        a0, a1 = aligned_words(s0)
-        b0, b1 = aligned_words(s1)
-        store_v4_u32(base + (j << 4), funnel16(a0, a1, shift))
-        if j1 != j:
-            store_v4_u32(base + (j1 << 4), funnel16(b0, b1, shift))
-        j += 2 * stride
-    if first == 0 and f0 == 1:
-        _slot_edge(dst, diff, nbytes, base)
-    if f1 < slots and (slots - 1) % stride == first and (slots > 1 or f0 == 0):
-        _slot_edge(dst, diff, nbytes, base + ((slots - 1) << 4))
+    j = first
+    while j < slots:
+        j1 = j + stride
+        j2 = j1 + stride
+        j3 = j2 + stride
+        n = 4 if j3 < slots else (3 if j2 < slots else (2 if j1 < slots else 1))
+        d0 = base + (j << 4)
+        d1 = base + (j1 << 4)
+        d2 = base + (j2 << 4)
+        d3 = base + (j3 << 4)
+        copy_words(n, d0 + diff, d1 + diff, d2 + diff, d3 + diff, d0, d1, d2, d3,
+                   _slot_range(d0, dst, nbytes) | (_slot_range(d1, dst, nbytes) << 8) |
+                   (_slot_range(d2, dst, nbytes) << 16) | (_slot_range(d3, dst, nbytes) << 24))
+        j = j3 + stride
+
+
+@device
+def _slot_range(d, dst, nbytes):
+    """The bytes of a row (``nbytes`` at ``dst``) in the destination's 16-byte slot at
+    ``d``, as ``copy_words`` takes them (``atoms.byte_range``: ``WHOLE`` inside the row,
+    less in its partial first or last slot)."""
+    return byte_range(max(dst - d, 0), min(dst + nbytes - d, 16))
 
 
 @device
@@ -1262,12 +1264,12 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
                 s3, d3 = src, dst
             n += 1
             if n == 4:
-                copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
+                copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3, ALL_WHOLE)
                 n = 0
             i += stride
             continue
         if n != 0:
-            copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
+            copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3, ALL_WHOLE)
             n = 0
         if copies:  # a copy's partial last item, at any alignment (the others: _move_one)
             _copy_edge(dst, src, nbytes - (j << shift))
@@ -1288,7 +1290,7 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
             return
         i += stride
     if n != 0:
-        copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
+        copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3, ALL_WHOLE)
 
 
 @device

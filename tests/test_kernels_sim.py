@@ -79,8 +79,8 @@ def shifted_copies_every_offset_and_length():
     """The fused kernel's copy of an odd-aligned piece into bytes nothing else touches
     (``_copy_shifted``): every source offset against every destination offset, lengths 0..50
     and longer, 1-5 threads; aligned 16-byte stores from funnel-shifted source words, the
-    row's two ends in 4-, 2- and 1-byte words (the simulator's accesses are checked for
-    alignment as a GPU's are)."""
+    row's partial first and last slots byte by byte in the same rounds (the simulator's
+    accesses are checked for alignment as a GPU's are)."""
     from purlin.kernels.fused import _copy_shifted
 
     rng = np.random.default_rng(4)
