@@ -463,11 +463,12 @@ def _print_summary(out, log) -> None:
         print(f"  {r['collective']} [{r['bind']}]: {r['why']}", file=log)
 
 
-def replay(path: str, log=sys.stdout) -> dict:
-    """``auto``'s choices of this tree for the points of an earlier run's JSON, each looked up
-    among the binds that run timed (no GPU needed): what this tree's ``auto`` would take there,
-    before a GPU measures it. A choice that run did not time as a bind is "not timed", or
-    "refused there" where the run's tree refused that bind (a fast path it lacked)."""
+def replay(path: str, log=sys.stdout, ranks=None) -> dict:
+    """``auto``'s choices of this tree for the points of an earlier run's JSON (those of
+    ``ranks`` ranks where given), each looked up among the binds that run timed (no GPU
+    needed): what this tree's ``auto`` would take there, before a GPU measures it. A choice
+    that run did not time as a bind is "not timed", or "refused there" where the run's tree
+    refused that bind (a fast path it lacked)."""
     import types
 
     from purlin.runtime.auto import select
@@ -477,6 +478,8 @@ def replay(path: str, log=sys.stdout) -> dict:
     gpus = data.get("info", {}).get("gpus") or [None]
     found, missing, refused = [], 0, 0
     for r in data["rows"]:
+        if ranks is not None and r["nranks"] not in ranks:
+            continue
         cluster = types.SimpleNamespace(datapath="sm", kind=r.get("cluster", "virtual"),
                                         nranks=r["nranks"], devices=[0] * r["nranks"])
         case = next(c for c in cases(r["nranks"], r["nbytes"], _item(r["dtype"]))
