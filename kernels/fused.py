@@ -1026,7 +1026,7 @@ def _copy_shifted(dst, src, nbytes, first, stride):
     partial (:func:`_slot_range`): this thread takes slots ``first``, ``first + stride``,
     ..., four in flight (``copy_words``)."""
     base = dst & -16
-    slots = ((dst & 15) + nbytes + 15) >> 4
+    slots = ((dst & 15) + nbytes + 15) >> 4 if nbytes > 0 else 0  # (no load for no bytes)
     diff = src - dst
     j = first
     while j < slots:

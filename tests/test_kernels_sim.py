@@ -80,26 +80,43 @@ def shifted_copies_every_offset_and_length():
     (``_copy_shifted``): every source offset against every destination offset, lengths 0..50
     and longer, 1-5 threads; aligned 16-byte stores from funnel-shifted source words, the
     row's partial first and last slots byte by byte in the same rounds (the simulator's
-    accesses are checked for alignment as a GPU's are)."""
+    accesses are checked for alignment as a GPU's are). Every 16-byte word it loads holds a
+    byte of the row's source: a word past the row may lie outside the buffer."""
+    from purlin.kernels import atoms
     from purlin.kernels.fused import _copy_shifted
+
+    load = atoms.load_v4_u32
+    loaded = []
+
+    def recorded(addr):
+        loaded.append(int(addr))
+        return load(addr)
 
     rng = np.random.default_rng(4)
     lengths = list(range(51)) + [97, 256, 1001]
     ran = 0
-    for src_off in range(16):
-        for dst_off in range(16):
-            for n in lengths:
-                src_raw, src = _aligned(n, src_off)
-                dst_raw, dst = _aligned(n, dst_off)
-                src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
-                threads = int(rng.integers(1, 6))
-                for tid in range(threads):
-                    _copy_shifted(dst, src, n, tid, threads)
-                assert np.array_equal(_view(dst_raw, dst, n, np.uint8),
-                                      _view(src_raw, src, n, np.uint8)), \
-                    (src_off, dst_off, n, threads)
-                assert _guards_intact(dst_raw, dst, n), (src_off, dst_off, n, threads)
-                ran += 1
+    atoms.load_v4_u32 = recorded
+    try:
+        for src_off in range(16):
+            for dst_off in range(16):
+                for n in lengths:
+                    src_raw, src = _aligned(n, src_off)
+                    dst_raw, dst = _aligned(n, dst_off)
+                    src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
+                    threads = int(rng.integers(1, 6))
+                    loaded.clear()
+                    for tid in range(threads):
+                        _copy_shifted(dst, src, n, tid, threads)
+                    assert np.array_equal(_view(dst_raw, dst, n, np.uint8),
+                                          _view(src_raw, src, n, np.uint8)), \
+                        (src_off, dst_off, n, threads)
+                    assert _guards_intact(dst_raw, dst, n), (src_off, dst_off, n, threads)
+                    outside = [a - src for a in loaded if not (a < src + n and a + 16 > src)]
+                    assert not outside, (src_off, dst_off, n, threads, outside[:4])
+                    assert loaded or n == 0, (src_off, dst_off, n)
+                    ran += 1
+    finally:
+        atoms.load_v4_u32 = load
     assert ran == 16 * 16 * len(lengths)
 
 
