@@ -1038,6 +1038,8 @@ def _copy_shifted(dst, src, nbytes, first, stride):
         d1 = base + (j1 << 4)
         d2 = base + (j2 << 4)
         d3 = base + (j3 << 4)
+        # (a slot past the row has a negative range, whose bits spill only into the fields
+        # of the slots after it: those past n, which copy_words never reads)
         copy_words(n, d0 + diff, d1 + diff, d2 + diff, d3 + diff, d0, d1, d2, d3,
                    _slot_range(d0, dst, nbytes) | (_slot_range(d1, dst, nbytes) << 8) |
                    (_slot_range(d2, dst, nbytes) << 16) | (_slot_range(d3, dst, nbytes) << 24))
