@@ -1080,6 +1080,7 @@ def fused_random_layouts_of_unequal_rows():
         ran += 1
     assert ran >= 5, ran
 
+
 @case
 def fused_odd_pieces_in_segmented_ops():
     """Pieces of odd size (GQA's q, k, v one element longer each; seeded random layouts of
