@@ -1250,7 +1250,7 @@ def test_standard_collectives_hold_no_segmented_ops():
 
 def _ops(coll, sizes, strategy, protocol, segments=True):
     """(each rank's fused ops as the sm datapath builds them, each rank's user spans)."""
-    from purlin.atom.fused_rows import ll_pieces, segmented, several_pieces
+    from purlin.atom.fused_rows import ll_pieces, notified_early, segmented, several_pieces
 
     s = plan(coll, strategy, chunk_sizes=sizes, dtype="bfloat16")
     low = HostBuffers(s, ll=protocol == "fused-ll").lower()
@@ -1260,6 +1260,7 @@ def _ops(coll, sizes, strategy, protocol, segments=True):
     user = [x.user for x in low]
     ops = regrouped(low, unit)[0]
     if segments and several_pieces(s):
+        ops = notified_early(ops, user) or ops
         ops = segmented(ops, unit, ll_pieces(ops), user) or ops
     return ops, user
 
@@ -1315,6 +1316,33 @@ def test_race_finds_a_missing_wait_and_a_pull_before_its_ready_flag():
     early = ops[1][:w] + [ops[1][m]] + ops[1][w:m] + ops[1][m + 1:]
     got = race([ops[0], early] + ops[2:], user)
     assert got is not None and got.startswith("rank") and "unordered" in got, got
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("protocol", ["fused", "fused-ll"])
+def test_gqa_pulls_say_ready_before_copying_their_own_pieces(n, protocol):
+    """A pulling rank's "my input is ready" notifies (merged into the last of each flag's by
+    ``regroup``, after the rank's copies of its own q and k) go first again, as its twin's
+    do: each rank's program is its twin's flags around one segmented copy. The pushed
+    program's notifies say that data landed: moved before its copies they race (plain
+    copies), so ``notified_early`` leaves it."""
+    from purlin.atom.fused_rows import notified_early, race
+
+    sizes = gqa_sizes(n, 64)
+    got, user = _ops(gqa(n), sizes, "direct-pull", protocol)
+    for r in range(n):
+        first = next(i for i, op in enumerate(got[r]) if op.kind == "wait")
+        assert _kinds(got[r][:first]) == ["notify"] * (n - 1), (r, _kinds(got[r]))
+    plain, _ = _ops(gqa(n), sizes, "direct-pull", protocol, segments=False)
+    assert any(op.kind == "move" for op in plain[0][:plain[0].index(
+        next(op for op in plain[0] if op.kind == "notify"))]), _kinds(plain[0])
+    if protocol == "fused-ll":  # (an LL unit carries its call's tag: no notify guards it)
+        return
+    pushed, user = _ops(gqa(n), sizes, "direct-push", protocol, segments=False)
+    assert notified_early(pushed, user) is None
+    moved = [[op for op in ops if op.kind == "notify"] + [op for op in ops if op.kind != "notify"]
+             for ops in pushed]
+    assert race(moved, user) is not None
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

@@ -269,8 +269,10 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
                      segments: bool = False, join: bool = True) -> list:
     """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the
     :func:`regrouped` ops (``error_of(rank)``: the rank's error record address); with
-    ``segments`` (for the layouts :func:`several_pieces` finds) one peer's rows gathered
-    into segmented ops where :func:`segmented` can, else the rotated rows; then (``join``)
+    ``segments`` (for the layouts :func:`several_pieces` finds) the notifies before each
+    rank's first wait moved before its copies where they may (:func:`notified_early`), then
+    one peer's rows gathered into segmented ops where :func:`segmented` can, else the
+    rotated rows; then (``join``)
     LL rows joined across flag operations (:func:`joined`) and each program's flags
     gathered around its copies and PUTs (:func:`gathered`) where a program has no NORM.
     Odd-aligned rows (``Move.narrow``) are first cut at their destination's 16-byte
@@ -286,6 +288,9 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     # (FP8 sums run on fused_narrow alone: no segmented op anywhere in their programs)
     fp8 = any(_fp8_sum(op) for rank in ops for op in rank)
     if segments and not fp8:
+        early = notified_early(ops, user)
+        if early is not None:
+            ops, rot = early, rotations(early, unit, ll_pieces(early))
         seg = segmented(ops, unit, ll_pieces(ops), user)
         if seg is not None:
             ops, rot = seg, aligned(seg, unit)
@@ -874,6 +879,26 @@ def _gathered_rank(ops: list[tuple], free: set, sends: set) -> list[tuple]:
                 moved = True
     out = [op for op, _, _ in tagged]
     return out if _flag_runs(out) < _flag_runs(ops) else list(ops)
+
+
+def notified_early(ops_by_rank: list[list[tuple]], user: list) -> list | None:
+    """Each rank's notifies before its first wait moved before the copies and PUTs there,
+    where :func:`race` then finds no two ranks' data ops unordered (one check over all
+    ranks), or None. :func:`regroup` merges a rank's notifies of one flag into the last of
+    them, which is always sound; a pulling rank's "my input is ready" then waits for its
+    own copies (the GQA all-gather: every peer's pulls wait for the rank's copies of its
+    own q, k and v). Telling a peer earlier only lets it run earlier, so no interleaving
+    deadlocks that did not before; what it may break is the data, which :func:`race`
+    checks."""
+    out = []
+    for ops in ops_by_rank:
+        first = next((i for i, op in enumerate(ops) if op.kind == "wait"), len(ops))
+        head = ops[:first]
+        out.append([op for op in head if op.kind == "notify"]
+                   + [op for op in head if op.kind != "notify"] + list(ops[first:]))
+    if out == [list(ops) for ops in ops_by_rank] or race(out, user) is not None:
+        return None
+    return out
 
 
 def gathered(ops_by_rank: list[list[tuple]], unit: int, user: list) -> list | None:
