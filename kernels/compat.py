@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 
 def ensure_numpy_compat() -> None:
     """Restore ``np.row_stack`` where NumPy (>= 2.5) removed it.
@@ -36,3 +38,35 @@ def compile_ptx(pyfunc, sig, cc=(9, 0), **options) -> str:
     finally:
         dispatcher.get_current_device = real
     return ptx
+
+
+@contextlib.contextmanager
+def small_grids():
+    """Launches inside take small grids on purpose: Numba's low-occupancy warning is not
+    shown. numba-cuda raises its own ``NumbaPerformanceWarning`` (``numba.cuda.core.errors``),
+    not a subclass of numba's (``numba.core.errors``), so both are ignored.
+
+    >>> import warnings
+    >>> from numba.cuda.core.errors import NumbaPerformanceWarning
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("error")
+    ...     with small_grids():
+    ...         warnings.warn(NumbaPerformanceWarning("Grid size 1 ..."))
+    """
+    import warnings
+
+    from numba.core.errors import NumbaPerformanceWarning
+
+    kinds = [NumbaPerformanceWarning]
+    try:
+        from numba.cuda.core.errors import NumbaPerformanceWarning as CudaPerformanceWarning
+        kinds.append(CudaPerformanceWarning)
+    except ImportError:  # (numba-cuda before it kept its own errors)
+        pass
+    with warnings.catch_warnings():
+        for kind in kinds:
+            warnings.simplefilter("ignore", kind)
+        yield
+
+
+__test__ = {"small_grids": small_grids}  # (doctest skips a function wrapped in another module)

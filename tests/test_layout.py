@@ -88,11 +88,11 @@ def test_this_environment_imports_kernels_from_the_top_level_folder():
                                                    ROOT / "build" / "lib" / "purlin" / "kernels"}
 
 
-@pytest.mark.parametrize("module", ["isa", "sim"])
+@pytest.mark.parametrize("module", ["sim", "occupancy", "varlen", "executor", "compat"])
 def test_kernel_doctests(module):
     mod = importlib.import_module(f"purlin.kernels.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    assert result.failed == 0
+    assert result.failed == 0 and result.attempted > 0
 
 
 def _layer(path: Path) -> str:

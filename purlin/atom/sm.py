@@ -626,15 +626,13 @@ def clock_pair(reference: int, device: int, rounds: int = 64):
     stamps = {d: torch.zeros(3 * rounds, dtype=torch.int64, device=f"cuda:{d}")
               for d in (reference, device)}
     streams = {d: torch.cuda.Stream(device=d) for d in (reference, device)}
-    import warnings
-
     from numba import cuda
-    from numba.core.errors import NumbaPerformanceWarning
+
+    from purlin.kernels.compat import small_grids
 
     for d, peer, first in ((device, reference, 0), (reference, device, 1)):
-        with cuda.gpus[d], warnings.catch_warnings():
-            # one block on purpose: a ping-pong measures latency, not throughput
-            warnings.simplefilter("ignore", NumbaPerformanceWarning)
+        # (one block on purpose: a ping-pong measures latency, not throughput)
+        with cuda.gpus[d], small_grids():
             stream = cuda.external_stream(streams[d].cuda_stream)
             pingpong[1, 32, stream](flags[d].data_ptr(), flags[peer].data_ptr(),
                                     stamps[d].data_ptr(), rounds, first)

@@ -20,7 +20,6 @@ is planned, verified and bound once at capacity; each call packs, runs and unpac
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -198,9 +197,9 @@ class VarLenBound:
 
     def _gpu_launch(self, inputs, counts):
         from numba import cuda
-        from numba.core.errors import NumbaPerformanceWarning
 
         from purlin.kernels import varlen as kv
+        from purlin.kernels.compat import small_grids
 
         torch, v, c = self.bound.torch, self.varlen, self.varlen.collective
         if not (isinstance(counts, torch.Tensor) and counts.numel() == len(v.names)):
@@ -227,8 +226,7 @@ class VarLenBound:
             x = x.reshape(-1)[:x.numel() // v.row * v.row]  # whole rows: whole units
             src = x.view(self._int_dtype) if x.numel() else self._views[r][0][:1]
             srcs[r] = (arr(src), x.numel() // v.row * self.view.row)
-        with warnings.catch_warnings():  # small calls get small grids on purpose
-            warnings.simplefilter("ignore", NumbaPerformanceWarning)
+        with small_grids():  # small calls get small grids on purpose
             for g in self._pack_groups:  # one launch per device for all its ranks
                 cr = arr(counts if counts.device == g.device else counts.to(g.device))
                 kv.pack_group[g.grid, kv.THREADS, stream](
