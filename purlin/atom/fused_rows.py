@@ -288,10 +288,11 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     # (FP8 sums run on fused_narrow alone: no segmented op anywhere in their programs)
     fp8 = any(_fp8_sum(op) for rank in ops for op in rank)
     if segments and not fp8:
+        ll = ll_pieces(ops)  # (which transfers a rank sends: moving its notifies keeps it)
         early = notified_early(ops, user)
         if early is not None:
-            ops, rot = early, rotations(early, unit, ll_pieces(early))
-        seg = segmented(ops, unit, ll_pieces(ops), user)
+            ops, rot = early, rotations(early, unit, ll)
+        seg = segmented(ops, unit, ll, user)
         if seg is not None:
             ops, rot = seg, aligned(seg, unit)
     norm = any(op.kind == "norm" for rank in ops for op in rank)  # (fused_norm: no segments)

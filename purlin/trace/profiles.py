@@ -140,8 +140,8 @@ PROFILES: dict[str, Profile] = {p.name: p for p in (
     # Virtual ranks of one H200: a device copy moves about 4.3 TB/s read plus written; alpha
     # and step fitted to the per-strategy times of purlin tune's virtual-rank table
     # (runtime/tuning/nvidia-h200.json, 48 entries: 4 and 8 ranks, six collectives, 8 KiB to
-    # 16 MiB): the strategy it ranks first measured 1.007x the fastest there (geomean; worst
-    # 1.10x; tests/test_trace_model.py).
+    # 16 MiB): the strategy it ranks first measured 1.010x the fastest there (geomean; past
+    # 1.15x only at the 8-rank 1 MiB reduce-scatter, 1.19x; tests/test_trace_model.py).
     Profile("H200-virtual", math.inf, 2000.0, 4.3 * _TB, 800.0, launch_ns=2500.0,
             topology="gpu",
             source="measured on virtual ranks of one H200: device copy 4.3 TB/s read + "
