@@ -1250,7 +1250,7 @@ def test_standard_collectives_hold_no_segmented_ops():
 
 def _ops(coll, sizes, strategy, protocol, segments=True):
     """(each rank's fused ops as the sm datapath builds them, each rank's user spans)."""
-    from purlin.atom.fused_rows import ll_pieces, notified_early, segmented, several_pieces
+    from purlin.atom.fused_rows import segmented_pieces, several_pieces
 
     s = plan(coll, strategy, chunk_sizes=sizes, dtype="bfloat16")
     low = HostBuffers(s, ll=protocol == "fused-ll").lower()
@@ -1260,8 +1260,7 @@ def _ops(coll, sizes, strategy, protocol, segments=True):
     user = [x.user for x in low]
     ops = regrouped(low, unit)[0]
     if segments and several_pieces(s):
-        ops = notified_early(ops, user) or ops
-        ops = segmented(ops, unit, ll_pieces(ops), user) or ops
+        ops = (segmented_pieces(ops, unit, user) or (ops,))[0]
     return ops, user
 
 

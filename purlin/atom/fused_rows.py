@@ -47,7 +47,7 @@ from purlin.atom.fused import (FUSED_COPY_DTYPES, Segments, Span, _Refused, _acc
 __all__ = ["MERGE_BYTES", "NARROW_SEGMENT_BYTES", "ROTATE_ITEMS", "acked", "aligned",
            "cluster_programs", "deadlock_free", "gathered", "joined", "ll_pieces",
            "merged_flags", "regroup", "regrouped", "rotations", "rounds", "segmented",
-           "several_pieces", "shifted_copies"]
+           "segmented_pieces", "several_pieces", "shifted_copies"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -287,14 +287,9 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     user = [low.user for low in lowered]
     # (FP8 sums run on fused_narrow alone: no segmented op anywhere in their programs)
     fp8 = any(_fp8_sum(op) for rank in ops for op in rank)
-    if segments and not fp8:
-        ll = ll_pieces(ops)  # (which transfers a rank sends: moving its notifies keeps it)
-        early = notified_early(ops, user)
-        if early is not None:
-            ops, rot = early, rotations(early, unit, ll)
-        seg = segmented(ops, unit, ll, user)
-        if seg is not None:
-            ops, rot = seg, aligned(seg, unit)
+    got = segmented_pieces(ops, unit, user) if segments and not fp8 else None
+    if got is not None:
+        ops, rot = got
     norm = any(op.kind == "norm" for rank in ops for op in rank)  # (fused_norm: no segments)
     if join and not norm:
         got = None if fp8 else joined(ops, unit, user)
@@ -880,6 +875,23 @@ def _gathered_rank(ops: list[tuple], free: set, sends: set) -> list[tuple]:
                 moved = True
     out = [op for op, _, _ in tagged]
     return out if _flag_runs(out) < _flag_runs(ops) else list(ops)
+
+
+def segmented_pieces(ops_by_rank: list[list[tuple]], unit: int, user: list) -> tuple | None:
+    """(ops, rotations) of :func:`cluster_programs`' pass for several pieces a peer: the
+    notifies before each rank's first wait moved early (:func:`notified_early`), then one
+    peer's rows gathered into segmented ops (:func:`segmented`); None where neither
+    changes anything."""
+    ll = ll_pieces(ops_by_rank)  # (which transfers a rank sends: moving its notifies keeps it)
+    got = None
+    early = notified_early(ops_by_rank, user)
+    if early is not None:
+        ops_by_rank = early
+        got = early, rotations(early, unit, ll)
+    seg = segmented(ops_by_rank, unit, ll, user)
+    if seg is not None:
+        got = seg, aligned(seg, unit)
+    return got
 
 
 def notified_early(ops_by_rank: list[list[tuple]], user: list) -> list | None:
