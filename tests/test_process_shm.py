@@ -236,3 +236,35 @@ def test_a_rank_that_sees_the_abort_of_a_mismatch_reports_the_mismatch(monkeypat
             shm.agree(arena, 1, mine, timeout=5.0)
     finally:
         arena.close()
+
+
+def test_a_rank_that_announces_another_call_between_two_reads_is_still_seen(monkeypatch):
+    """Ranks 0 and 2 announce another call and say they are ready right after rank 1 read the
+    calls: rank 1's next round sees every rank ready and still compares their calls
+    (CallMismatchError), instead of returning on readiness read after stale calls."""
+    from purlin.errors import CallMismatchError
+    from purlin.runtime import shm
+    from purlin.runtime.fingerprint import Call
+
+    arena = ShmArena.create(3, HEADER + 64)
+    try:
+        mine = Call(1, "broadcast", "float32", 64, "sum")
+        other = Call(1, "broadcast", "float32", 64, "sum", fallback=True)
+        shm.announce(arena, 1, mine)
+        real, read = shm.calls, []
+
+        def calls_then_others_move(a):
+            seen = real(a)
+            if not read:  # the others announce and get ready right after this first read
+                for r in (0, 2):
+                    shm.announce(arena, r, other)
+                    arena.headers[r][shm.H_READY] = 1
+            read.append(seen)
+            return seen
+
+        monkeypatch.setattr(shm, "calls", calls_then_others_move)
+        with pytest.raises(CallMismatchError):
+            shm.agree(arena, 1, mine, timeout=5.0)
+        assert len(read) >= 2 and read[0][0] is None  # (the race the test plants happened)
+    finally:
+        arena.close()

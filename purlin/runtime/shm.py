@@ -217,12 +217,16 @@ def agree(arena: ShmArena, rank: int, call: fingerprint.Call, timeout: float) ->
         # the abort word before the calls: a rank aborts after it read the call it disagrees
         # with, so a mismatch that caused the abort read here is in the calls read next
         aborted = int(abort[H_ABORT])
+        # readiness before the calls: a rank announces its call before it says it is ready,
+        # so the calls read next hold every ready rank's (read after, a rank that announced
+        # and got ready between the two reads would pass unseen)
+        ready = all(int(h[H_READY]) >= call.index for h in arena.headers)
         seen = calls(arena)
         why = fingerprint.disagreement(seen, call.index)
         if why:
             abort[H_ABORT] = abort[H_ABORT] or rank + 1
             raise CallMismatchError(f"rank {rank}: {mismatch(arena, call.index) or why}")
-        if all(int(h[H_READY]) >= call.index for h in arena.headers):
+        if ready:
             return
         if aborted:
             raise PurlinTimeoutError(
