@@ -38,16 +38,18 @@ ARCHITECTURE.md, "The fused kernel".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from purlin.kernels.isa import NARROW_SHIFT
-from purlin.atom.fused import (FUSED_COPY_DTYPES, Segments, Span, _Refused, _accesses,
-                               _check_rank, _clash, _meets, part_items, program, rank_ops)
+from purlin.atom.fused import (FUSED_COPY_DTYPES, FusedProgram, Segments, Span, _Refused,
+                               _accesses, _check_rank, _clash, _meets, part_items, program,
+                               rank_ops)
 
-__all__ = ["MERGE_BYTES", "NARROW_SEGMENT_BYTES", "ROTATE_ITEMS", "acked", "aligned",
-           "cluster_programs", "deadlock_free", "gathered", "joined", "ll_pieces",
-           "merged_flags", "regroup", "regrouped", "rotations", "rounds", "segmented",
-           "segmented_pieces", "several_pieces", "shifted_copies"]
+__all__ = ["MERGE_BYTES", "NARROW_SEGMENT_BYTES", "ROTATE_ITEMS", "ClusterOps", "acked",
+           "aligned", "cluster_ops", "cluster_programs", "deadlock_free", "gathered", "joined",
+           "launch_ops", "ll_pieces", "merged_flags", "regroup", "regrouped", "rotations",
+           "rounds", "segmented", "segmented_pieces", "several_pieces", "shifted_copies"]
 
 MERGE_BYTES = 256 << 10  # data bytes between two merged flag operations, at most: above it a
 # flag per piece lets the peer start on the first piece while the next one moves
@@ -267,19 +269,38 @@ def _runs(row, out) -> int:
 
 def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
                      segments: bool = False, join: bool = True) -> list:
-    """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the
-    :func:`regrouped` ops (``error_of(rank)``: the rank's error record address); with
-    ``segments`` (for the layouts :func:`several_pieces` finds) the notifies before each
-    rank's first wait moved before its copies where they may (:func:`notified_early`), then
-    one peer's rows gathered into segmented ops where :func:`segmented` can, else the
-    rotated rows; then (``join``)
-    LL rows joined across flag operations (:func:`joined`) and each program's flags
-    gathered around its copies and PUTs (:func:`gathered`) where a program has no NORM.
-    Odd-aligned rows (``Move.narrow``) are first cut at their destination's 16-byte
-    boundaries where they may (:func:`shifted_copies`); they join segmented ops as plain
-    copies do (but :func:`_own_row`); where no segmented op holds them they spread over threads
-    (:func:`rotations`). A trace of the program names the table rows of each op
-    (``purlin.atom.fused_trace.program_rows``)."""
+    """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the ops of
+    :func:`cluster_ops` (``error_of(rank)``: the rank's error record address). A trace of
+    the program names the table rows of each op (``purlin.atom.fused_trace.program_rows``)."""
+    ops = cluster_ops(lowered, unit, segments, join)
+    return [ops.program(low.rank, error_of(low.rank), abort, flag_slot) for low in lowered]
+
+
+def launch_ops(schedule, lowered, unit: int) -> ClusterOps:
+    """The ops every rank runs ``schedule`` with on the fused kernel (``lowered``: its
+    ranks' tables, lanes merged: ``purlin.atom.fused_lanes.one_lane``): :func:`cluster_ops`
+    with segmented ops for the layouts :func:`several_pieces` finds and LL rows joined --
+    what a single-process cluster (``purlin.atom.sm``) and each process of process mode
+    (``purlin.torch.sm_path``) build, so that a collective runs the same programs either way.
+    (A program ending with an epilogue is its rank's own ops and a NORM op, built apart:
+    ``fused.program(..., epilogue=...)``.)"""
+    return cluster_ops(lowered, unit, segments=several_pieces(schedule), join=True)
+
+
+def cluster_ops(lowered, unit: int = 16, segments: bool = False,
+                join: bool = True) -> ClusterOps:
+    """Every rank's fused ops of ``lowered`` and their rotations: the :func:`regrouped`
+    ops; with ``segments`` (for the layouts :func:`several_pieces` finds) the notifies
+    before each rank's first wait moved before its copies where they may
+    (:func:`notified_early`), then one peer's rows gathered into segmented ops where
+    :func:`segmented` can, else the rotated rows; then (``join``) LL rows joined across
+    flag operations (:func:`joined`) and each program's flags gathered around its copies
+    and PUTs (:func:`gathered`) where a program has no NORM. Odd-aligned rows
+    (``Move.narrow``) are first cut at their destination's 16-byte boundaries where they
+    may (:func:`shifted_copies`); they join segmented ops as plain copies do (but
+    :func:`_own_row`); where no segmented op holds them they spread over threads
+    (:func:`rotations`). Each pass decides on every rank's ops at once (flags, partners,
+    races), from the tables alone: any process holding all of them gets the same ops."""
     ops, rot = regrouped(lowered, unit)
     narrow = any(op.kind == "move" and op.narrow for rank in ops for op in rank)
     if narrow:  # (before segments: a copy cut at its destination's boundaries may join one)
@@ -302,8 +323,55 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
         # (odd-aligned rows in no segmented op: spread them over threads, or each row between
         # two flag operations waits for the one before on the same threads)
         rot = rotations(ops, unit)
-    return [program(low, error_of(low.rank), abort, flag_slot, unit, ops=ops[i],
-                    rotation=rot[i]) for i, low in enumerate(lowered)]
+    return ClusterOps(tuple(lowered), tuple(tuple(o) for o in ops), tuple(rot), unit)
+
+
+@dataclass(frozen=True)
+class ClusterOps:
+    """:func:`cluster_ops`' result: ``ops[i]`` and ``rotations[i]`` (move rotations by op
+    index) of rank ``lowered[i].rank``, for programs of ``unit``-byte items."""
+
+    lowered: tuple
+    ops: tuple
+    rotations: tuple
+    unit: int
+
+    def program(self, rank: int, error: int, abort: int, flag_slot,
+                moves: dict | None = None) -> FusedProgram:
+        """Rank ``rank``'s :func:`purlin.atom.fused.program` (``error``: its error record's
+        address); ``moves`` (``(old address, bytes)`` -> new address, as
+        ``lowering.relocate`` takes): of its table relocated there -- its ops with their
+        addresses moved, so that it keeps the flags and rotations its peers' programs were
+        written with (the caller checks the moved rows with ``fused.fuse_problem``)."""
+        i = next(i for i, low in enumerate(self.lowered) if low.rank == rank)
+        ops = self.ops[i] if not moves else [_relocated(op, moves) for op in self.ops[i]]
+        return program(self.lowered[i], error, abort, flag_slot, self.unit, ops=ops,
+                       rotation=self.rotations[i])
+
+    def items(self) -> int:
+        """The largest program's items, every rank's: what a launch's grid is sized for, the
+        same on every rank (block b of a rank waits only for block b of its peers)."""
+        return max(self.program(low.rank, 0, 0, lambda flag: 0).items  # (addresses: none)
+                   for low in self.lowered)
+
+
+def _relocated(op, moves: dict):
+    """Fused op ``op`` with the addresses ``lowering.relocate`` moves moved: destinations of
+    moves and every source (a PUT's destination is a peer's LL area, which never moves)."""
+    def at(address: int) -> int:
+        for (old, nbytes), new in moves.items():
+            if old <= address < old + nbytes:
+                return address + new - old
+        return address
+
+    if op.kind in ("puts", "moves"):
+        return op._replace(parts=tuple(_relocated(part, moves) for part in op.parts))
+    if op.kind == "put":
+        return op._replace(source=at(op.source))
+    if op.kind == "move":
+        return op._replace(dst_even=at(op.dst_even), dst_odd=at(op.dst_odd), sources=tuple(
+            s._replace(even=at(s.even), odd=at(s.odd)) for s in op.sources))
+    return op
 
 
 def shifted_copies(ops_by_rank: list[list[tuple]]) -> list[list[tuple]]:

@@ -340,6 +340,18 @@ def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=Non
     return round_blocks(items, chosen, threads, most), threads  # (an odd size's last item)
 
 
+def launch_programs(schedule, lowered, unit: int, error_of, abort: int, flag_slot) -> list:
+    """Every rank's fused program of ``schedule`` in a single-process cluster (``lowered``:
+    the ranks' one-lane tables; ``error_of(rank)``: the address of the rank's error record):
+    their programs of :func:`purlin.atom.fused_rows.launch_ops` (several pieces per peer: a
+    flag each and rows side by side, segmented ops) -- the program each process of process
+    mode builds for its rank (``purlin.torch.sm_path``)."""
+    from purlin.atom.fused_rows import launch_ops
+
+    ops = launch_ops(schedule, lowered, unit)
+    return [ops.program(low.rank, error_of(low.rank), abort, flag_slot) for low in lowered]
+
+
 def _overflow(gpu: Gpu, lanes, ranks, bpl, threads, kind, what="blocks_per_lane") -> str:
     """The refusal of a launch that does not fit, naming what would."""
     resident = gpu.resident(threads)
@@ -469,17 +481,14 @@ class SmBound:
         stride, with a flag slot per block; the executor's control words keep the error
         record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
         ``wish``: a tuning table's (cut to what fits)."""
-        from purlin.atom.fused_rows import cluster_programs, several_pieces
-
         # LL transfers go one 8-byte unit per thread (twice the threads polling at once, as
         # the hand-written LL floor kernel does), or half of one where rows are 4-byte
         # multiples; flags and plain copies 16 bytes
         unit = fused_unit_or_refuse(self.lowered, self.protocol, self.schedule.title())
         self._slots_per_block()
-        # (several pieces per peer: one flag each and rows side by side, purlin.atom.fused_rows)
-        progs = cluster_programs(self.lowered, lambda r: self.control[r].data_ptr() + 2 * 8,
-                                 self.abort.data_ptr(), self.flag_map.slot, unit,
-                                 segments=several_pieces(self.schedule))
+        progs = launch_programs(self.schedule, self.lowered, unit,
+                                lambda r: self.control[r].data_ptr() + 2 * 8,
+                                self.abort.data_ptr(), self.flag_map.slot)
         size = max(p.items for p in progs)
         per_launch = max(len(r) for r in groups.values())
         self.blocks_per_lane, self.threads = fused_launch(
