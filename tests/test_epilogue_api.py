@@ -311,8 +311,8 @@ def test_communicator_all_reduce_with_an_epilogue_on_the_cpu_datapath():
 
 def _process_prepared(protocol, epilogue_kernel="auto", count=1024):
     """rank 0's ``SmPrepared`` of a 2-rank direct-push all-reduce on made-up addresses (no
-    GPU: launchers are their kernels' names), its lowered table and (as a tensor would give
-    it) its output address."""
+    GPU: launchers are their kernels' names), with its lowered table, and (as a tensor would
+    give it) its output address."""
     import types
 
     from purlin.atom.lowering import lower
@@ -339,7 +339,8 @@ def _process_prepared(protocol, epilogue_kernel="auto", count=1024):
     p._grid_launcher = lambda kernel, words=0: kernel
     ll = ({q: ptrs[q] + lay.offset(q, "ll") for q in range(2)} if lay.has_ll else None)
     out = types.SimpleNamespace(data_ptr=lambda: bases[(0, "output")])
-    return p, lower(s, bases, p.flags.flags, ll_bases=ll)[0], out
+    p.lowered = lower(s, bases, p.flags.flags, ll_bases=ll)[0]
+    return p, out
 
 
 @pytest.mark.parametrize("protocol,epilogue_kernel,kernel", [
@@ -353,11 +354,11 @@ def test_process_mode_runs_the_builtin_on_the_one_shot_kernel_where_it_runs(
     NORM op. A user epilogue runs on its one-shot kernel or is refused."""
     from purlin.kernels import isa
 
-    p, low, out = _process_prepared(protocol, epilogue_kernel)
+    p, out = _process_prepared(protocol, epilogue_kernel)
     weight = torch.ones(512, dtype=torch.bfloat16)
     norm = (torch.zeros(1024, dtype=torch.bfloat16), weight, EPS)
-    words, _ = p._program(low, p._epilogue(out, norm))
-    why, words, launcher = p._epilogue_kernel(low, words, out, norm)
+    words, _ = p._program(None, p._epilogue(out, norm))
+    why, words, launcher = p._epilogue_kernel(None, words, out, norm)
     assert why is None and p.norm_kernel == kernel
     assert launcher.startswith("epilogue-") if kernel == "generic" else launcher == kernel
     ops = int(words[isa.F_NOPS])
@@ -367,8 +368,8 @@ def test_process_mode_runs_the_builtin_on_the_one_shot_kernel_where_it_runs(
         extras = words[params + isa.SOURCE_WIDTH: params + isa.SOURCE_WIDTH + 3].tolist()
         assert extras == [0, 0, weight.data_ptr()]
     gelu = Epilogue(bias_gelu, extras=(weight,), hidden=512)
-    words, _ = p._program(low, p._epilogue(out, gelu))
-    why, _, launcher = p._epilogue_kernel(low, words, out, gelu)
+    words, _ = p._program(None, p._epilogue(out, gelu))
+    why, _, launcher = p._epilogue_kernel(None, words, out, gelu)
     if protocol == "fused-ll":
         assert why is None and launcher.startswith("epilogue-")
     else:

@@ -70,6 +70,7 @@ def test_every_fused_program_of_a_collective_has_the_launch_s_length():
     import types
 
     from purlin.atom.fused import epilogue_problem
+    from purlin.atom.fused_rows import launch_ops
     from purlin.atom.lowering import lower
     from purlin.atom.sm_kernel import Flags
     from purlin.kernels import isa
@@ -87,13 +88,16 @@ def test_every_fused_program_of_a_collective_has_the_launch_s_length():
                     slots={q: ptrs[q] + lay.block_flags for q in range(2)})
     p.control, p.abort_ptr, p.sums = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64), 0, None
     p.output = torch.zeros(1024, dtype=torch.bfloat16)
-    low = lower(s, bases, p.flags.flags)[0]
-    base, _ = p._program(low)
+    p.all_lowered = lower(s, bases, p.flags.flags)
+    p.lowered = p.all_lowered[0]
+    p.ops = launch_ops(s, p.all_lowered, 16)
+    base, _ = p._program()
+    moves = {(bases[(0, "output")], 1024 * 2): 3 << 40}
     moved_low = lower(s, {**bases, (0, "output"): 3 << 40}, p.flags.flags)[0]
     norm = (torch.zeros(1024, dtype=torch.bfloat16), torch.ones(512, dtype=torch.bfloat16), 1e-5)
     epilogue = p._epilogue(types.SimpleNamespace(data_ptr=lambda: 3 << 40), norm)
     assert epilogue_problem(moved_low, epilogue, 16, 32) is None
-    with_norm, _ = p._program(moved_low, epilogue)
+    with_norm, _ = p._program(moves, epilogue)
     assert base.numel() == with_norm.numel() == p.program_words
     ops = int(with_norm[isa.F_NOPS])
     assert int(with_norm[isa.F_HEAD + (ops - 1) * isa.OP_WIDTH]) == isa.F_OP_NORM

@@ -6,7 +6,8 @@ every peer's address of it. Ranks sharing one GPU (a process each, a gloo group:
 one GPU) map each other's buffers by CUDA IPC instead, which symmetric memory refuses. A prepared collective is a slice of that area: the schedule is
 lowered with every rank's addresses (:func:`purlin.atom.lowering.lower`), and only this rank's
 table goes to the device, behind a descriptor built like :mod:`purlin.atom.sm` builds it -- or,
-with a fused protocol, as this rank's fused program (:mod:`purlin.atom.fused`: flag slots per
+with a fused protocol, as this rank's fused program: the one a single-process cluster builds
+for the rank, from every rank's ops (:func:`purlin.atom.fused_rows.launch_ops`; flag slots per
 block in the slice, call counters kept apart so relocated programs share them). A call copies
 the input in, launches this rank's kernel on the current stream and copies the output out --
 all asynchronous and capturable. Waits that time out leave an error record that
@@ -86,11 +87,13 @@ class SmPrepared:
         self.threads = threads
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         self.program_words = None  # the fused programs' length
+        self.ops = self.program = None  # every rank's fused ops (fused_rows), this rank's program
         self.epilogue_kernel = epilogue_kernel  # "fused": the built-in on the NORM op everywhere
         self.norm_kernel = None  # what the last epilogue program made runs on (plans())
         tdt = getattr(torch, schedule.dtype)
         if self.fused:
             from purlin.atom.fused import fuse_problem, row_grid, threads_grid
+            from purlin.atom.fused_rows import launch_ops
             from purlin.atom.sm_kernel import fused_unit_or_refuse
 
             # (the communicator checked the plan: a refusal is a bug, said on every rank)
@@ -110,9 +113,13 @@ class SmPrepared:
                 rows = threads_grid(nbytes, self.unit, epilogue_grid, path.sms)
             self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
             counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
-            desc, prog = self._program(low)
+            # every rank's ops as a single-process cluster builds them from the same tables
+            # (lowered with every rank's addresses): this rank runs that cluster's program
+            # for it, whose flags and rotations the peers' programs were built to meet
+            self.ops = launch_ops(schedule, self.all_lowered, self.unit)
+            desc, self.program = self._program()
             self.kernel = RankKernel(dev.index, [rank],
-                                     self._fused_launcher(prog, blocks_per_lane, rows),
+                                     self._fused_launcher(self.program, blocks_per_lane, rows),
                                      desc.data_ptr(), counters.data_ptr(), [self.control],
                                      keep=[desc, counters])
         else:  # (without PDL: process mode launches the interpreter plainly)
@@ -142,30 +149,44 @@ class SmPrepared:
         self.kernel.launch(torch.cuda.current_stream(self.path.device).cuda_stream,
                            self.timeout_ns, desc, launcher)
 
-    def _program(self, low, epilogue=None):
-        """This rank's fused program for lowered table ``low`` on the device, and the
-        :class:`purlin.atom.fused.FusedProgram` it holds; ``epilogue``: a
-        :class:`purlin.atom.fused.Epilogue` to end with."""
+    def _program(self, moves=None, epilogue=None):
+        """This rank's fused program on the device, and the
+        :class:`purlin.atom.fused.FusedProgram` it holds: the rank's program of ``self.ops``
+        (``purlin.atom.fused_rows.launch_ops``), of its table relocated by ``moves``
+        (``lowering.relocate``) where given; with ``epilogue`` (a
+        :class:`purlin.atom.fused.Epilogue` to end with), the rank's own ops and the NORM op,
+        as a single-process cluster builds a program ending with an epilogue
+        (``purlin.atom.sm_epilogue.launch_epilogue``)."""
         from purlin.atom.fused import program
+        from purlin.atom.lowering import relocate
         from purlin.atom.sm_kernel import pack
 
-        prog = program(low, error=self.control.data_ptr() + 2 * 8, abort=self.abort_ptr,
-                       flag_slot=self.flags.slot, unit=self.unit, epilogue=epilogue,
-                       threads=self.threads)
+        error = self.control.data_ptr() + 2 * 8
+        if epilogue is None:
+            prog = self.ops.program(self.path.rank, error, self.abort_ptr, self.flags.slot,
+                                    moves)
+        else:
+            low = relocate(self.lowered, moves) if moves else self.lowered
+            prog = program(low, error=error, abort=self.abort_ptr, flag_slot=self.flags.slot,
+                           unit=self.unit, epilogue=epilogue, threads=self.threads)
         # the launch reads stride_words words of a program: every program of this collective
-        # (relocated, with an epilogue: one op and one source entry more) is that long
+        # (relocated: as long; with an epilogue: one op and one source entry more) is that
+        # long, padded
         if self.program_words is None:
             self.program_words = prog.words.size + isa.OP_WIDTH + isa.SOURCE_WIDTH
-        # (a user epilogue's extra words may run past it: its launcher reads more,
-        # _grid_launcher)
+        # (a program ending with an epilogue is written from the rank's own ops, which may
+        # take more words than self.ops', and a user epilogue's extra words may run past it:
+        # its launcher reads more, _grid_launcher)
         table, _, _ = pack(torch, self.path.device, [prog.words], self.program_words, False)
         return table, prog
 
     def _fused_launcher(self, prog, blocks_per_lane, rows=None):
         """The launcher of the fused kernel that runs program ``prog`` (and its relocated
         copies): ``rows`` = (blocks, threads) where given (an epilogue's grid), else
-        ``blocks_per_lane`` blocks (else the kernel's default grid for its items) of the
-        grid's threads -- the communicator's ``threads`` are the interpreter's."""
+        ``blocks_per_lane`` blocks (else the kernel's default grid for the largest program's
+        items, every rank's: each rank launches the same grid, as a single-process cluster
+        does) of the grid's threads -- the communicator's ``threads`` are the
+        interpreter's."""
         from purlin.atom.fused import kernel_name
         from purlin.atom.sm import fused_launch
 
@@ -173,16 +194,16 @@ class SmPrepared:
             self.blocks_per_lane, self.threads = rows
         else:
             self.blocks_per_lane, self.threads = fused_launch(
-                self.path.gpu, prog.items, 1, self.unit, blocks=blocks_per_lane,
+                self.path.gpu, self.ops.items(), 1, self.unit, blocks=blocks_per_lane,
                 kind="process")
         return self._grid_launcher(kernel_name([prog.words]))
 
-    def _epilogue_kernel(self, low, words: torch.Tensor, dst, norm):
-        """(why not, program, launcher) for the program ``words`` that ``low`` ends with the
-        epilogue ``norm`` in: the one-shot kernel built for the epilogue where it runs the
-        program (a user epilogue runs nowhere else; the built-in (residual, weight, eps) runs
-        there as the user epilogue ``rms_norm``, unless ``epilogue_kernel`` is "fused"), else
-        the fused kernel with the NORM op."""
+    def _epilogue_kernel(self, moves, words: torch.Tensor, dst, norm):
+        """(why not, program, launcher) for the program ``words`` that this rank's table,
+        relocated by ``moves``, ends with the epilogue ``norm`` in: the one-shot kernel built
+        for the epilogue where it runs the program (a user epilogue runs nowhere else; the
+        built-in (residual, weight, eps) runs there as the user epilogue ``rms_norm``, unless
+        ``epilogue_kernel`` is "fused"), else the fused kernel with the NORM op."""
         from purlin.atom.epilogue import rms_norm
         from purlin.atom.fused import oneshot_problem
         from purlin.atom.sm_kernel import one_shot_kernel
@@ -191,10 +212,10 @@ class SmPrepared:
         if not user and (self.epilogue_kernel == "fused"
                          or oneshot_problem(words.cpu().numpy())):
             self.norm_kernel = "fused-norm"
-            return None, words, self._grid_launcher("fused-norm")
+            return None, words, self._grid_launcher("fused-norm", words.numel())
         if not user:  # (its program also holds the addresses the generic kernel reads)
             norm = rms_norm(*norm)
-            words, _ = self._program(low, self._epilogue(dst, norm))
+            words, _ = self._program(moves, self._epilogue(dst, norm))
         name, why = one_shot_kernel(norm, self.output, words.cpu().numpy())
         if why:
             return (f"a user epilogue runs on the one-shot kernel, which cannot run it: {why}",
@@ -319,9 +340,9 @@ class SmPrepared:
                 if problem:
                     self._refused[key] = problem
                     return None
-                found, _ = self._program(low, epilogue)
+                found, _ = self._program(moves, epilogue)
                 if epilogue is not None:  # (never while capturing: a new key is refused then)
-                    why, found, launcher = self._epilogue_kernel(low, found, dst, norm)
+                    why, found, launcher = self._epilogue_kernel(moves, found, dst, norm)
                     if why:
                         self._refused[key] = why
                         return None
