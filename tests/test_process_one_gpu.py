@@ -2,7 +2,8 @@
 staging buffers mapped between the processes by CUDA IPC (NCCL and PyTorch symmetric memory
 refuse two ranks on one GPU). Each call is checked against the result computed on the host
 from the seeds every rank knows: all-reduce at an LL, a fused and an interpreter size (eager
-and in graph replay), the add + RMSNorm epilogue, all-gather and reduce-scatter."""
+and in graph replay), the add + RMSNorm epilogue, all-gather, reduce-scatter, and a
+three-piece all-gather delivered interleaved (GQA's q, k, v) with aligned and odd pieces."""
 
 from __future__ import annotations
 
@@ -80,12 +81,40 @@ def _worker(rank, n):
     wrong = far(part, sum(x.float() for x in xs)[rank * 8192: (rank + 1) * 8192])
     if wrong:
         bad.append(f"reduce_scatter_tensor: {wrong} wrong")
+    bad += _gqa(torch, comm, n, rank, dev)
     comm.check()
     kernels = sorted((p["count"], p.get("epilogues", 0), str(p.get("protocol")),
                       p.get("strategy"))
                      for p in comm.plans() if p["function"] == "all-reduce-add-rms-norm")
     comm.close()
     return bad, kernels
+
+
+def _gqa(torch, comm, n, rank, dev):
+    """Each rank's q, k and v (4:1:1) gathered interleaved to every rank -- all q, then all
+    k, then all v -- with whole 16-byte pieces and with each piece one element longer (every
+    piece after a rank's first off a 16-byte boundary): several pieces a rank, the layouts
+    whose fused programs hold segmented ops built from every rank's table. Returns what is
+    wrong, and that it ran on the fused kernel."""
+    from purlin.spec import Collective
+
+    qkv = Collective([[(r, "q"), (r, "k"), (r, "v")] for r in range(n)],
+                     [[(r, t) for t in "qkv" for r in range(n)]] * n, "copy", name="gqa")
+    bad = []
+    for extra, call in ((0, 20), (1, 21)):
+        sizes = {(r, t): (4 if t == "q" else 1) * 2048 + extra for r in range(n) for t in "qkv"}
+        xs = _inputs(torch, n, sum(sizes[(0, t)] for t in "qkv"), call, dev)
+        pieces = {(r, t): x for r, x in enumerate(xs)
+                  for t, x in zip("qkv", torch.split(x, [sizes[(r, t)] for t in "qkv"]))}
+        got = comm.run(qkv, xs[rank], chunk_sizes=sizes)
+        torch.cuda.synchronize()
+        want = torch.cat([pieces[(r, t)] for t in "qkv" for r in range(n)])
+        if not torch.equal(got, want):
+            bad.append(f"gqa +{extra}: {int((got != want).sum())} wrong")
+    ran = [str(p.get("protocol")) for p in comm.plans() if p["function"] == "gqa"]
+    if len(ran) != 2 or not all(p.startswith("fused") for p in ran):
+        bad.append(f"gqa ran on {ran}, not the fused kernel twice")
+    return bad
 
 
 @pytest.mark.parametrize("n", [2, 4])
