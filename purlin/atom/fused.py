@@ -542,11 +542,18 @@ def program(low: LoweredRank, error: int, abort: int, flag_slot, unit: int = 16,
                 words[at: at + SOURCE_WIDTH] = src
                 at += SOURCE_WIDTH
         words[F_HEAD + OP_WIDTH * k: F_HEAD + OP_WIDTH * k + len(row)] = row
+    return FusedProgram(words, len(ops), program_items(ops, unit), len(segs), tuple(ops))
+
+
+def program_items(ops, unit: int) -> int:
+    """The items of ``unit`` bytes a program of ``ops`` spreads over its threads (its
+    largest row or segmented op's union; a partial item counts): what its grid is sized
+    for (``FusedProgram.items``)."""
+    moves = [op for op in ops if op.kind == "move"] + \
+        [part for op in ops if op.kind == "moves" for part in op.parts]
     items = -(-max([op.nbytes for op in ops if op.kind == "put"]
-                   + [op.nbytes for op in moves] + [unit]) // unit)  # a partial item counts
-    if segs:
-        items = max([items] + [_union_items(op, unit) for op in segs])
-    return FusedProgram(words, len(ops), items, len(segs), tuple(ops))
+                   + [op.nbytes for op in moves] + [unit]) // unit)
+    return max([items] + [_union_items(op, unit) for op in ops if op.kind in ("puts", "moves")])
 
 
 def row_items(nbytes: int, unit: int, narrow: int = 0, dst: int = 0) -> int:

@@ -44,7 +44,8 @@ from typing import NamedTuple
 from purlin.kernels.isa import NARROW_SHIFT
 from purlin.atom.fused import (FUSED_COPY_DTYPES, FusedProgram, Segments, Span, _Refused,
                                _accesses, _check_rank, _clash, _meets, part_items, program,
-                               rank_ops)
+                               program_items, rank_ops)
+from purlin.atom.lowering import moved
 
 __all__ = ["MERGE_BYTES", "NARROW_SEGMENT_BYTES", "ROTATE_ITEMS", "ClusterOps", "acked",
            "aligned", "cluster_ops", "cluster_programs", "deadlock_free", "gathered", "joined",
@@ -272,8 +273,7 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
     """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the ops of
     :func:`cluster_ops` (``error_of(rank)``: the rank's error record address). A trace of
     the program names the table rows of each op (``purlin.atom.fused_trace.program_rows``)."""
-    ops = cluster_ops(lowered, unit, segments, join)
-    return [ops.program(low.rank, error_of(low.rank), abort, flag_slot) for low in lowered]
+    return cluster_ops(lowered, unit, segments, join).programs(error_of, abort, flag_slot)
 
 
 def launch_ops(schedule, lowered, unit: int) -> ClusterOps:
@@ -348,29 +348,29 @@ class ClusterOps:
         return program(self.lowered[i], error, abort, flag_slot, self.unit, ops=ops,
                        rotation=self.rotations[i])
 
+    def programs(self, error_of, abort: int, flag_slot) -> list[FusedProgram]:
+        """Every rank's :meth:`program` (``error_of(rank)``: its error record's address)."""
+        return [self.program(low.rank, error_of(low.rank), abort, flag_slot)
+                for low in self.lowered]
+
     def items(self) -> int:
         """The largest program's items, every rank's: what a launch's grid is sized for, the
         same on every rank (block b of a rank waits only for block b of its peers)."""
-        return max(self.program(low.rank, 0, 0, lambda flag: 0).items  # (addresses: none)
-                   for low in self.lowered)
+        return max(program_items(ops, self.unit) for ops in self.ops)
 
 
 def _relocated(op, moves: dict):
     """Fused op ``op`` with the addresses ``lowering.relocate`` moves moved: destinations of
     moves and every source (a PUT's destination is a peer's LL area, which never moves)."""
-    def at(address: int) -> int:
-        for (old, nbytes), new in moves.items():
-            if old <= address < old + nbytes:
-                return address + new - old
-        return address
-
     if op.kind in ("puts", "moves"):
         return op._replace(parts=tuple(_relocated(part, moves) for part in op.parts))
     if op.kind == "put":
-        return op._replace(source=at(op.source))
+        return op._replace(source=moved(op.source, moves))
     if op.kind == "move":
-        return op._replace(dst_even=at(op.dst_even), dst_odd=at(op.dst_odd), sources=tuple(
-            s._replace(even=at(s.even), odd=at(s.odd)) for s in op.sources))
+        return op._replace(dst_even=moved(op.dst_even, moves), dst_odd=moved(op.dst_odd, moves),
+                           sources=tuple(s._replace(even=moved(s.even, moves),
+                                                    odd=moved(s.odd, moves))
+                                         for s in op.sources))
     return op
 
 

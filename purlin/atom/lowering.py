@@ -175,9 +175,22 @@ def relocate(low: LoweredRank, moves: dict) -> LoweredRank:
         data = np.isin(t[:, OP], (COPY, REDUCE, LL_GET))  # LL_PUT's DST: a peer's LL area
         t[data, DST] = shift(t[data, DST])
         tables.append(t)
-    user = tuple((int(shift(np.array([a], np.int64))[0]), n) for a, n in low.user)
+    user = tuple((moved(a, moves), n) for a, n in low.user)
     return LoweredRank(low.rank, tables, low.lane_offsets, shift(low.srcs), low.lane_barriers,
                        user)
+
+
+def moved(address: int, moves: dict) -> int:
+    """``address`` shifted as :func:`relocate` shifts it (``moves``: ``(old address,
+    bytes)`` -> new address), or itself outside every moved range.
+
+    >>> moved(1008, {(1000, 64): 9000}), moved(1064, {(1000, 64): 9000})
+    (9008, 1064)
+    """
+    for (old, nbytes), new in moves.items():
+        if old <= address < old + nbytes:
+            return address + new - old
+    return address
 
 
 def flag_slots(nranks: int, lanes: int) -> int:

@@ -348,8 +348,7 @@ def launch_programs(schedule, lowered, unit: int, error_of, abort: int, flag_slo
     mode builds for its rank (``purlin.torch.sm_path``)."""
     from purlin.atom.fused_rows import launch_ops
 
-    ops = launch_ops(schedule, lowered, unit)
-    return [ops.program(low.rank, error_of(low.rank), abort, flag_slot) for low in lowered]
+    return launch_ops(schedule, lowered, unit).programs(error_of, abort, flag_slot)
 
 
 def _overflow(gpu: Gpu, lanes, ranks, bpl, threads, kind, what="blocks_per_lane") -> str:
