@@ -96,10 +96,9 @@ def _gqa(torch, comm, n, rank, dev):
     piece after a rank's first off a 16-byte boundary): several pieces a rank, the layouts
     whose fused programs hold segmented ops built from every rank's table. Returns what is
     wrong, and that it ran on the fused kernel."""
-    from purlin.spec import Collective
+    from test_fused_rows import gqa
 
-    qkv = Collective([[(r, "q"), (r, "k"), (r, "v")] for r in range(n)],
-                     [[(r, t) for t in "qkv" for r in range(n)]] * n, "copy", name="gqa")
+    qkv = gqa(n)
     bad = []
     for extra, call in ((0, 20), (1, 21)):
         sizes = {(r, t): (4 if t == "q" else 1) * 2048 + extra for r in range(n) for t in "qkv"}
@@ -111,7 +110,7 @@ def _gqa(torch, comm, n, rank, dev):
         want = torch.cat([pieces[(r, t)] for t in "qkv" for r in range(n)])
         if not torch.equal(got, want):
             bad.append(f"gqa +{extra}: {int((got != want).sum())} wrong")
-    ran = [str(p.get("protocol")) for p in comm.plans() if p["function"] == "gqa"]
+    ran = [str(p.get("protocol")) for p in comm.plans() if p["function"] == qkv.name]
     if len(ran) != 2 or not all(p.startswith("fused") for p in ran):
         bad.append(f"gqa ran on {ran}, not the fused kernel twice")
     return bad

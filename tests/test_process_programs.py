@@ -9,10 +9,6 @@ tests/test_gpu_process.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import types
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -24,16 +20,13 @@ from purlin.atom.sm import Gpu, fused_launch, launch_programs
 from purlin.runtime.shm import layout
 from purlin.snac import plan
 from purlin.spec import collectives
+from test_bench_auto import _bench
 
 N = 4
 
 
 def _bench_cases():
-    path = Path(__file__).resolve().parents[1] / "bench" / "custom_vs_standard.py"
-    spec = importlib.util.spec_from_file_location("custom_vs_standard", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return {name: (coll, sizes) for name, _, coll, sizes, _, _ in module.cases(N, 96 << 10, 2)}
+    return {name: (coll, sizes) for name, _, coll, sizes, _, _ in _bench().cases(N, 96 << 10, 2)}
 
 
 def _schedule(case: str, strategy: str):
