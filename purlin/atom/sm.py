@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from purlin.atom.sm_kernel import Flags, RankKernel, fused_unit_or_refuse
+from purlin.atom.sm_kernel import fused_unit_or_refuse
 from purlin.errors import CapabilityError, ExecutionError, PurlinTimeoutError
 from purlin.kernels import isa
 from purlin.snac.planner import Capabilities
@@ -21,7 +21,6 @@ from purlin.snac.planner import Capabilities
 CAPABILITIES = Capabilities(name="sm", can_reduce=True)
 RUNS_ON = ("local", "virtual")  # cluster kinds (purlin.atom's registry)
 TORCH_DTYPES = ("bfloat16", "float16", "float32", "int32", "float8_e4m3fn", "float8_e5m2")
-DEFAULT_THREADS = 512
 
 
 def _torch():
@@ -375,11 +374,14 @@ def _overflow(gpu: Gpu, lanes, ranks, bpl, threads, kind, what="blocks_per_lane"
 
 class SmBound:
     """A schedule bound to GPUs. ``inputs[r]``/``outputs[r]`` are the rank's tensors; write the
-    inputs in place and call :meth:`launch` (no copies), or call the object with tensors."""
+    inputs in place and call :meth:`launch` (no copies), or call the object with tensors.
+    Its launches are those of a :class:`purlin.atom.prepared.PreparedKernel` (``core``) over
+    the buffers allocated here."""
 
     def __init__(self, cluster, schedule, *, timeout, blocks_per_lane, threads, trace_rows,
                  protocol="simple", pdl=False, fit=False, epilogue=None):
-        from purlin.atom.lowering import flag_slots, ll_transfers, lower, scratch_layout
+        from purlin.atom.lowering import flag_slots, ll_transfers, scratch_layout
+        from purlin.atom.prepared import PreparedKernel
 
         check_dtype(schedule.dtype)
         check_fp8_reduction(schedule)
@@ -396,137 +398,79 @@ class SmBound:
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(devs):
             groups.setdefault(d, []).append(r)
-        self.gpu = gpu_of(torch, devs[0])
-        per_launch = max(len(g) for g in groups.values())
-        wish, asked = (blocks_per_lane, None) if fit else (None, blocks_per_lane)
-        if fused:
-            bpl = 1  # the lowering's: one block per lane, no lane barriers to fuse around
-        else:
-            bpl, threads = interpreter_launch(schedule, self.gpu, per_launch, ll=ll,
-                                              blocks_per_lane=blocks_per_lane,
-                                              threads=threads, fit=fit, kind=cluster.kind)
-        self.blocks_per_lane, self.protocol, self.pdl = bpl, protocol, pdl
+        self.protocol = protocol
         self.inputs, self.outputs, self.scratch, self.flags, bases, self._scratch_bytes = \
             allocate_buffers(torch, schedule, devs, flag_slots(n, lanes), ll=ll)
-        self.control = []
         self.abort = torch.zeros(1, dtype=torch.int64, device=torch.device("cuda", devs[0]))
-        self._ll_bases = {r: bases[(r, "ll")] for r in range(n)} if ll else None
-        lowered = lower(schedule, bases, {r: self.flags[r].data_ptr() for r in range(n)},
-                        blocks_per_lane=bpl, scratch_bytes=self._scratch_bytes,
-                        ll_bases=self._ll_bases)
-        if fused:  # several lanes: one each rank (purlin.atom.fused_lanes)
-            from purlin.atom.fused_lanes import one_lane
-
-            lowered = one_lane(lowered)
-        self.lowered = lowered
-        self.flag_map = Flags(n, lanes, self.flags[0].numel(),
-                              {r: f.data_ptr() for r, f in enumerate(self.flags)},
-                              ll=None if not ll else {
-                                  r: (a, self.scratch[r].data_ptr() + self.scratch[r].numel() - a)
-                                  for r, a in self._ll_bases.items()})
+        # the fused kernel's flag slots, one per block of every flag (zeroed)
+        self.block_flags = [torch.zeros(f.numel() * isa.F_MAX_BLOCKS, dtype=torch.int64,
+                                        device=f.device) for f in self.flags] if fused else None
+        self.core = PreparedKernel(
+            torch, schedule, bases=bases, flags={r: f.data_ptr() for r, f in enumerate(self.flags)},
+            slots={r: b.data_ptr() for r, b in enumerate(self.block_flags)} if fused else None,
+            ll={r: (bases[(r, "ll")], self.scratch[r].data_ptr() + self.scratch[r].numel()
+                    - bases[(r, "ll")]) for r in range(n)} if ll else None,
+            scratch_bytes=self._scratch_bytes,
+            groups=[(torch.device("cuda", d), ranks) for d, ranks in groups.items()],
+            protocol=protocol, abort=self.abort.data_ptr(), gpu=gpu_of(torch, devs[0]),
+            kind=cluster.kind, timeout=timeout, blocks_per_lane=blocks_per_lane,
+            threads=threads, fit=fit, pdl=pdl)
         self.trace_rows = trace_rows
-        self._keep = []
-        self.traces = []
-        blobs = []
-        for r, low in enumerate(lowered):
-            dev = torch.device("cuda", devs[r])
-            trace = None
-            if trace_rows and not fused:  # (the fused kernel's: _fused_trace_buffer)
-                trace = torch.zeros(lanes * bpl * trace_rows * isa.TRACE_WIDTH,
-                                    dtype=torch.int64, device=dev)
-            self.traces.append(trace)
-            blob, control = rank_blob(torch, low, dev, self.abort.data_ptr(),
-                                      len(low.lane_offsets) - 1, trace, trace_rows)
-            blobs.append(blob)
-            self.control.append(control)  # epoch, done, error record
-        self._keep += blobs
-        self.launches: list[RankKernel] = []  # one per device
-        self.threads = threads or DEFAULT_THREADS
+        self.traces = [None] * n  # the interpreter's records per rank (the fused kernel's:
+        self._fused_traces = []   # per launch, _fused_trace_buffer)
         self.kernel = "interpreter"  # what runs a call (and a traced call)
         # the fused kernel's block b waits only for block b of its peers (trace.flows reads it)
         self.block_matched = fused
+        wish, asked = (blocks_per_lane, None) if fit else (None, blocks_per_lane)
         if epilogue is not None:
             from purlin.atom.sm_epilogue import launch_epilogue
 
             self.kernel = f"{protocol} kernel with epilogue"
-            launch_epilogue(self, groups, asked, wish, threads, epilogue)
+            launch_epilogue(self, asked, wish, threads, epilogue)
         elif fused:
             self.kernel = f"{protocol} kernel"
-            self._launch_fused(groups, asked, wish, threads)
+            # LL transfers go one 8-byte unit per thread (twice the threads polling at once,
+            # as the hand-written LL floor kernel does), or half of one where rows are 4-byte
+            # multiples; flags and plain copies 16 bytes
+            unit = fused_unit_or_refuse(self.core.lowered, protocol, schedule.title())
+            self.core.fused_kernels(unit, blocks=asked, wish=wish, threads=threads,
+                                    options=self._fused_trace_buffer)
         else:
-            self._launch_tables(groups, blobs)
-        self.timeout_ns = int(timeout * 1e9)
+            if trace_rows:
+                self.traces = [torch.zeros(lanes * self.blocks_per_lane * trace_rows
+                                           * isa.TRACE_WIDTH, dtype=torch.int64,
+                                           device=torch.device("cuda", d)) for d in devs]
+            self.core.interpreter_kernels(self.traces, trace_rows)
+        self._keep = self.core.keep
+        self.launches = list(self.core.launches)  # (an epilogue kernel after: sm_epilogue)
         self.calls = 0
         torch.cuda.synchronize()
 
-    def _launch_tables(self, groups, blobs) -> None:
-        """The executor per device: a lone rank launches on its block and prefetches it; a
-        virtual cluster packs its ranks into one launch with a table of their descriptors."""
-        from purlin.kernels.executor import kernel_for
+    # (what the prepared kernel holds, under the names callers and traces read)
+    lowered = property(lambda self: self.core.lowered)
+    flag_map = property(lambda self: self.core.flags)
+    control = property(lambda self: self.core.control)
+    gpu = property(lambda self: self.core.gpu)
+    pdl = property(lambda self: self.core.pdl)
+    blocks_per_lane = property(lambda self: self.core.blocks_per_lane)
+    threads = property(lambda self: self.core.threads)
+    timeout_ns = property(lambda self: self.core.timeout_ns)
 
-        kernel = kernel_for(t for low in self.lowered for t in low.tables)
-        for d, ranks in groups.items():
-            k = RankKernel.interpreter(self.torch, self.torch.device("cuda", d), ranks,
-                                       [blobs[r] for r in ranks],
-                                       [self.control[r] for r in ranks],
-                                       lanes=self.schedule.lanes,
-                                       blocks_per_lane=self.blocks_per_lane,
-                                       threads=self.threads, pdl=self.pdl, kernel=kernel)
-            self._keep += k.keep
-            self.launches.append(k)
-
-    def _launch_fused(self, groups, blocks, wish, threads) -> None:
-        """One fused program per rank (purlin.atom.fused), packed per device at a common
-        stride, with a flag slot per block; the executor's control words keep the error
-        record, so check() reads it. ``blocks``: asked for (refused if it cannot fit);
-        ``wish``: a tuning table's (cut to what fits)."""
-        # LL transfers go one 8-byte unit per thread (twice the threads polling at once, as
-        # the hand-written LL floor kernel does), or half of one where rows are 4-byte
-        # multiples; flags and plain copies 16 bytes
-        unit = fused_unit_or_refuse(self.lowered, self.protocol, self.schedule.title())
-        self._slots_per_block()
-        progs = launch_programs(self.schedule, self.lowered, unit,
-                                lambda r: self.control[r].data_ptr() + 2 * 8,
-                                self.abort.data_ptr(), self.flag_map.slot)
-        size = max(p.items for p in progs)
-        per_launch = max(len(r) for r in groups.values())
-        self.blocks_per_lane, self.threads = fused_launch(
-            self.gpu, size, per_launch, unit, blocks=blocks, wish=wish, threads=threads,
-            kind=self.cluster.kind)
-        for d, ranks in groups.items():
-            k = RankKernel.fused(self.torch, self.torch.device("cuda", d), ranks,
-                                 [progs[r].words for r in ranks],
-                                 [self.control[r] for r in ranks], blocks=self.blocks_per_lane,
-                                 threads=self.threads, pdl=self.pdl,
-                                 **self._fused_trace_buffer(ranks, progs, d))
-            self._keep += k.keep
-            self.launches.append(k)
-
-    def _slots_per_block(self) -> None:
-        """The fused kernel's flag slots, one per block of every flag (zeroed), in
-        ``flag_map``."""
-        import dataclasses
-
-        self.block_flags = [self.torch.zeros(f.numel() * isa.F_MAX_BLOCKS,
-                                             dtype=self.torch.int64, device=f.device)
-                            for f in self.flags]
-        self.flag_map = dataclasses.replace(self.flag_map, slots={
-            r: b.data_ptr() for r, b in enumerate(self.block_flags)})
-
-    def _fused_trace_buffer(self, ranks, progs, device) -> dict:
+    def _fused_trace_buffer(self, device, ranks) -> dict:
         """With ``trace_rows``: the traced fused kernel's Launcher options and its records for
         the ranks of one launch (every op of every block: ``trace_rows`` only switches it
         on), kept in ``self._fused_traces``; without, the untraced kernel."""
         from purlin.atom.fused import kernel_name
 
+        progs = self.core.programs
         # (the kernel compiled with what the programs need; traced, its twin runs the same ops)
         kernel = kernel_name((progs[r].words for r in ranks), traced=bool(self.trace_rows))
         if not self.trace_rows:
             return {"kernel": kernel}
         ops = max(progs[r].ops for r in ranks)
         buffer = self.torch.zeros(len(ranks) * self.blocks_per_lane * ops * isa.TRACE_WIDTH,
-                                  dtype=self.torch.int64, device=self.torch.device("cuda", device))
-        self._fused_traces = getattr(self, "_fused_traces", []) + [(ranks, buffer, progs)]
+                                  dtype=self.torch.int64, device=device)
+        self._fused_traces.append((ranks, buffer, progs))
         return dict(kernel=kernel, trace=buffer.data_ptr(), trace_rows=ops)
 
     def _read_fused_trace(self):
@@ -587,7 +531,7 @@ class SmBound:
         self.synchronize()
         sums = {r: (s.data_ptr(), s.numel() * 8)  # an epilogue's row sums, per rank
                 for r, s in enumerate(getattr(self, "epilogue_sums", ()))}
-        failed = [e for k in self.launches for e in k.errors(self.flag_map, self.timeout, sums)]
+        failed = self.core.errors(sums)
         if failed:
             _, _, why = min(failed, key=lambda e: (e[1] != isa.ERR_TIMEOUT, e[0]))
             raise PurlinTimeoutError(f"{why}; the bound collective must be bound again")
@@ -601,7 +545,7 @@ class SmBound:
         """Raw trace records per rank: int64[blocks, trace_rows, 4] (row, sub, start, end);
         of the fused kernel, int64[blocks, table rows, 4] in the same format (sub: the block)."""
         self.synchronize()
-        if getattr(self, "_fused_traces", None):
+        if self._fused_traces:
             return self._read_fused_trace()
         bpr = self.schedule.lanes * self.blocks_per_lane
         return [None if t is None else t.cpu().numpy().reshape(bpr, self.trace_rows, 4)

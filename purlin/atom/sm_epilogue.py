@@ -17,47 +17,46 @@ from purlin.errors import CapabilityError, SpecError
 from purlin.kernels import isa
 
 
-def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
-    """Fill ``bound.launches`` (an ``SmBound`` of a fused-ll all-reduce) with one launch per
-    device of the programs ending with ``epilogue`` (one per rank, or one for every rank)."""
+def launch_epilogue(bound, blocks, wish, threads, epilogue) -> None:
+    """Add to ``bound.core`` (an ``SmBound``'s prepared kernel of a fused-ll all-reduce) one
+    launch per device of the programs ending with ``epilogue`` (one per rank, or one for
+    every rank)."""
     from purlin.atom.epilogue import per_rank
     from purlin.atom.fused import fused_unit, program, row_sums_bytes
     from purlin.atom.sm import fused_launch
-    from purlin.atom.sm_kernel import RankKernel, one_shot_kernel
+    from purlin.atom.sm_kernel import one_shot_kernel
 
-    torch = bound.torch
+    torch, core = bound.torch, bound.core
     epis = per_rank(epilogue, bound.schedule)
-    if bound.schedule.collective.name != "all-reduce" or bound.protocol != "fused-ll":
+    if bound.schedule.collective.name != "all-reduce" or core.protocol != "fused-ll":
         raise CapabilityError(f"a user epilogue follows an all-reduce on protocol='fused-ll' "
                               f"(the one-shot kernel); got {bound.schedule.title()} on "
-                              f"{bound.protocol!r}")
-    unit, problem = fused_unit(bound.lowered, bound.protocol)
+                              f"{core.protocol!r}")
+    unit, problem = fused_unit(core.lowered, core.protocol)
     if problem or unit != 8:
         raise CapabilityError(f"the epilogue's one-shot kernel takes 8-byte LL units; "
                               f"{bound.schedule.title()} {problem or f'moves {unit}-byte ones'}")
-    bound._slots_per_block()
     sizing = bound.schedule.sizing
     count = sizing.output_count(0)
-    per_launch = max(len(r) for r in groups.values())
     size = 1 if epis[0].wire else bound.outputs[0].element_size()  # FP8 on the wire: a byte
-    bound.blocks_per_lane, bound.threads = fused_launch(
-        bound.gpu, -(-count * size // 8), per_launch, 8,
-        blocks=blocks, wish=wish, threads=threads, kind=bound.cluster.kind)
+    core.blocks_per_lane, core.threads = fused_launch(
+        core.gpu, -(-count * size // 8), core.per_launch, 8,
+        blocks=blocks, wish=wish, threads=threads, kind=core.kind)
     names, progs, bound.epilogue_sums = [], [], []
-    for r, low in enumerate(bound.lowered):
+    for r, low in enumerate(core.lowered):
         out = bound.outputs[r][:sizing.output_count(r)]
         e = epis[r]
         hidden = e.check(out)["hidden"]
-        sums = torch.zeros(row_sums_bytes(out.numel() * out.element_size(), 8, bound.threads)
+        sums = torch.zeros(row_sums_bytes(out.numel() * out.element_size(), 8, core.threads)
                            // 8, dtype=torch.int64, device=out.device)
         bound.epilogue_sums.append(sums)
         record = e.record(out.data_ptr(), sums.data_ptr(), hidden)
         try:
-            prog = program(low, error=bound.control[r].data_ptr() + 2 * 8,
-                           abort=bound.abort.data_ptr(), flag_slot=bound.flag_map.slot, unit=8,
-                           epilogue=record, threads=bound.threads)
+            prog = program(low, error=core.error_at(r), abort=core.abort,
+                           flag_slot=core.flags.slot, unit=8, epilogue=record,
+                           threads=core.threads)
         except CapabilityError as exc:
-            raise CapabilityError(f"epilogue {e.name!r} on {bound.threads} threads per block: "
+            raise CapabilityError(f"epilogue {e.name!r} on {core.threads} threads per block: "
                                   f"{exc}") from None
         name, why = one_shot_kernel(e, out, prog.words)
         if why:
@@ -65,16 +64,12 @@ def launch_epilogue(bound, groups, blocks, wish, threads, epilogue) -> None:
                                   f"cannot run this program: {why}")
         names.append(name)
         progs.append(prog)
-    for d, ranks in groups.items():
+    for device, ranks in core.groups:
         if len({names[r] for r in ranks}) != 1:
-            raise SpecError(f"the ranks on GPU {d} share a launch: give them epilogues of the "
-                            "same functions, dtypes and extras' shapes")
-        k = RankKernel.fused(torch, torch.device("cuda", d), ranks,
-                             [progs[r].words for r in ranks], [bound.control[r] for r in ranks],
-                             blocks=bound.blocks_per_lane, threads=bound.threads, pdl=bound.pdl,
-                             kernel=names[ranks[0]])
-        bound._keep += k.keep + [epis]
-        bound.launches.append(k)
+            raise SpecError(f"the ranks on GPU {device.index} share a launch: give them "
+                            "epilogues of the same functions, dtypes and extras' shapes")
+    core.launch_programs(progs, lambda device, ranks: {"kernel": names[ranks[0]]})
+    core.keep.append(epis)
 
 
 # ---- the epilogue kernel after the all-reduce's own path (kernels.epilogue.apply_kernels)
