@@ -32,108 +32,89 @@ DEFAULT_THREADS = 512
 
 
 class SmPrepared:
-    """One prepared collective on this rank: its launch (a :class:`purlin.atom.sm_kernel.
-    RankKernel` of this rank: executor block or fused program, control words, launcher),
-    where the group's flags are (:class:`purlin.atom.sm_kernel.Flags`) and region views.
-    ``protocol``: "simple" / "ll" run the interpreter, "fused" / "fused-ll" the fused kernel
-    (the communicator has checked that it can run the schedule)."""
+    """One prepared collective on this rank: a :class:`purlin.atom.prepared.PreparedKernel`
+    (``core``) of this rank on its slice of the staging area, its region views, and the
+    relocated and epilogue programs of its calls. ``protocol``: "simple" / "ll" run the
+    interpreter, "fused" / "fused-ll" the fused kernel (the communicator has checked that it
+    can run the schedule)."""
+
+    SPARE_WORDS = isa.OP_WIDTH + isa.SOURCE_WIDTH  # a program ending with an epilogue's more
 
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads,
                  protocol: str = "simple", pdl: bool = False, row_bytes: int | None = None,
                  epilogue_grid: str | int | None = None, epilogue_kernel: str = "auto"):
-        from purlin.atom.lowering import local_buffers, lower
-        from purlin.atom.sm import interpreter_launch, rank_blob
-        from purlin.atom.sm_kernel import Flags, RankKernel
+        from purlin.atom.lowering import local_buffers
+        from purlin.atom.prepared import PreparedKernel
 
         self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
         self.protocol, self.pdl = protocol, pdl
         self.fused = protocol.startswith("fused")
-        dev, rank, n = path.device, path.rank, schedule.nranks
+        rank, n = path.rank, schedule.nranks
         sizing = schedule.sizing
-        lanes = schedule.lanes
-        bpl = 1  # the fused kernel's lowering: one block per lane
-        if not self.fused:  # sized to fit the device, an explicit request refused if not
-            # (the size's default blocks, LL too)
-            bpl, threads = interpreter_launch(schedule, path.gpu, 1,
-                                              blocks_per_lane=blocks_per_lane,
-                                              threads=threads, kind="process")
-        self.blocks_per_lane = bpl
         ptrs = path.ptrs
-        bases = {(q, b): ptrs[q] + offset + lay.offset(q, b)
-                 for q in range(n) for b in ("input", "output", "scratch")}
-        # LL areas (a layout made for protocol="ll"): every peer's, as the puts target them
-        ll_bases = ({q: ptrs[q] + offset + lay.offset(q, "ll") for q in range(n)}
-                    if lay.has_ll else None)
-        self.flags = Flags(n, lanes, lay.flag_count,
-                           {q: ptrs[q] + offset + lay.flags for q in range(n)},
-                           slots={q: ptrs[q] + offset + lay.block_flags for q in range(n)}
-                           if lay.block_flags else None,
-                           ll={q: (a, lay.ll_bytes[q]) for q, a in ll_bases.items()}
-                           if ll_bases else None)
-        self.all_lowered = lower(schedule, bases, self.flags.flags, blocks_per_lane=bpl,
-                                 scratch_bytes=dict(enumerate(lay.scratch_bytes)),
-                                 ll_bases=ll_bases)
-        if self.fused:  # several lanes: one each rank (purlin.atom.fused_lanes)
-            from purlin.atom.fused_lanes import one_lane
-
-            self.all_lowered = one_lane(self.all_lowered)
-        low = self.all_lowered[rank]
-        # one abort word for the whole group: rank 0's copy
-        self.abort_ptr = ptrs[0] + offset + lay.abort
-        self.lowered, self.local = low, local_buffers(schedule, rank)
+        self.core = PreparedKernel(
+            torch, schedule, bases={(q, b): ptrs[q] + offset + lay.offset(q, b)
+                                    for q in range(n) for b in ("input", "output", "scratch")},
+            flags={q: ptrs[q] + offset + lay.flags for q in range(n)},
+            slots={q: ptrs[q] + offset + lay.block_flags for q in range(n)}
+            if lay.block_flags else None,  # (LL areas: every peer's, as the puts target them)
+            ll={q: (ptrs[q] + offset + lay.offset(q, "ll"), lay.ll_bytes[q]) for q in range(n)}
+            if lay.has_ll else None,
+            scratch_bytes=dict(enumerate(lay.scratch_bytes)), groups=[(path.device, [rank])],
+            protocol=protocol, abort=ptrs[0] + offset + lay.abort,  # rank 0's: the group's
+            gpu=path.gpu, kind="process", timeout=path.timeout, blocks_per_lane=blocks_per_lane,
+            threads=threads, pdl=pdl and self.fused,  # (the interpreter launches plainly)
+            ll_one_block=False, cache=path._launchers)  # (LL: the size's default blocks)
+        self.local = local_buffers(schedule, rank)
         self._moved: OrderedDict = OrderedDict()  # (input at, output at) -> relocated block
         self._pinned: set = set()
         self._refused: dict = {}  # keys the fused kernel cannot run relocated: why
-        self.threads = threads
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         self.program_words = None  # the fused programs' length
-        self.ops = self.program = None  # every rank's fused ops (fused_rows), this rank's program
+        self.program = None  # this rank's fused program
         self.epilogue_kernel = epilogue_kernel  # "fused": the built-in on the NORM op everywhere
         self.norm_kernel = None  # what the last epilogue program made runs on (plans())
         tdt = getattr(torch, schedule.dtype)
         if self.fused:
-            from purlin.atom.fused import fuse_problem, row_grid, threads_grid
-            from purlin.atom.fused_rows import launch_ops
-            from purlin.atom.sm_kernel import fused_unit_or_refuse
-
-            # (the communicator checked the plan: a refusal is a bug, said on every rank)
-            self.unit = fused_unit_or_refuse(self.all_lowered, protocol,
-                                             f"{schedule.title()} here")
-            # row_bytes: made for an RMSNorm epilogue over rows that long, on the grid
-            # epilogue_grid asks for ("rows": blocks owning whole rows, 16-byte items, where
-            # there is one; threads: blocks of that many, one item each)
-            nbytes, rows = sizing.output_count(rank) * tdt.itemsize, None
-            if row_bytes and epilogue_grid == "rows":
-                rows = row_grid(nbytes, row_bytes, path.sms)
-                if rows and fuse_problem(self.all_lowered, 16) is None:
-                    self.unit = 16
-                else:
-                    rows = None
-            elif row_bytes and epilogue_grid:
-                rows = threads_grid(nbytes, self.unit, epilogue_grid, path.sms)
-            self.control = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=dev)
-            counters = torch.zeros(isa.F_MAX_BLOCKS, dtype=torch.int64, device=dev)
-            # every rank's ops as a single-process cluster builds them from the same tables
-            # (lowered with every rank's addresses): this rank runs that cluster's program
-            # for it, whose flags and rotations the peers' programs were built to meet
-            self.ops = launch_ops(schedule, self.all_lowered, self.unit)
-            desc, self.program = self._program()
-            self.kernel = RankKernel(dev.index, [rank],
-                                     self._fused_launcher(self.program, blocks_per_lane, rows),
-                                     desc.data_ptr(), counters.data_ptr(), [self.control],
-                                     keep=[desc, counters])
-        else:  # (without PDL: process mode launches the interpreter plainly)
-            from purlin.kernels.executor import kernel_for
-
-            desc, self.control = rank_blob(torch, low, dev, self.abort_ptr, lanes)
-            self.kernel = RankKernel.interpreter(torch, dev, [rank], [desc], [self.control],
-                                                 lanes=lanes, blocks_per_lane=bpl,
-                                                 threads=threads, cache=path._launchers,
-                                                 kernel=kernel_for(low.tables))
+            self._fused_kernel(tdt.itemsize, blocks_per_lane, row_bytes, epilogue_grid)
+        else:
+            self.core.interpreter_kernels()
+        core = self.core  # (what relocation reads of it)
+        self.all_lowered, self.lowered = core.lowered, core.lowered[rank]
+        self.flags, self.abort_ptr, self.control = core.flags, core.abort, core.control[rank]
+        self.unit, self.ops, self.kernel = core.unit, core.ops, core.launches[0]
+        self.blocks_per_lane, self.threads = core.blocks_per_lane, core.threads
+        self.timeout_ns = core.timeout_ns
         self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
         self.output = path.view(offset + lay.offset(rank, "output"), sizing.output_count(rank),
                                 tdt)
-        self.timeout_ns = int(path.timeout * 1e9)
+
+    def _fused_kernel(self, itemsize: int, blocks_per_lane, row_bytes, epilogue_grid) -> None:
+        """This rank's fused program and launch: the program a single-process cluster runs
+        for the rank (from every rank's tables, lowered with every rank's addresses), on the
+        grid every rank launches -- or, with ``row_bytes``, the grid ``epilogue_grid`` asks
+        for an RMSNorm epilogue over rows that long ("rows": blocks owning whole rows,
+        16-byte items, where there is one; threads: blocks of that many, one item each)."""
+        from purlin.atom.fused import fuse_problem, row_grid, threads_grid
+        from purlin.atom.sm_kernel import fused_unit_or_refuse
+
+        core, rank = self.core, self.path.rank
+        # (the communicator checked the plan: a refusal is a bug, said on every rank)
+        unit = fused_unit_or_refuse(core.lowered, self.protocol,
+                                    f"{self.schedule.title()} here")
+        nbytes, rows = self.schedule.sizing.output_count(rank) * itemsize, None
+        if row_bytes and epilogue_grid == "rows":
+            rows = row_grid(nbytes, row_bytes, self.path.sms)
+            if rows and fuse_problem(core.lowered, 16) is None:
+                unit = 16
+            else:
+                rows = None
+        elif row_bytes and epilogue_grid:
+            rows = threads_grid(nbytes, unit, epilogue_grid, self.path.sms)
+        core.fused_kernels(unit, blocks=blocks_per_lane, grid=rows,
+                           spare_words=self.SPARE_WORDS)
+        self.program = core.programs[rank]
+        self.program_words = self.program.words.size + self.SPARE_WORDS
 
     def launch(self, src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
                capturing: bool = False, norm: tuple | None = None) -> None:
@@ -173,30 +154,12 @@ class SmPrepared:
         # (relocated: as long; with an epilogue: one op and one source entry more) is that
         # long, padded
         if self.program_words is None:
-            self.program_words = prog.words.size + isa.OP_WIDTH + isa.SOURCE_WIDTH
+            self.program_words = prog.words.size + self.SPARE_WORDS
         # (a program ending with an epilogue is written from the rank's own ops, which may
         # take more words than self.ops', and a user epilogue's extra words may run past it:
         # its launcher reads more, _grid_launcher)
         table, _, _ = pack(torch, self.path.device, [prog.words], self.program_words, False)
         return table, prog
-
-    def _fused_launcher(self, prog, blocks_per_lane, rows=None):
-        """The launcher of the fused kernel that runs program ``prog`` (and its relocated
-        copies): ``rows`` = (blocks, threads) where given (an epilogue's grid), else
-        ``blocks_per_lane`` blocks (else the kernel's default grid for the largest program's
-        items, every rank's: each rank launches the same grid, as a single-process cluster
-        does) of the grid's threads -- the communicator's ``threads`` are the
-        interpreter's."""
-        from purlin.atom.fused import kernel_name
-        from purlin.atom.sm import fused_launch
-
-        if rows:
-            self.blocks_per_lane, self.threads = rows
-        else:
-            self.blocks_per_lane, self.threads = fused_launch(
-                self.path.gpu, self.ops.items(), 1, self.unit, blocks=blocks_per_lane,
-                kind="process")
-        return self._grid_launcher(kernel_name([prog.words]))
 
     def _epilogue_kernel(self, moves, words: torch.Tensor, dst, norm):
         """(why not, program, launcher) for the program ``words`` that this rank's table,
@@ -370,7 +333,7 @@ class SmPrepared:
         """The error this rank's executor recorded, as a sentence (call after a synchronize)."""
         sums = {} if self.sums is None else {
             self.path.rank: (self.sums.data_ptr(), self.sums.numel() * 8)}
-        found = self.kernel.errors(self.flags, self.path.timeout, sums, ask=True)
+        found = self.core.errors(sums, ask=True)
         return found[0][2] if found else None
 
     def release(self) -> None:
