@@ -1,6 +1,6 @@
-"""One launch of the sm datapath's kernels, for the ranks it runs: what single-process clusters
-(:class:`purlin.atom.sm.SmBound`, a launch per device) and process mode
-(``purlin.torch.sm_path.SmPrepared``, a launch per rank on its symmetric staging) share.
+"""One launch of the sm datapath's kernels, for the ranks it runs: what the prepared kernel
+(:class:`purlin.atom.prepared.PreparedKernel`) of single-process clusters and process mode
+builds its launches from.
 
 :class:`Flags` says where every rank's flags, their slots per block (the fused kernel) and LL
 areas are: the fused programs' ``flag_slot``, and the names an error record's addresses get.
