@@ -1265,7 +1265,17 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
             else:
                 s3, d3 = src, dst
             n += 1
-            if n == 4:
+            if copies and n == 4 and ((s0 | s1 | s2 | s3 | d0 | d1 | d2 | d3) & 15) == 0:
+                # (aligned: one load each, where copy_words loads each source's two words;
+                # the copy-only builds alone: it takes fused_seg from 126 to 128 registers)
+                w0, w1, w2, w3 = load_v4_u32(s0), load_v4_u32(s1), load_v4_u32(s2), \
+                    load_v4_u32(s3)
+                store_v4_u32(d0, w0)
+                store_v4_u32(d1, w1)
+                store_v4_u32(d2, w2)
+                store_v4_u32(d3, w3)
+                n = 0
+            elif n == 4:
                 copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3, ALL_WHOLE)
                 n = 0
             i += stride
