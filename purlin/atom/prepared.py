@@ -28,7 +28,7 @@ class PreparedKernel:
                  threads=None, fit: bool = False, pdl: bool = False,
                  ll_one_block: bool = True, cache: dict | None = None):
         from purlin.atom.lowering import flag_slots, lower
-        from purlin.atom.sm import interpreter_launch
+        from purlin.atom.sm import interpreter_launch, is_fused
 
         self.torch, self.schedule, self.protocol, self.pdl = torch, schedule, protocol, pdl
         self.groups = [(device, list(ranks)) for device, ranks in groups]
@@ -36,7 +36,7 @@ class PreparedKernel:
         self.per_launch = max(len(ranks) for _, ranks in self.groups)
         self.abort, self.gpu, self.kind, self.cache = int(abort), gpu, kind, cache
         self.timeout, self.timeout_ns = timeout, int(timeout * 1e9)
-        self.fused = protocol.startswith("fused")
+        self.fused = is_fused(protocol)
         n, lanes = schedule.nranks, schedule.lanes
         self.blocks_per_lane, self.threads = 1, threads  # the fused lowering: a block a lane
         if not self.fused:  # sized to fit the device, an explicit request refused if not

@@ -120,6 +120,14 @@ def check_device(device) -> None:
 
 
 PROTOCOLS = ("simple", "ll", "fused", "fused-ll")  # overrides; not naming one is the fast path
+
+
+def is_fused(protocol: str) -> bool:
+    """Does ``protocol`` run the fused kernel? ("fused", "fused-ll"; "simple" and "ll" run the
+    interpreter.)"""
+    return protocol in ("fused", "fused-ll")
+
+
 LL_MAX_BYTES = 256 << 10  # where LL can pay: it doubles the bytes on the wire
 FUSED_MAX_BYTES = 16 << 20  # where the fused kernel is tried (tuning candidates)
 
@@ -195,7 +203,7 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
         protocol = fast_protocol(schedule)
         fallback = fallback or (blocks_per_lane is None and threads is None)
         if pdl is None:
-            pdl = protocol.startswith("fused") and _has_pdl(cluster)
+            pdl = is_fused(protocol) and _has_pdl(cluster)
     pdl = pdl if epilogue is not None else bool(pdl)
     options = dict(timeout=timeout, trace_rows=trace_rows, pdl=pdl, fit=fit)
     if epilogue is not None:  # (it binds the all-reduce here again, without the epilogue)
@@ -208,7 +216,7 @@ def bind(cluster, schedule, *, timeout: float = 5.0, blocks_per_lane: int | None
         return SmBound(cluster, schedule, blocks_per_lane=blocks_per_lane, threads=threads,
                        protocol=protocol, **options)
     except CapabilityError:
-        if not (fallback and protocol.startswith("fused")):
+        if not (fallback and is_fused(protocol)):
             raise
     return SmBound(cluster, schedule, blocks_per_lane=None, threads=None,
                    protocol="ll" if protocol == "fused-ll" else "simple", **options)
@@ -389,7 +397,7 @@ class SmBound:
         self.cluster, self.schedule, self.timeout = cluster, schedule, timeout
         self.torch = torch
         n, lanes = schedule.nranks, schedule.lanes
-        fused = protocol.startswith("fused")
+        fused = is_fused(protocol)
         # (judged on the aligned scratch slots allocate_buffers makes room for)
         ll = protocol in ("ll", "fused-ll") and \
             len(ll_transfers(schedule, scratch_layout(schedule))) > 0

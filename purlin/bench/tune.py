@@ -15,7 +15,7 @@ import math
 import time
 from dataclasses import dataclass, replace
 
-from purlin.atom.sm import FUSED_MAX_BYTES, LL_MAX_BYTES
+from purlin.atom.sm import FUSED_MAX_BYTES, LL_MAX_BYTES, is_fused
 from purlin.bench.metrics import Record, Timing
 from purlin.bench.sweep import Progress, Results, environment
 from purlin.errors import CapabilityError
@@ -329,7 +329,7 @@ def _time(time_purlin, cluster, coll, size, dtype, cfg: Config, threads, ops, re
     try:
         return time_purlin(cluster, coll, size, dtype, cfg.strategy, cfg.chunks, cfg.lanes,
                            cfg.blocks_per_lane, mode="graph", ops=ops,
-                           threads=None if cfg.protocol.startswith("fused") else threads,
+                           threads=None if is_fused(cfg.protocol) else threads,
                            repeats=repeats, provider=f"purlin:{cfg.strategy}",
                            protocol=cfg.protocol, pdl=cfg.pdl)
     except Exception as exc:  # a candidate that cannot bind or times out is no candidate

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
+from purlin.atom.sm import is_fused
 from purlin.errors import SpecError
 from purlin.snac import strategies as _strategy_registry
 
@@ -109,7 +110,7 @@ class TuningTable:
         protocol = cfg.get("protocol", "simple")
         choice = Choice(cfg["strategy"], int(cfg["chunks"]), int(cfg["lanes"]),
                         cfg.get("blocks_per_lane"), where, protocol, bool(cfg.get("pdl", False)))
-        return own_launch(choice) if virtual and protocol.startswith("fused") else choice
+        return own_launch(choice) if virtual and is_fused(protocol) else choice
 
     def entry(self, collective: str, nranks: int, nbytes: int, *, dtype: str | None = None,
               strategy: str | None = None, virtual: bool = False) -> dict | None:
@@ -370,7 +371,7 @@ def runnable(choice: Choice, sizing, strategy: str | None = None,
     choice at a nearby size: an odd size, a layout the fused kernel refuses) the fast path
     for this sizing (:func:`fast_choice`: the fused kernel with a plan it runs, else the
     interpreter): a table entry says how fast the fused kernel was, not the interpreter."""
-    if not choice.protocol.startswith("fused") or \
+    if not is_fused(choice.protocol) or \
             _fused_problem(sizing, choice, choice.protocol) is None:
         return choice
     return fast_choice(sizing, strategy, profile)
@@ -514,7 +515,7 @@ def fast_choice(sizing, strategy: str | None = None, profile: str = MODEL_PROFIL
         where = cand.source if cand.source.startswith("model") else "rules"
         schedule = _choice_plan(sizing, Choice(cand.strategy, chunks, 1))
         protocol = "" if isinstance(schedule, str) else fast_protocol(schedule)
-        if protocol.startswith("fused"):  # (the one rule for the fused kernel's protocol)
+        if is_fused(protocol):  # (the one rule for the fused kernel's protocol)
             return Choice(cand.strategy, chunks, 1, None, f"fast path, {where}", protocol,
                           True)
     base = ranked[0]

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from purlin import atom
+from purlin.atom.sm import is_fused
 from purlin.errors import CapabilityError, PlanError, SpecError
 from purlin.snac.planner import plan
 from purlin.spec.collective import Collective
@@ -185,7 +186,7 @@ def _auto_options(choice, options: dict, sm: bool) -> dict:
     mine = choice.sm_options() if sm else {"blocks_per_lane": choice.blocks_per_lane}
     if options.get("blocks_per_lane") is not None or "protocol" in options:
         mine = {k: v for k, v in mine.items() if k not in ("blocks_per_lane", "protocol")}
-    if mine.get("protocol", "").startswith("fused"):
+    if is_fused(mine.get("protocol", "")):
         mine["fallback"] = True  # measured at a nearby size: the interpreter where it must
     if sm and mine.get("blocks_per_lane") is not None:
         mine["fit"] = True  # measured on some cluster: cut to what fits on this one

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from purlin.atom.sm import LL_MAX_BYTES  # LL transfers up to this size; larger: flags
 from purlin.atom.sm import PROTOCOLS as SM_PROTOCOLS
-from purlin.atom.sm import fast_protocol
+from purlin.atom.sm import fast_protocol, is_fused
 from purlin.errors import CallMismatchError, CapabilityError, CountError, ExecutionError, \
     OpDtypeError, PurlinError, PurlinTimeoutError, SpecError
 from purlin.runtime.fingerprint import Call
@@ -951,10 +951,10 @@ class Communicator:
         if protocol in ("ll", "fused-ll") and not (
                 schedule.sizing.message_bytes <= LL_MAX_BYTES and ll_transfers(schedule)):
             protocol = {"ll": "simple", "fused-ll": "fused"}[protocol]
-        if protocol.startswith("fused") and fused_problems(schedule)[protocol]:
+        if is_fused(protocol) and fused_problems(schedule)[protocol]:
             protocol = "ll" if protocol == "fused-ll" else "simple"
         if pdl is None:
-            pdl = protocol.startswith("fused")
+            pdl = is_fused(protocol)
         return protocol, bool(pdl)
 
     def _prepared(self, key, sizing=None, capturing=None, call=None):
@@ -977,7 +977,7 @@ class Communicator:
             choice.protocol == protocol and choice.strategy == schedule.strategy) else None
         # with LL areas where LL transfers go, and flag slots per block for the fused kernel
         lay = layout(schedule, ll=protocol in ("ll", "fused-ll"),
-                     block_flags=protocol.startswith("fused"))
+                     block_flags=is_fused(protocol))
         offset = self.staging.place(key, lay.size)
         if offset is None:
             victims = self.staging.victims(lay.size)

@@ -45,10 +45,11 @@ class SmPrepared:
                  epilogue_grid: str | int | None = None, epilogue_kernel: str = "auto"):
         from purlin.atom.lowering import local_buffers
         from purlin.atom.prepared import PreparedKernel
+        from purlin.atom.sm import is_fused
 
         self.path, self.schedule, self.offset, self.layout = path, schedule, offset, lay
         self.protocol, self.pdl = protocol, pdl
-        self.fused = protocol.startswith("fused")
+        self.fused = is_fused(protocol)
         rank, n = path.rank, schedule.nranks
         sizing = schedule.sizing
         ptrs = path.ptrs
