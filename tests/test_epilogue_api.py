@@ -329,17 +329,18 @@ def _process_prepared(protocol, epilogue_kernel="auto", count=1024):
              for b in ("input", "output", "scratch")}
     p = object.__new__(SmPrepared)
     p.path = types.SimpleNamespace(device=torch.device("cpu"), ptrs=ptrs, rank=0)
-    p.threads, p.program_words = 32, None
-    p.unit = 8 if protocol == "fused-ll" else 16
-    p.flags = Flags(2, 1, lay.flag_count, {q: ptrs[q] + lay.flags for q in range(2)},
-                    slots={q: ptrs[q] + lay.block_flags for q in range(2)})
-    p.control, p.abort_ptr, p.sums = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64), 0, None
+    flags = Flags(2, 1, lay.flag_count, {q: ptrs[q] + lay.flags for q in range(2)},
+                  slots={q: ptrs[q] + lay.block_flags for q in range(2)})
+    ll = ({q: ptrs[q] + lay.offset(q, "ll") for q in range(2)} if lay.has_ll else None)
+    p.core = types.SimpleNamespace(  # (the prepared kernel's parts the epilogue reads)
+        threads=32, unit=8 if protocol == "fused-ll" else 16, flags=flags, abort=0,
+        control={0: torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64)},
+        lowered=lower(s, bases, flags.flags, ll_bases=ll))
+    p.program_words, p.sums = None, None
     p.output = torch.zeros(count, dtype=torch.bfloat16)
     p.epilogue_kernel, p.norm_kernel = epilogue_kernel, None
     p._grid_launcher = lambda kernel, words=0: kernel
-    ll = ({q: ptrs[q] + lay.offset(q, "ll") for q in range(2)} if lay.has_ll else None)
     out = types.SimpleNamespace(data_ptr=lambda: bases[(0, "output")])
-    p.lowered = lower(s, bases, p.flags.flags, ll_bases=ll)[0]
     return p, out
 
 

@@ -1,6 +1,6 @@
 """Process mode runs the fused programs a single-process cluster runs, without a GPU: each
 rank's ``SmPrepared`` (``purlin.torch.sm_path``; host tensors stand for its staging area)
-builds, from every rank's tables, the program ``purlin.atom.sm.launch_programs`` builds for
+builds, from every rank's tables, the program a single-process cluster builds for
 that rank -- regrouped flags, segmented and joined ops, cut odd-aligned copies -- launches
 the grid every other rank launches, and keeps that program's flags and rotations where its
 buffers move (``zero_copy``) and where the peers see each other's buffers at other
@@ -16,7 +16,7 @@ import torch
 from purlin.atom.fused import kernel_name, program, segmented_program
 from purlin.atom.fused_rows import launch_ops
 from purlin.atom.lowering import relocate
-from purlin.atom.sm import Gpu, fused_launch, launch_programs
+from purlin.atom.sm import Gpu, fused_launch
 from purlin.runtime.shm import layout
 from purlin.snac import plan
 from purlin.spec import collectives
@@ -91,8 +91,8 @@ def test_each_rank_builds_the_single_process_cluster_s_program_for_it(case, stra
     s = _schedule(case, strategy)
     ps = _prepared(monkeypatch, s, protocol)
     p0 = ps[0]
-    want = launch_programs(s, p0.all_lowered, p0.unit, lambda q: _error(ps[q]), p0.abort_ptr,
-                           p0.flags.slot)
+    want = launch_ops(s, p0.all_lowered, p0.unit).programs(lambda q: _error(ps[q]),
+                                                           p0.abort_ptr, p0.flags.slot)
     grid = fused_launch(Gpu(0, 132), max(w.items for w in want), 1, p0.unit, kind="process")
     if len({w.items for w in want}) > 1:  # (its own largest row would give another grid)
         assert any(fused_launch(Gpu(0, 132), w.items, 1, p0.unit, kind="process") != grid

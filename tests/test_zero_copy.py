@@ -83,14 +83,15 @@ def test_every_fused_program_of_a_collective_has_the_launch_s_length():
              for b in ("input", "output", "scratch")}
     p = object.__new__(SmPrepared)
     p.path = types.SimpleNamespace(device=torch.device("cpu"), ptrs=ptrs, rank=0)
-    p.unit, p.threads, p.program_words = 16, 32, None
-    p.flags = Flags(2, 1, lay.flag_count, {q: ptrs[q] + lay.flags for q in range(2)},
-                    slots={q: ptrs[q] + lay.block_flags for q in range(2)})
-    p.control, p.abort_ptr, p.sums = torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64), 0, None
+    flags = Flags(2, 1, lay.flag_count, {q: ptrs[q] + lay.flags for q in range(2)},
+                  slots={q: ptrs[q] + lay.block_flags for q in range(2)})
+    lowered = lower(s, bases, flags.flags)
+    p.core = types.SimpleNamespace(  # (the prepared kernel's parts relocation reads)
+        unit=16, threads=32, flags=flags, abort=0, lowered=lowered,
+        control={0: torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64)},
+        ops=launch_ops(s, lowered, 16))
+    p.program_words, p.sums = None, None
     p.output = torch.zeros(1024, dtype=torch.bfloat16)
-    p.all_lowered = lower(s, bases, p.flags.flags)
-    p.lowered = p.all_lowered[0]
-    p.ops = launch_ops(s, p.all_lowered, 16)
     base, _ = p._program()
     moves = {(bases[(0, "output")], 1024 * 2): 3 << 40}
     moved_low = lower(s, {**bases, (0, "output"): 3 << 40}, p.flags.flags)[0]

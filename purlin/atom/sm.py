@@ -347,17 +347,6 @@ def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=Non
     return round_blocks(items, chosen, threads, most), threads  # (an odd size's last item)
 
 
-def launch_programs(schedule, lowered, unit: int, error_of, abort: int, flag_slot) -> list:
-    """Every rank's fused program of ``schedule`` in a single-process cluster (``lowered``:
-    the ranks' one-lane tables; ``error_of(rank)``: the address of the rank's error record):
-    their programs of :func:`purlin.atom.fused_rows.launch_ops` (several pieces per peer: a
-    flag each and rows side by side, segmented ops) -- the program each process of process
-    mode builds for its rank (``purlin.torch.sm_path``)."""
-    from purlin.atom.fused_rows import launch_ops
-
-    return launch_ops(schedule, lowered, unit).programs(error_of, abort, flag_slot)
-
-
 def _overflow(gpu: Gpu, lanes, ranks, bpl, threads, kind, what="blocks_per_lane") -> str:
     """The refusal of a launch that does not fit, naming what would."""
     resident = gpu.resident(threads)

@@ -40,6 +40,19 @@ class SmPrepared:
 
     SPARE_WORDS = isa.OP_WIDTH + isa.SOURCE_WIDTH  # a program ending with an epilogue's more
 
+    # (what the prepared kernel holds, under the names relocation and epilogues read)
+    all_lowered = property(lambda self: self.core.lowered)
+    lowered = property(lambda self: self.core.lowered[self.path.rank])
+    flags = property(lambda self: self.core.flags)
+    abort_ptr = property(lambda self: self.core.abort)
+    control = property(lambda self: self.core.control[self.path.rank])
+    unit = property(lambda self: self.core.unit)
+    ops = property(lambda self: self.core.ops)
+    kernel = property(lambda self: self.core.launches[0])
+    blocks_per_lane = property(lambda self: self.core.blocks_per_lane)
+    threads = property(lambda self: self.core.threads)
+    timeout_ns = property(lambda self: self.core.timeout_ns)
+
     def __init__(self, path: "SmPath", schedule, offset: int, lay, blocks_per_lane, threads,
                  protocol: str = "simple", pdl: bool = False, row_bytes: int | None = None,
                  epilogue_grid: str | int | None = None, epilogue_kernel: str = "auto"):
@@ -80,12 +93,6 @@ class SmPrepared:
             self._fused_kernel(tdt.itemsize, blocks_per_lane, row_bytes, epilogue_grid)
         else:
             self.core.interpreter_kernels()
-        core = self.core  # (what relocation reads of it)
-        self.all_lowered, self.lowered = core.lowered, core.lowered[rank]
-        self.flags, self.abort_ptr, self.control = core.flags, core.abort, core.control[rank]
-        self.unit, self.ops, self.kernel = core.unit, core.ops, core.launches[0]
-        self.blocks_per_lane, self.threads = core.blocks_per_lane, core.threads
-        self.timeout_ns = core.timeout_ns
         self.input = path.view(offset + lay.offset(rank, "input"), sizing.input_count(rank), tdt)
         self.output = path.view(offset + lay.offset(rank, "output"), sizing.output_count(rank),
                                 tdt)
