@@ -246,21 +246,18 @@ def _store16(dst, w, valid):
 def _load4(addr, valid):
     """Word ``addr`` of a row (a uint32 in int64) at an address of any alignment (a piece of
     odd size inside a user's buffer; the narrow builds): one 4-byte load where it is 4-byte
-    aligned, else its first ``valid`` bytes (at most 4, none past the row) in 2- or 1-byte
-    loads."""
+    aligned, else its first ``valid`` bytes (at most 4, none past the row; the rest 0) cut
+    from the aligned words holding its first and its last byte, both loads issued before
+    either is used (one memory latency: loads in a loop would wait one for another, and the
+    thread holding a row's odd edge would finish its op a few latencies after the others)."""
     if (addr & 3) == 0:
         return np.int64(load_u32(addr))
-    w = np.int64(0)
     n = min(valid, 4)
-    k = 0
-    while k < n:
-        if ((addr + k) & 1) == 0 and n - k >= 2:
-            w |= load_u16(addr + k) << (8 * k)
-            k += 2
-        else:
-            w |= load_u8(addr + k) << (8 * k)
-            k += 1
-    return w
+    if n <= 0:
+        return np.int64(0)
+    lo = np.int64(load_u32(addr & -4))
+    hi = np.int64(load_u32((addr + n - 1) & -4))
+    return ((lo | (hi << 32)) >> ((addr & 3) * 8)) & ((np.int64(1) << (8 * n)) - 1)
 
 
 @device

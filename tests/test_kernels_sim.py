@@ -143,6 +143,35 @@ def narrow_copies_every_width_offset_and_length():
 
 
 @case
+def odd_edges_every_offset_and_length():
+    """A word of a row at any alignment (``_load4``: the first ``valid`` bytes, at most 4,
+    from two aligned loads; all 4 where it is 4-byte aligned) and a row's partial 16 bytes
+    (``_copy_edge``) at every source and destination offset and length 0..16: the bytes
+    copied, nothing written past them."""
+    from purlin.kernels.fused import _copy_edge, _load4
+
+    rng = np.random.default_rng(5)
+    raw, base = _aligned(32)
+    raw[:] = rng.integers(0, 256, raw.size, dtype=np.uint8)
+    at = base - raw.ctypes.data
+    for off in range(16):
+        for valid in range(-2, 7):
+            want = raw[at + off: at + off + (4 if off % 4 == 0 else max(0, min(valid, 4)))]
+            got = int(_load4(base + off, valid))
+            assert got == int.from_bytes(want.tobytes(), "little"), (off, valid, hex(got))
+    for src_off in range(16):
+        for dst_off in range(16):
+            for n in range(17):
+                src_raw, src = _aligned(16, src_off)
+                dst_raw, dst = _aligned(16, dst_off)
+                src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
+                _copy_edge(dst, src, n)
+                assert np.array_equal(_view(dst_raw, dst, n, np.uint8),
+                                      _view(src_raw, src, n, np.uint8)), (src_off, dst_off, n)
+                assert _guards_intact(dst_raw, dst, n), (src_off, dst_off, n)
+
+
+@case
 def copy_rows_aligned_and_misaligned():
     """COPY rows through the executor: aligned f32, bf16 at odd 2-byte offsets, 2 lanes x 2."""
     from purlin.kernels import isa, sim
