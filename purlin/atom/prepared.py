@@ -10,6 +10,12 @@ from purlin.atom.sm_kernel import Flags, RankKernel
 from purlin.kernels import isa
 
 
+def error_record(control) -> int:
+    """The address of the error record in a rank's control words (after its epoch and done
+    counter)."""
+    return control.data_ptr() + 2 * 8
+
+
 class PreparedKernel:
     """``schedule`` lowered with every rank's addresses, and the launches of the ranks in
     ``groups`` ((torch device, ranks) per launch).
@@ -62,8 +68,8 @@ class PreparedKernel:
         self.keep: list = []
 
     def error_at(self, rank: int) -> int:
-        """The address of ``rank``'s error record (after its epoch and done counter)."""
-        return self.control[rank].data_ptr() + 2 * 8
+        """The address of ``rank``'s error record."""
+        return error_record(self.control[rank])
 
     def add(self, kernel: RankKernel) -> RankKernel:
         self.launches.append(kernel)

@@ -148,9 +148,10 @@ class SmPrepared:
         (``purlin.atom.sm_epilogue.launch_epilogue``)."""
         from purlin.atom.fused import program
         from purlin.atom.lowering import relocate
+        from purlin.atom.prepared import error_record
         from purlin.atom.sm_kernel import pack
 
-        error = self.control.data_ptr() + 2 * 8
+        error = error_record(self.control)
         if epilogue is None:
             prog = self.ops.program(self.path.rank, error, self.abort_ptr, self.flags.slot,
                                     moves)
