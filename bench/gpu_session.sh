@@ -37,7 +37,8 @@
 #   varlen       bench/moe.py (the MoE layer) and bench/all_to_all_v.py (skewed device counts)
 #   epilogues    bench/epilogues.py: user epilogues fused vs unfused, the built-in generic vs hand
 #   versions     bench/versions.py: the standard collectives, this tree against BEFORE=<tree>
-#                (git archive <rev> | tar -x -C <tree>), alternating in one run
+#                (git archive <rev> | tar -x -C <tree>), alternating in one run; with
+#                CASES=gqa,broadcast the custom cases of that name and their twins, two rounds
 #   peers                                              bench/peers.py: every peer beside Purlin
 #                                                      in one run, ~9 minutes (FlashInfer from
 #                                                      .whl: bash bench/wheels.sh --peers)
@@ -269,8 +270,8 @@ for stage in "${stages[@]}"; do
                 --out "$OUT/epilogues.json" ;;
         versions)
             if [ -n "${BEFORE:-}" ]; then
-                TAIL=14 step versions 420 python3 bench/versions.py --before "$BEFORE" \
-                    --ranks 4,8 --out "$OUT/versions.json"
+                TAIL=40 step versions 420 python3 bench/versions.py --before "$BEFORE" \
+                    --ranks 4,8 ${CASES:+--cases "$CASES" --rounds 2} --out "$OUT/versions.json"
             else
                 echo "versions: set BEFORE to the source tree to compare against: skipped"
             fi

@@ -122,12 +122,17 @@ def test_one_rank_per_gpu_scripts_refuse_in_one_line(name, tmp_path, monkeypatch
     assert not (tmp_path / "outputs").exists()
 
 
-def test_versions_summary_compares_the_same_binds(monkeypatch):
+def _versions():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("versions", BENCH / "versions.py")
     versions = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(versions)
+    return versions
+
+
+def test_versions_summary_compares_the_same_binds(monkeypatch):
+    versions = _versions()
     rows = []
     for version, scale in (("before", 1.0), ("now", 1.1)):
         for name in versions.NAMES:
@@ -146,15 +151,56 @@ def test_versions_summary_compares_the_same_binds(monkeypatch):
     assert line["auto"]["compared"] == 6 and line["auto"]["now_missing"] == 0
 
 
+def test_versions_measures_the_named_custom_cases_and_their_twins():
+    versions = _versions()
+    standard = list(versions._targets(4, [8192, 65536], []))
+    assert [t[0] for t in standard[:2]] == ["all_reduce", "all_reduce"]
+    assert len(standard) == 12 and standard[1][3] == {"nbytes": 65536}
+    cases = list(versions._targets(4, [8192], ["gqa"]))
+    assert [t[0] for t in cases] == [
+        "gqa all-gather (custom)", "gqa all-gather (twin)",
+        "gqa all-gather, odd pieces (custom)", "gqa all-gather, odd pieces (twin)"]
+    custom = cases[2]
+    assert set(custom[3]) == {"chunk_sizes"} and custom[4] == versions.CASE_BINDS
+    # (the odd pieces are each one element longer than the aligned case's)
+    assert all(custom[3]["chunk_sizes"][k] == v + 1
+               for k, v in cases[0][3]["chunk_sizes"].items())
+
+    rows = []
+    for version, custom_us in (("before", 12.0), ("now", 9.0)):
+        for side, us in (("custom", custom_us), ("twin", 8.0)):
+            for bind, scale in (("auto", 1.0), ("direct-pull fused", 1.25)):
+                rows.append({"version": version, "ranks": 4, "bytes": 8192, "bind": bind,
+                             "collective": f"gqa all-gather ({side})", "us": us * scale,
+                             "wrong": 0})
+    rows.append({"version": "now", "ranks": 4, "bytes": 8192, "bind": "direct-push fused",
+                 "collective": "gqa all-gather (custom)", "us": 1.0, "wrong": 5})
+    (line,) = versions.summary(rows)
+    assert line["best"]["compared"] == 2 and line["best"]["worst"] == pytest.approx(1.0)
+    assert line["best"]["geomean"] == pytest.approx(0.75 ** 0.5)
+    (case,) = versions.case_lines(rows)
+    assert case["case"] == "gqa all-gather"
+    assert case["before"]["ratio"] == pytest.approx(1.5)
+    assert case["now"] == {"custom": 9.0, "twin": 8.0, "ratio": pytest.approx(9 / 8)}
+    assert "1.500 -> 1.125" in versions._case_table([case])
+
+
+def test_versions_refuses_a_case_word_that_names_no_case(tmp_path, capsys):
+    before = tmp_path / "before"
+    (before / "purlin").mkdir(parents=True)
+    (before / "purlin" / "__init__.py").write_text("")
+    with pytest.raises(SystemExit):
+        _versions().main(["--before", str(before), "--cases", "gqq"])
+    assert "--cases gqq: no case of bench/custom_vs_standard.py holds gqq" in \
+        capsys.readouterr().err
+
+
 def test_versions_rows_say_what_ran_as_far_as_a_version_tells():
-    import importlib.util
     from types import SimpleNamespace
 
     from purlin import Cluster, collectives
 
-    spec = importlib.util.spec_from_file_location("versions", BENCH / "versions.py")
-    versions = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(versions)
+    versions = _versions()
     fused = SimpleNamespace(schedule=SimpleNamespace(strategy="direct-push"), protocol="fused-ll",
                             launches=[SimpleNamespace(launcher=SimpleNamespace(kernel="fused-seg"))],
                             blocks_per_lane=8, threads=128)
