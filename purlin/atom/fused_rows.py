@@ -1077,42 +1077,61 @@ def rounds(ops_by_rank: list[list[tuple]], calls: int = 3) -> int | None:
     and PUTs of the rounds before let it) until every rank ran ``calls`` calls -- the
     longest chain of waits on peers, what a merge must not lengthen -- or None where some
     rank never ends."""
+    # (merged_flags runs this once per merge it tries: what each op waits for and sends is
+    # read off it once, and a round's notifies and PUTs count from the next round on)
+    steps = [[_step(op) for op in ops] for ops in ops_by_rank]
     counters: dict = {}
     sent: set = set()  # (LL units' address this call, call) of the PUTs that ran
     pcs = [0] * len(ops_by_rank)
     total = [len(ops) * calls for ops in ops_by_rank]
     count = 0
     while pcs != total:
-        seen_counters, seen_sent = dict(counters), set(sent)
+        notified: dict = {}
+        put: list = []
         moved = False
-        for r, ops in enumerate(ops_by_rank):
-            while pcs[r] < total[r]:
-                call, op = pcs[r] // len(ops), ops[pcs[r] % len(ops)]
-                if not _runnable(op, call, seen_counters, seen_sent):
+        for r, rank_steps in enumerate(steps):
+            n = len(rank_steps)
+            pc = pcs[r]
+            while pc < total[r]:
+                call = pc // n
+                wait, polls, notify, puts = rank_steps[pc - call * n]
+                if wait is not None:
+                    flag, per_call, epoch_offset, value = wait
+                    target = (call + epoch_offset) * per_call + value
+                    if target > 0 and counters.get(flag, 0) < target:
+                        break
+                if polls and any((odd if call & 1 else even, call) not in sent
+                                 for even, odd in polls):
                     break
-                if op.kind == "notify":
-                    counters[op.flag] = counters.get(op.flag, 0) + op.value
-                for part in _parts(op):
-                    if part.kind == "put":
-                        sent.add((part.dst_odd if call & 1 else part.dst_even, call))
-                pcs[r] += 1
-                moved = True
+                if notify is not None:
+                    notified[notify[0]] = notified.get(notify[0], 0) + notify[1]
+                put += [(odd if call & 1 else even, call) for even, odd in puts]
+                pc += 1
+            moved = moved or pc != pcs[r]
+            pcs[r] = pc
         if not moved:
             return None
+        for flag, value in notified.items():
+            counters[flag] = counters.get(flag, 0) + value
+        sent.update(put)
         count += 1
     return count
 
 
-def _runnable(op, call: int, counters: dict, sent: set) -> bool:
-    if op.kind == "wait":
-        target = (call + op.epoch_offset) * op.per_call + op.value
-        return target <= 0 or counters.get(op.flag, 0) >= target
-    for part in _parts(op):
-        if part.kind == "move" and any(
-                (s.odd if call & 1 else s.even, call) not in sent for s in part.sources
-                if s.is_ll):
-            return False
-    return True
+def _step(op) -> tuple:
+    """What :func:`rounds` reads of an op: (its wait's flag, per call, epoch offset, value
+    or None; the (even, odd) LL units its moves poll; its notify's (flag, value) or None;
+    the (even, odd) LL units its PUTs send)."""
+    wait = ((op.flag, op.per_call, op.epoch_offset, op.value) if op.kind == "wait" else None)
+    notify = (op.flag, op.value) if op.kind == "notify" else None
+    polls, puts = [], []
+    if op.kind not in ("wait", "notify"):
+        for part in _parts(op):
+            if part.kind == "move":
+                polls += [(s.even, s.odd) for s in part.sources if s.is_ll]
+            elif part.kind == "put":
+                puts.append((part.dst_even, part.dst_odd))
+    return wait, tuple(polls), notify, tuple(puts)
 
 
 # ---------------------------------------------------------------- races across ranks
