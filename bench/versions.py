@@ -151,16 +151,24 @@ def _run_version(label: str, tree: Path, ranks: int, sizes, words=(),
     return rows
 
 
+def _best(rows: list[dict], version: str, ranks: int, name: str, nbytes: int,
+          bind: str | None = None) -> float | None:
+    """The fastest time of ``name`` (``bind``, else any) that ran and was right, in any
+    round, or None."""
+    ok = [r["us"] for r in rows if r["version"] == version and r["ranks"] == ranks
+          and r["collective"] == name and r["bytes"] == nbytes and "us" in r
+          and r.get("wrong") == 0 and (bind is None or r["bind"] == bind)]
+    return min(ok) if ok else None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 10} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB"
+
+
 def summary(rows: list[dict]) -> list[dict]:
     """Per (ranks, size): geomean and worst over the collectives (or cases) of now / before,
     for ``auto`` and for the best bind (the fastest that ran and was right, in any round)."""
     names = list(dict.fromkeys(r["collective"] for r in rows))
-    def best(version, ranks, name, nbytes, bind=None):
-        ok = [r["us"] for r in rows if r["version"] == version and r["ranks"] == ranks
-              and r["collective"] == name and r["bytes"] == nbytes and "us" in r
-              and r.get("wrong") == 0 and (bind is None or r["bind"] == bind)]
-        return min(ok) if ok else None
-
     out = []
     for ranks in sorted({r["ranks"] for r in rows}):
         for nbytes in sorted({r["bytes"] for r in rows}):
@@ -169,8 +177,8 @@ def summary(rows: list[dict]) -> list[dict]:
                 ratios, worst = [], (0.0, None)
                 refused = 0
                 for name in names:
-                    a, b = best("now", ranks, name, nbytes, bind), best("before", ranks, name,
-                                                                        nbytes, bind)
+                    a = _best(rows, "now", ranks, name, nbytes, bind)
+                    b = _best(rows, "before", ranks, name, nbytes, bind)
                     if a is None:
                         refused += 1
                     if a is None or b is None:
@@ -197,20 +205,13 @@ def _table(lines) -> str:
                 f"({d['compared']})").ljust(34)
 
     for ln in lines:
-        size = f"{ln['bytes'] >> 10} KiB" if ln["bytes"] < 1 << 20 else f"{ln['bytes'] >> 20} MiB"
-        out.append(f"{ln['ranks']:>5}  {size:<8}  {cell(ln['auto'])} {cell(ln['best'])}")
+        out.append(f"{ln['ranks']:>5}  {_size(ln['bytes']):<8}  {cell(ln['auto'])} {cell(ln['best'])}")
     return "\n".join(out)
 
 
 def case_lines(rows: list[dict]) -> list[dict]:
     """Per (ranks, size, case) of a ``--cases`` run: each version's best custom and twin
     times (µs) and their ratio."""
-    def best(version, ranks, name, nbytes):
-        ok = [r["us"] for r in rows if r["version"] == version and r["ranks"] == ranks
-              and r["collective"] == name and r["bytes"] == nbytes and "us" in r
-              and r.get("wrong") == 0]
-        return min(ok) if ok else None
-
     out = []
     cases = list(dict.fromkeys(r["collective"].rsplit(" (", 1)[0] for r in rows))
     for ranks in sorted({r["ranks"] for r in rows}):
@@ -218,8 +219,8 @@ def case_lines(rows: list[dict]) -> list[dict]:
             for case in cases:
                 line = {"ranks": ranks, "bytes": nbytes, "case": case}
                 for version in ("before", "now"):
-                    c = best(version, ranks, f"{case} (custom)", nbytes)
-                    t = best(version, ranks, f"{case} (twin)", nbytes)
+                    c = _best(rows, version, ranks, f"{case} (custom)", nbytes)
+                    t = _best(rows, version, ranks, f"{case} (twin)", nbytes)
                     line[version] = {"custom": c, "twin": t,
                                      "ratio": c / t if c and t else None}
                 out.append(line)
@@ -233,9 +234,8 @@ def _case_table(lines) -> str:
         return "-" if x is None else format(x, fmt)
 
     for ln in lines:
-        size = f"{ln['bytes'] >> 10} KiB" if ln["bytes"] < 1 << 20 else f"{ln['bytes'] >> 20} MiB"
         b, n = ln["before"], ln["now"]
-        out.append(f"{ln['case']:<34} {ln['ranks']:>5} {size:<8} "
+        out.append(f"{ln['case']:<34} {ln['ranks']:>5} {_size(ln['bytes']):<8} "
                    f"{num(b['custom'], '9.2f')} -> {num(n['custom'], '<9.2f')}        "
                    f"{num(b['ratio'], '.3f')} -> {num(n['ratio'], '.3f')}")
     return "\n".join(out)
