@@ -241,11 +241,6 @@ def _case_table(lines) -> str:
     return "\n".join(out)
 
 
-def _case_names(words) -> list[str]:
-    """The names of custom_vs_standard.py's cases that hold one of ``words``."""
-    return [c[0] for c in _cases_module().cases(4, 8192, 2) if any(w in c[0] for w in words)]
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
@@ -270,7 +265,7 @@ def main(argv=None) -> int:
     words = [w for w in (args.cases or "").split(",") if w]
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: give 1 or more")
-    if words and not _case_names(words):
+    if words and next(_targets(4, [8192], words), None) is None:
         p.error(f"--cases {args.cases}: no case of bench/custom_vs_standard.py holds "
                 f"{' or '.join(words)} (python bench/custom_vs_standard.py --help names them)")
     before = Path(args.before).resolve()
