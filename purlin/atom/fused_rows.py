@@ -383,18 +383,53 @@ def shifted_copies(ops_by_rank: list[list[tuple]]) -> list[list[tuple]]:
     than its items': only the launch's end orders them for their readers)."""
     out = [list(ops) for ops in ops_by_rank]
     norm = any(op.kind == "norm" for ops in out for op in ops)
-    spans = [(r, k, _accesses(part)) for r, ops in enumerate(ops_by_rank)
-             for k, op in enumerate(ops) if op.kind in ("put", "move", "puts", "moves")
-             for part in _parts(op)]
-    for r, k, acc in spans:  # (a narrow row is in no segmented op: its (r, k) is its own)
+    rows = [(r, k, _accesses(part)) for r, ops in enumerate(ops_by_rank)
+            for k, op in enumerate(ops) if op.kind in ("put", "move", "puts", "moves")
+            for part in _parts(op)]
+    touched = _Touched(rows)
+    for r, k, acc in rows:  # (a narrow row is in no segmented op: its (r, k) is its own)
         op = out[r][k]
         if op.kind != "move" or not op.narrow:
             continue
         aligned = op.dst_even % 16 == 0 and op.dst_odd % 16 == 0
-        if aligned or not norm and not any(_accesses_conflict(acc, acc2)
-                                           for r2, k2, acc2 in spans if (r2, k2) != (r, k)):
+        if aligned or not norm and not touched.conflict(r, k, acc):
             out[r][k] = op._replace(narrow=op.narrow | NARROW_SHIFT)
     return out
+
+
+class _Touched:
+    """Every span of a launch's rows, to ask at once whether any other row conflicts with
+    one (:func:`_accesses_conflict` against each, in numpy: an 8-rank GQA launch has
+    thousands of rows)."""
+
+    def __init__(self, rows: list) -> None:
+        import numpy as np
+
+        spans = [(r, k, s, i == 0) for r, k, (w, reads) in rows
+                 for i, s in enumerate((w, *reads))]
+        self.rank = np.array([x[0] for x in spans], dtype=np.int64)
+        self.index = np.array([x[1] for x in spans], dtype=np.int64)
+        self.even = np.array([x[2].even for x in spans], dtype=np.int64)
+        self.odd = np.array([x[2].odd for x in spans], dtype=np.int64)
+        self.nbytes = np.array([x[2].nbytes for x in spans], dtype=np.int64)
+        self.writes = np.array([x[3] for x in spans], dtype=bool)
+
+    def _meeting(self, s):
+        """Which spans share a byte with span ``s`` (either parity, :func:`_meets`)."""
+        out = None
+        for x in (s.even, s.odd):
+            for y in (self.even, self.odd):
+                m = (x < y + self.nbytes) & (y < x + s.nbytes)
+                out = m if out is None else out | m
+        return out
+
+    def conflict(self, r: int, k: int, acc: tuple) -> bool:
+        """Does a row other than rank ``r``'s op ``k`` conflict with accesses ``acc``?"""
+        w, reads = acc
+        hit = self._meeting(w)
+        for x in reads:
+            hit |= self._meeting(x) & self.writes
+        return bool((hit & ((self.rank != r) | (self.index != k))).any())
 
 
 # ---------------------------------------------------------------- segmented ops
@@ -411,7 +446,15 @@ def _conflict(a, b) -> bool:
 def _accesses_conflict(a: tuple, b: tuple) -> bool:
     """:func:`_conflict` on two ops' :func:`_accesses`."""
     (wa, ra), (wb, rb) = a, b
-    return any(_meets(wa, x) for x in (wb, *rb)) or any(_meets(wb, x) for x in ra)
+    if _meets(wa, wb):
+        return True
+    for x in rb:
+        if _meets(wa, x):
+            return True
+    for x in ra:
+        if _meets(wb, x):
+            return True
+    return False
 
 
 def _partners(ops_by_rank: list[list[tuple]], user: list | None = None) -> dict:
@@ -483,6 +526,7 @@ def _gather(ops: list[tuple], keys: list, bold: bool = False) -> tuple[list, lis
     every peer's), and a private row (no other rank touches its bytes) later past notifies
     first (the peers hear first, then the rank copies its own pieces)."""
     ops, keys = list(ops), list(keys)
+    accs = [_accesses(op) if op.kind in ("put", "move") else None for op in ops]
     moved = True
     while moved:
         moved = False
@@ -496,23 +540,25 @@ def _gather(ops: list[tuple], keys: list, bold: bool = False) -> tuple[list, lis
             else:  # (not past a notify: a peer's arrivals would join the pushes to it)
                 tries = ((-1, ("wait",)),)
             for step, allowed in tries:
-                j = _partner_index(ops, keys, i, step, allowed)
+                j = _partner_index(ops, keys, accs, i, step, allowed)
                 if j is not None:
                     break
             if j is None:
                 continue
-            op, key = ops.pop(i), keys.pop(i)
+            op, key, acc = ops.pop(i), keys.pop(i), accs.pop(i)
             at = j + 1 if j < i else j - 1  # after the earlier partner, before the later
             ops.insert(at, op)
             keys.insert(at, key)
+            accs.insert(at, acc)
             moved = True
             break
     return ops, keys
 
 
-def _partner_index(ops, keys, i, step, allowed) -> int | None:
+def _partner_index(ops, keys, accs, i, step, allowed) -> int | None:
     """The nearest row of ``ops[i]``'s key in direction ``step`` that it may join, past at
-    least one flag operation, all of a kind in ``allowed``, else None."""
+    least one flag operation, all of a kind in ``allowed``, else None (``accs``: the rows'
+    :func:`_accesses`)."""
     crossed, j = False, i + step
     while 0 <= j < len(ops):
         op = ops[j]
@@ -522,7 +568,7 @@ def _partner_index(ops, keys, i, step, allowed) -> int | None:
             crossed = True
         elif keys[j] == keys[i]:
             return j if crossed else None
-        elif _conflict(op, ops[i]):
+        elif _accesses_conflict(accs[j], accs[i]):
             return None
         j += step
     return None
@@ -1017,7 +1063,8 @@ def merged_flags(ops_by_rank: list[list[tuple]], calls: int = 3) -> list | None:
     cur = [list(ops) for ops in ops_by_rank]
     if sum(len(ops) for ops in cur) > MERGE_OPS:
         return None
-    most = rounds(cur, calls)  # (a merge that lengthens the chain of waits serialises ranks)
+    steps = [[_step(op) for op in ops] for ops in cur]
+    most = _rounds(steps, calls)  # (a merge that lengthens the chain of waits serialises ranks)
     if most is None:
         return None
     changed = False
@@ -1027,9 +1074,10 @@ def merged_flags(ops_by_rank: list[list[tuple]], calls: int = 3) -> list | None:
             while i < len(cur[r]):
                 trial = _merged_at(cur[r], i) if cur[r][i].kind == kind else None
                 if trial is not None:
-                    got = rounds(cur[:r] + [trial] + cur[r + 1:], calls)
+                    tried = [_step(op) for op in trial]
+                    got = _rounds(steps[:r] + [tried] + steps[r + 1:], calls)
                     if got is not None and got <= most:
-                        cur[r], changed = trial, True
+                        cur[r], steps[r], changed = trial, tried, True
                         continue
                 i += 1
     return cur if changed else None
@@ -1077,13 +1125,17 @@ def rounds(ops_by_rank: list[list[tuple]], calls: int = 3) -> int | None:
     and PUTs of the rounds before let it) until every rank ran ``calls`` calls -- the
     longest chain of waits on peers, what a merge must not lengthen -- or None where some
     rank never ends."""
-    # (merged_flags runs this once per merge it tries: what each op waits for and sends is
-    # read off it once, and a round's notifies and PUTs count from the next round on)
-    steps = [[_step(op) for op in ops] for ops in ops_by_rank]
+    return _rounds([[_step(op) for op in ops] for ops in ops_by_rank], calls)
+
+
+def _rounds(steps: list[list[tuple]], calls: int) -> int | None:
+    """:func:`rounds` on each rank's ops' :func:`_step` (what :func:`merged_flags` keeps
+    between its trials, which change one rank's ops)."""
+    # (a round's notifies and PUTs count from the next round on)
     counters: dict = {}
     sent: set = set()  # (LL units' address this call, call) of the PUTs that ran
-    pcs = [0] * len(ops_by_rank)
-    total = [len(ops) * calls for ops in ops_by_rank]
+    pcs = [0] * len(steps)
+    total = [len(ops) * calls for ops in steps]
     count = 0
     while pcs != total:
         notified: dict = {}
@@ -1105,7 +1157,8 @@ def rounds(ops_by_rank: list[list[tuple]], calls: int = 3) -> int | None:
                     break
                 if notify is not None:
                     notified[notify[0]] = notified.get(notify[0], 0) + notify[1]
-                put += [(odd if call & 1 else even, call) for even, odd in puts]
+                if puts:
+                    put += [(odd if call & 1 else even, call) for even, odd in puts]
                 pc += 1
             moved = moved or pc != pcs[r]
             pcs[r] = pc
