@@ -1383,3 +1383,30 @@ def test_partial_all_reduce_on_ll_polls_its_acknowledgements_at_once(n):
     xs = _inputs(s.sizing, np.random.default_rng(1), calls=3)
     outs = run_fused_calls(fused_programs(low, bufs, unit), bufs, xs, blocks=2, threads=3)
     _compare(s.sizing, outs, xs, f"partial all-reduce {n}")
+
+
+def test_touched_finds_the_conflicts_one_pair_at_a_time_finds():
+    """``shifted_copies`` asks ``_Touched`` (numpy, every span at once) which rows conflict
+    with a narrow copy: the same answer as ``_accesses_conflict`` against each other row,
+    on spans that meet, touch end to end and swap parities."""
+    from purlin.atom.fused import Span
+    from purlin.atom.fused_rows import _accesses_conflict, _Touched
+
+    gen = np.random.default_rng(7)
+
+    def span():
+        even = int(gen.integers(0, 2048))
+        odd = even if gen.random() < 0.5 else int(gen.integers(0, 2048))
+        return Span(even, odd, int(gen.integers(1, 24)))
+
+    seen = set()
+    for _ in range(40):
+        rows = [(int(gen.integers(0, 3)), k, (span(), tuple(span() for _ in range(
+            int(gen.integers(0, 3)))))) for k in range(12)]
+        touched = _Touched(rows)
+        for r, k, acc in rows:
+            want = any(_accesses_conflict(acc, acc2) for r2, k2, acc2 in rows
+                       if (r2, k2) != (r, k))
+            assert touched.conflict(r, k, acc) == want, (r, k, acc)
+            seen.add(want)
+    assert seen == {True, False}  # (about half of the rows conflict)
