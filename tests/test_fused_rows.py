@@ -1385,7 +1385,7 @@ def test_partial_all_reduce_on_ll_polls_its_acknowledgements_at_once(n):
     _compare(s.sizing, outs, xs, f"partial all-reduce {n}")
 
 
-def test_touched_finds_the_conflicts_one_pair_at_a_time_finds():
+def test_touched_finds_the_conflicts_that_row_against_row_finds():
     """``shifted_copies`` asks ``_Touched`` (numpy, every span at once) which rows conflict
     with a narrow copy: the same answer as ``_accesses_conflict`` against each other row,
     on spans that meet, touch end to end and swap parities."""

@@ -41,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from purlin.kernels.isa import NARROW_SHIFT
 from purlin.atom.fused import (FUSED_COPY_DTYPES, FusedProgram, Segments, Span, _Refused,
                                _accesses, _check_rank, _clash, _meets, part_items, program,
@@ -403,16 +405,10 @@ class _Touched:
     thousands of rows)."""
 
     def __init__(self, rows: list) -> None:
-        import numpy as np
-
-        spans = [(r, k, s, i == 0) for r, k, (w, reads) in rows
-                 for i, s in enumerate((w, *reads))]
-        self.rank = np.array([x[0] for x in spans], dtype=np.int64)
-        self.index = np.array([x[1] for x in spans], dtype=np.int64)
-        self.even = np.array([x[2].even for x in spans], dtype=np.int64)
-        self.odd = np.array([x[2].odd for x in spans], dtype=np.int64)
-        self.nbytes = np.array([x[2].nbytes for x in spans], dtype=np.int64)
-        self.writes = np.array([x[3] for x in spans], dtype=bool)
+        spans = np.array([(r, k, s.even, s.odd, s.nbytes, i == 0) for r, k, (w, reads) in rows
+                          for i, s in enumerate((w, *reads))], dtype=np.int64).reshape(-1, 6)
+        self.rank, self.index, self.even, self.odd, self.nbytes, writes = spans.T
+        self.writes = writes.astype(bool)
 
     def _meeting(self, s):
         """Which spans share a byte with span ``s`` (either parity, :func:`_meets`)."""
