@@ -47,8 +47,8 @@ from purlin.kernels.isa import MOVE_NARROW, NARROW_SHIFT  # (odd-aligned copies)
 from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
 from purlin.kernels.isa import PUT_ROTATE  # (a PUT's rotation: _rotated)
 from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
-from purlin.kernels.isa import (F_OP_MOVES, F_OP_PUTS, SEG_COUNT, SEG_INDEX,  # fused_seg
-                                SEG_ITEMS, SEG_ROTATE, SEG_SHIFT, SEG_TABLE)
+from purlin.kernels.isa import (F_OP_MOVES, F_OP_PUTS, SEG_COUNT, SEG_CUT,  # fused_seg
+                                SEG_INDEX, SEG_ITEMS, SEG_ROTATE, SEG_SHIFT, SEG_TABLE)
 
 SPINS_PER_CHECK = 64
 WARPS = MAX_THREADS // 32
@@ -1229,7 +1229,8 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
         # Such a segment was cut because no other row of the launch touches its bytes: any
         # block may copy them. (Here, not in a function of its own: the other builds' PTX
         # would declare its environment.)
-        edges = 2 * _word(meta, head, at + SEG_COUNT)
+        edges = 2 * _word(meta, head, at + SEG_COUNT) if _word(meta, head, at + SEG_CUT) != 0 \
+            else 0  # (none cut: no thread reads a record here)
         log = 0  # (a power of two: a thread finds its edge by shifts, no 64-bit division)
         while edges != 0 and edges << (log + 1) <= stride:
             log += 1

@@ -624,7 +624,9 @@ def _segmented_row(words: np.ndarray, op: Segments, index_at: int, records_at: i
     holder = np.searchsorted(np.asarray(firsts, dtype=np.int64), bucket_firsts, "right") - 1
     words[index_at: index_at + buckets] = first + OP_WIDTH * holder
     kind = F_OP_PUTS if op.kind == "puts" else F_OP_MOVES
-    row = (kind, len(op.parts), first, start, rotation, index_at, shift)
+    cut = sum(part.kind == "move" and bool(part.narrow & NARROW_SHIFT)
+              and (part.dst_even % 16 != 0 or part.dst_odd % 16 != 0) for part in op.parts)
+    row = (kind, len(op.parts), first, start, rotation, index_at, shift, cut)
     return row, index_at + buckets, records_at, at
 
 
