@@ -1219,7 +1219,7 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     total = _word(meta, head, at + SEG_ITEMS)
     first_word = PUT_ROTATE if kind == F_OP_PUTS else MOVE_ROTATE
     bytes_word = PUT_BYTES if kind == F_OP_PUTS else MOVE_BYTES
-    if copies:
+    if copies and narrow:
         # the partial first and last slots of the segments cut at unaligned destinations,
         # one a thread, first: their owners in the union are a few threads, several slots
         # each, one memory round trip apiece (the segments' boundaries fall at nearly the
@@ -1281,10 +1281,10 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
             src = dst + (src0 - dst0)
             whole = dst >= dst0 and dst + 16 <= dst0 + nbytes
             if not whole:  # the row's partial first or last slot
-                # (at an aligned destination -- its last -- by its item's thread: the
-                # launch's rows touching those bytes wait for that block's flag slot alone;
-                # at others no row does, and it went before the loop)
-                if (dst0 & 15) == 0:
+                # (by its item's thread; in the narrow build only at an aligned destination
+                # -- its last --, since the launch's rows touching those bytes wait for that
+                # block's flag slot alone: at others no row does, and it went before the loop)
+                if not narrow or (dst0 & 15) == 0:
                     _slot_edge(dst0, src0 - dst0, nbytes, dst)
                 i += stride
                 continue
@@ -1400,6 +1400,11 @@ fused_copy, fused_copy_pdl = _pair("fused_copy", """``fused`` for programs whose
 fused_seg_copy, fused_seg_copy_pdl = _pair("fused_seg_copy", """``fused_seg`` for programs
     whose data ops (segmented ones too) are all plain copies, as ``fused_copy``.""", segs=True,
                                            copies=True)
+fused_seg_copy_narrow, fused_seg_copy_narrow_pdl = _pair("fused_seg_copy_narrow", """
+    ``fused_seg_copy`` for programs whose segmented ops hold pieces cut at unaligned
+    destinations (``isa.SEG_CUT``): their partial first and last slots are copied one a thread
+    before the union; a separate kernel, so aligned programs keep ``fused_seg_copy``'s code.""",
+                                                         segs=True, copies=True, narrow=True)
 fused_narrow, fused_narrow_pdl = _pair("fused_narrow", """``fused`` for programs in 8- or
     4-byte units that move pieces at addresses of any alignment (pieces of odd size
     inside a user's buffer) or sum FP8 (``purlin.atom.fused.narrow_program``); a separate
@@ -1424,6 +1429,9 @@ fused_copy_trace, fused_copy_trace_pdl = _pair("fused_copy_trace", """``fused_co
     every op as ``fused_trace`` does.""", copies=True, traced=True)
 fused_seg_copy_trace, fused_seg_copy_trace_pdl = _pair("fused_seg_copy_trace", """``fused_seg_copy``
     that records every op as ``fused_trace`` does.""", segs=True, copies=True, traced=True)
+fused_seg_copy_narrow_trace, fused_seg_copy_narrow_trace_pdl = _pair(
+    "fused_seg_copy_narrow_trace", """``fused_seg_copy_narrow`` that records every op as
+    ``fused_trace`` does.""", segs=True, copies=True, narrow=True, traced=True)
 fused_narrow_trace, fused_narrow_trace_pdl = _pair("fused_narrow_trace", """``fused_narrow``
     that records every op as ``fused_trace`` does.""", narrow=True, traced=True)
 fused_seg_narrow_trace, fused_seg_narrow_trace_pdl = _pair("fused_seg_narrow_trace", """

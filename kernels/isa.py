@@ -145,7 +145,7 @@ SOURCE_LL, SOURCE_ADDR, SOURCE_PEER, SOURCE_STEP = 0, 1, 3, 4
 # the union is thread (u + rotation) mod the rank's threads'):
 #   kind, segments, word of the first segment record, items of the union, rotation,
 #   word of its bucket index, log2 of a bucket's items, segments cut at unaligned destinations
-#   (the fused_seg_copy kernels copy their partial slots before the union, where there are any)
+#   (the fused_seg_copy_narrow kernels copy their partial slots before the union)
 # A segment record is the row's own PUT / MOVE words (OP_WIDTH of them, its sources where the
 # program keeps sources) with its rotation word (PUT_ROTATE, MOVE_ROTATE) holding the row's
 # first item in the union; records follow each other in union order. The bucket index holds,

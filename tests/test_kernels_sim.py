@@ -1143,7 +1143,7 @@ def fused_odd_pieces_in_segmented_ops():
         low = bufs.lower()
         programs = [w.copy() for w in fused_programs(low, bufs, 16)]
         name = kernel_name(programs)
-        if name != "fused-seg-copy":
+        if not name.startswith("fused-seg-copy"):  # (-narrow: segments cut unaligned)
             continue
         for w in programs:
             rows = _narrow_rows(w)
@@ -1167,8 +1167,9 @@ def fused_odd_piece_edges_on_threads_of_their_own():
     three ranks' pieces interleaved in every output, pulled and pushed), each piece as many
     slots as the launch has threads or half as many, so that the union's owners of their
     partial first and last slots are a few threads, several slots each; and pieces of
-    1..23 elements (one-slot rows): the kernel copies those slots first, one a thread (an
-    aligned destination's last by its owner, ``fused._segments``). Every output, filled
+    1..23 elements (one-slot rows): the kernel built for them (``fused_seg_copy_narrow``)
+    copies those slots first, one a thread (an aligned destination's last by its owner,
+    ``fused._segments``). Every output, filled
     with guard bytes, then written by every rank's program run again by the kernel after
     the host interpreter ran call 0, holds the reference, the guards either side intact."""
     from collections import Counter
@@ -1196,7 +1197,7 @@ def fused_odd_piece_edges_on_threads_of_their_own():
         bufs.outputs = [_view(raw, at, out.size, np.uint16)
                         for (raw, at), out in zip(guarded, bufs.outputs)]
         programs = [w.copy() for w in fused_programs(bufs.lower(), bufs, 16)]
-        assert kernel_name(programs) == "fused-seg-copy", (n, each, strategy)
+        assert kernel_name(programs) == "fused-seg-copy-narrow", (n, each, strategy)
         most = 0  # partial slots on one thread, were each copied by its owner in the union
         for w in programs:
             for k in range(int(w[isa.F_NOPS])):
@@ -1225,9 +1226,9 @@ def fused_odd_piece_edges_on_threads_of_their_own():
             out[:] = GUARD * 0x101
         for w in programs:
             counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
-            KERNELS["fused-seg-copy"][0][blocks, threads](w.ctypes.data, 1, blocks,
-                                                          10_000_000, w.size,
-                                                          counters.ctypes.data)
+            KERNELS["fused-seg-copy-narrow"][0][blocks, threads](w.ctypes.data, 1, blocks,
+                                                                 10_000_000, w.size,
+                                                                 counters.ctypes.data)
             assert bufs.fused_error[isa.E_CODE] == 0, (n, each, strategy, bufs.fused_error)
         for r, ((raw, at), out) in enumerate(zip(guarded, bufs.outputs)):
             assert np.array_equal(bf16_floats(out), want[r]), (n, each, strategy, r)
