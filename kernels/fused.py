@@ -47,8 +47,8 @@ from purlin.kernels.isa import MOVE_NARROW, NARROW_SHIFT  # (odd-aligned copies)
 from purlin.kernels.isa import MOVE_ROTATE  # (a MOVE's rotation: _rotated)
 from purlin.kernels.isa import PUT_ROTATE  # (a PUT's rotation: _rotated)
 from purlin.kernels.isa import TRACE_WIDTH  # the traced kernels' records
-from purlin.kernels.isa import (F_OP_MOVES, F_OP_PUTS, SEG_INDEX, SEG_ITEMS,  # fused_seg
-                                SEG_ROTATE, SEG_SHIFT)
+from purlin.kernels.isa import (F_OP_MOVES, F_OP_PUTS, SEG_COUNT, SEG_CUT,  # fused_seg
+                                SEG_INDEX, SEG_ITEMS, SEG_ROTATE, SEG_SHIFT, SEG_TABLE)
 
 SPINS_PER_CHECK = 64
 WARPS = MAX_THREADS // 32
@@ -1214,10 +1214,42 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     each done as its segment's row would do it -- a plain 16-byte copy's whole items four in
     flight, as a MOVE's (``copy_v16``); ``read``: this thread's first PUT item is ``p0`` ..
     ``p3``, read at block start; ``copies``: every segment is a plain copy (the fused_copy
-    kernels carry no other code). Sets ``status`` when a poll gave up."""
+    kernels carry no other code), the partial slots of those cut at unaligned destinations
+    first. Sets ``status`` when a poll gave up."""
     total = _word(meta, head, at + SEG_ITEMS)
     first_word = PUT_ROTATE if kind == F_OP_PUTS else MOVE_ROTATE
     bytes_word = PUT_BYTES if kind == F_OP_PUTS else MOVE_BYTES
+    if copies and narrow:
+        # the partial first and last slots of the segments cut at unaligned destinations,
+        # one a thread, first: their owners in the union are a few threads, several slots
+        # each, one memory round trip apiece (the segments' boundaries fall at nearly the
+        # same place modulo ``stride``: GQA's pieces). Edge e (segment e >> 1's first slot,
+        # its last where e is odd) is thread e * spacing's, spacing the largest power of two
+        # with edges * spacing <= ``stride``, else 1 (thread g: edges g, g + ``stride``, ..).
+        # Such a segment was cut because no other row of the launch touches its bytes: any
+        # block may copy them. (Here, not in a function of its own: the other builds' PTX
+        # would declare its environment.)
+        edges = 2 * _word(meta, head, at + SEG_COUNT) if _word(meta, head, at + SEG_CUT) != 0 \
+            else 0  # (none cut: no thread reads a record here)
+        log = 0  # (a power of two: a thread finds its edge by shifts, no 64-bit division)
+        while edges != 0 and edges << (log + 1) <= stride:
+            log += 1
+        e = g >> log if (g & ((1 << log) - 1)) == 0 else edges
+        while e < edges:
+            rec = _word(meta, head, at + SEG_TABLE) + (e >> 1) * OP_WIDTH
+            nbytes = _word(meta, head, rec + MOVE_BYTES)
+            dst0 = _word(meta, head, rec + MOVE_DST + odd)
+            if nbytes > 0 and (dst0 & 15) != 0 and \
+                    (_word(meta, head, rec + MOVE_NARROW) & NARROW_SHIFT) != 0:
+                first = dst0 & -16  # (partial: the row starts inside it)
+                d = first if (e & 1) == 0 else (dst0 + nbytes - 1) & -16
+                # the last slot: where the row ends inside it, and not the first (a one-slot
+                # row's is its first edge's)
+                if (e & 1) == 0 or (d != first and ((dst0 + nbytes) & 15) != 0):
+                    src0 = _word(meta, head, _word(meta, head, rec + MOVE_SOURCES) +
+                                 SOURCE_ADDR + odd)
+                    _slot_edge(dst0, src0 - dst0, nbytes, d)
+            e += stride
     rec, start, nbytes, end = np.int64(0), np.int64(0), np.int64(0), np.int64(0)
     i = _rotated(g, _word(meta, head, at + SEG_ROTATE), stride)
     plain = cut = False
@@ -1249,7 +1281,11 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
             src = dst + (src0 - dst0)
             whole = dst >= dst0 and dst + 16 <= dst0 + nbytes
             if not whole:  # the row's partial first or last slot
-                _slot_edge(dst0, src0 - dst0, nbytes, dst)
+                # (by its item's thread; in the narrow build only at an aligned destination
+                # -- its last --, since the launch's rows touching those bytes wait for that
+                # block's flag slot alone: at others no row does, and it went before the loop)
+                if not narrow or (dst0 & 15) == 0:
+                    _slot_edge(dst0, src0 - dst0, nbytes, dst)
                 i += stride
                 continue
         if whole:
@@ -1364,6 +1400,11 @@ fused_copy, fused_copy_pdl = _pair("fused_copy", """``fused`` for programs whose
 fused_seg_copy, fused_seg_copy_pdl = _pair("fused_seg_copy", """``fused_seg`` for programs
     whose data ops (segmented ones too) are all plain copies, as ``fused_copy``.""", segs=True,
                                            copies=True)
+fused_seg_copy_narrow, fused_seg_copy_narrow_pdl = _pair("fused_seg_copy_narrow", """
+    ``fused_seg_copy`` for programs whose segmented ops hold pieces cut at unaligned
+    destinations (``isa.SEG_CUT``): their partial first and last slots are copied one a thread
+    before the union; a separate kernel, so aligned programs keep ``fused_seg_copy``'s code.""",
+                                                         segs=True, copies=True, narrow=True)
 fused_narrow, fused_narrow_pdl = _pair("fused_narrow", """``fused`` for programs in 8- or
     4-byte units that move pieces at addresses of any alignment (pieces of odd size
     inside a user's buffer) or sum FP8 (``purlin.atom.fused.narrow_program``); a separate
@@ -1388,6 +1429,9 @@ fused_copy_trace, fused_copy_trace_pdl = _pair("fused_copy_trace", """``fused_co
     every op as ``fused_trace`` does.""", copies=True, traced=True)
 fused_seg_copy_trace, fused_seg_copy_trace_pdl = _pair("fused_seg_copy_trace", """``fused_seg_copy``
     that records every op as ``fused_trace`` does.""", segs=True, copies=True, traced=True)
+fused_seg_copy_narrow_trace, fused_seg_copy_narrow_trace_pdl = _pair(
+    "fused_seg_copy_narrow_trace", """``fused_seg_copy_narrow`` that records every op as
+    ``fused_trace`` does.""", segs=True, copies=True, narrow=True, traced=True)
 fused_narrow_trace, fused_narrow_trace_pdl = _pair("fused_narrow_trace", """``fused_narrow``
     that records every op as ``fused_trace`` does.""", narrow=True, traced=True)
 fused_seg_narrow_trace, fused_seg_narrow_trace_pdl = _pair("fused_seg_narrow_trace", """

@@ -144,7 +144,8 @@ SOURCE_LL, SOURCE_ADDR, SOURCE_PEER, SOURCE_STEP = 0, 1, 3, 4
 # the block's threads striding over the union of the rows' items as over one row (item u of
 # the union is thread (u + rotation) mod the rank's threads'):
 #   kind, segments, word of the first segment record, items of the union, rotation,
-#   word of its bucket index, log2 of a bucket's items
+#   word of its bucket index, log2 of a bucket's items, segments cut at unaligned destinations
+#   (the fused_seg_copy_narrow kernels copy their partial slots before the union)
 # A segment record is the row's own PUT / MOVE words (OP_WIDTH of them, its sources where the
 # program keeps sources) with its rotation word (PUT_ROTATE, MOVE_ROTATE) holding the row's
 # first item in the union; records follow each other in union order. The bucket index holds,
@@ -152,4 +153,4 @@ SOURCE_LL, SOURCE_ADDR, SOURCE_PEER, SOURCE_STEP = 0, 1, 3, 4
 # a thread finds an item's segment from there (a few records at most), not from the first.
 # Only the fused_seg kernels run them: the others' code is the same as before segments existed.
 F_OP_PUTS, F_OP_MOVES = 6, 7
-SEG_COUNT, SEG_TABLE, SEG_ITEMS, SEG_ROTATE, SEG_INDEX, SEG_SHIFT = 1, 2, 3, 4, 5, 6
+SEG_COUNT, SEG_TABLE, SEG_ITEMS, SEG_ROTATE, SEG_INDEX, SEG_SHIFT, SEG_CUT = 1, 2, 3, 4, 5, 6, 7

@@ -36,7 +36,7 @@ from purlin.kernels.occupancy import spread_shared_bytes
 # ``purlin.kernels.epilogue.kernel_name`` gave (``"epilogue-N"``) the one-shot kernel built for
 # an epilogue (programs ``purlin.atom.fused.oneshot_problem`` accepts).
 # ``kernel="fused-copy"`` (``"fused-seg-copy"``) is the one built for programs that only copy
-# plain memory, ``kernel="fused-narrow"`` (``"fused-seg-narrow"``) the one for programs whose
+# plain memory (``"fused-seg-copy-narrow"`` where segments are cut at unaligned destinations), ``kernel="fused-narrow"`` (``"fused-seg-narrow"``) the one for programs whose
 # 8- and 4-byte units move pieces at addresses of any alignment or sum FP8
 # (``purlin.atom.fused.kernel_name``
 # names the kernel a launch's programs need).
@@ -58,9 +58,10 @@ KERNELS = {"executor": (executor, executor_pdl, SIGNATURE),
            "executor-fp8": (executor_fp8, executor_fp8_pdl, SIGNATURE)}
 # the fused kernel compiled with what its programs need: "fused", "-norm" (a NORM op) or
 # "-seg" (segmented ops), "-copy" (plain copies only) or "-narrow" (units at odd addresses,
-# FP8 sums), and each one's "-trace" twin
-for _name in ("fused", "fused-norm", "fused-seg", "fused-copy", "fused-seg-copy", "fused-narrow",
-              "fused-seg-narrow"):
+# FP8 sums; after "-seg-copy": segments cut at unaligned destinations), and each one's
+# "-trace" twin
+for _name in ("fused", "fused-norm", "fused-seg", "fused-copy", "fused-seg-copy",
+              "fused-seg-copy-narrow", "fused-narrow", "fused-seg-narrow"):
     for _traced in (False, True):
         _attr = _name.replace("-", "_") + ("_trace" if _traced else "")
         KERNELS[_name + "-trace" * _traced] = (
@@ -75,7 +76,8 @@ DEFAULT_TIMEOUT_NS = 10_000_000_000  # 10 s per wait
 # the kernels whose launches ask for spread_shared_bytes: the copy-only builds, where it was
 # measured (the general builds fit one 512-thread block an SM by registers; their smaller
 # launches, where more fit, are not measured yet). An empty set: the scheduler places blocks.
-SPREAD = frozenset({"fused-copy", "fused-seg-copy", "fused-copy-trace", "fused-seg-copy-trace"})
+SPREAD = frozenset({"fused-copy", "fused-seg-copy", "fused-seg-copy-narrow", "fused-copy-trace",
+                    "fused-seg-copy-trace", "fused-seg-copy-narrow-trace"})
 
 
 def _kernels(name: str) -> tuple:

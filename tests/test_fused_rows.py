@@ -474,7 +474,8 @@ def test_gpu_pieces_of_odd_size_run_on_the_copy_kernels(n, nbytes, strategy):
     bound = Cluster.virtual(n).bind(gqa(n), strategy, chunk_sizes=sizes, dtype="bfloat16")
     assert bound.kernel in ("fused kernel", "fused-ll kernel"), bound.kernel
     assert {k.launcher.kernel for k in bound.launches} <= {
-        "fused-copy", "fused-seg-copy", "fused-narrow", "fused-seg-narrow"}
+        "fused-copy", "fused-seg-copy", "fused-seg-copy-narrow", "fused-narrow",
+        "fused-seg-narrow"}
     xs = [torch.randn(bound.schedule.sizing.input_count(r)).bfloat16() for r in range(n)]
     outs = bound(xs)
     want = reference(bound.schedule.sizing, [x.double().numpy() for x in xs])
@@ -568,7 +569,8 @@ def test_odd_aligned_rows_join_segmented_ops_as_their_whole_sized_twins_do():
                 bufs = HostBuffers(s)
                 programs.append(fused_programs(bufs.lower(), bufs, 16))
             odd, whole = programs
-            assert kernel_name(odd) == kernel_name(whole) == "fused-seg-copy", (n, strategy)
+            assert kernel_name(whole) == "fused-seg-copy", (n, strategy)
+            assert kernel_name(odd) == "fused-seg-copy-narrow", (n, strategy)  # (cut segments)
             assert [kinds(w) for w in odd] == [kinds(w) for w in whole], (n, strategy)
             for w in odd:
                 rows = _narrow_rows(w)

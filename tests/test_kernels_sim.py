@@ -1143,7 +1143,7 @@ def fused_odd_pieces_in_segmented_ops():
         low = bufs.lower()
         programs = [w.copy() for w in fused_programs(low, bufs, 16)]
         name = kernel_name(programs)
-        if name != "fused-seg-copy":
+        if not name.startswith("fused-seg-copy"):  # (-narrow: segments cut unaligned)
             continue
         for w in programs:
             rows = _narrow_rows(w)
@@ -1159,6 +1159,81 @@ def fused_odd_pieces_in_segmented_ops():
             assert np.array_equal(bf16_floats(got), want[r]), (coll.name, strategy, r)
         ran += 1
     assert ran >= 5 and min(cut) > 0, (ran, cut)
+
+
+@case
+def fused_odd_piece_edges_on_threads_of_their_own():
+    """Segmented ops of many odd pieces cut at their destination's 16-byte boundaries (two or
+    three ranks' pieces interleaved in every output, pulled and pushed), each piece as many
+    slots as the launch has threads or half as many, so that the union's owners of their
+    partial first and last slots are a few threads, several slots each; and pieces of
+    1..23 elements (one-slot rows): the kernel built for them (``fused_seg_copy_narrow``)
+    copies those slots first, one a thread (an aligned destination's last by its owner,
+    ``fused._segments``). Every output, filled
+    with guard bytes, then written by every rank's program run again by the kernel after
+    the host interpreter ran call 0, holds the reference, the guards either side intact."""
+    from collections import Counter
+
+    from purlin.atom.fused import kernel_name
+    from purlin.atom.host import HostBuffers, fused_programs, run_fused_calls
+    from purlin.kernels import isa
+    from purlin.kernels.launch import KERNELS
+    from purlin.snac import plan
+    from purlin.spec import Collective, reference
+
+    rng = np.random.default_rng(13)
+    aligned = 0  # cut rows at an aligned destination ending inside a slot
+    for n, each, strategy, blocks, threads in (
+            (2, [41] * 8, "direct-pull", 2, 3), (3, [41] * 6, "direct-push", 3, 4),
+            (2, [249] * 8, "direct-pull", 2, 32),  # (32 edges on 64 threads: every second)
+            (2, [int(k) for k in rng.integers(1, 24, 8)], "direct-pull", 1, 4)):
+        inputs = [[(r, t) for t in range(len(each))] for r in range(n)]
+        coll = Collective(inputs, [[(r, t) for t in range(len(each)) for r in range(n)]] * n,
+                          "copy", name="interleaved odd pieces")
+        s = plan(coll, strategy, chunk_sizes={(r, t): each[t] for r in range(n)
+                                              for t in range(len(each))}, dtype="bfloat16")
+        bufs = HostBuffers(s)
+        guarded = [_aligned(out.nbytes) for out in bufs.outputs]
+        bufs.outputs = [_view(raw, at, out.size, np.uint16)
+                        for (raw, at), out in zip(guarded, bufs.outputs)]
+        programs = [w.copy() for w in fused_programs(bufs.lower(), bufs, 16)]
+        assert kernel_name(programs) == "fused-seg-copy-narrow", (n, each, strategy)
+        most = 0  # partial slots on one thread, were each copied by its owner in the union
+        for w in programs:
+            for k in range(int(w[isa.F_NOPS])):
+                at = isa.F_HEAD + k * isa.OP_WIDTH
+                if w[at + isa.OP_KIND] != isa.F_OP_MOVES:
+                    continue
+                owners = Counter()
+                for seg in range(int(w[at + isa.SEG_COUNT])):
+                    rec = int(w[at + isa.SEG_TABLE]) + seg * isa.OP_WIDTH
+                    if not w[rec + isa.MOVE_NARROW] & isa.NARROW_SHIFT:
+                        continue
+                    dst, nbytes = int(w[rec + isa.MOVE_DST]), int(w[rec + isa.MOVE_BYTES])
+                    aligned += dst % 16 == 0 and nbytes % 16 != 0
+                    for j in {0, ((dst & 15) + nbytes - 1) >> 4}:  # its first and last slots
+                        d = (dst & -16) + 16 * j
+                        if d < dst or d + 16 > dst + nbytes:
+                            owners[(int(w[rec + isa.MOVE_ROTATE]) + j +
+                                    int(w[at + isa.SEG_ROTATE])) % (blocks * threads)] += 1
+                most = max(most, max(owners.values(), default=0))
+        assert most >= 3, (n, each, strategy, most)
+        xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
+               for r in range(n)]]
+        run_fused_calls(programs, bufs, xs, blocks=blocks, threads=threads)
+        want = reference(s.sizing, xs[0])
+        for out in bufs.outputs:
+            out[:] = GUARD * 0x101
+        for w in programs:
+            counters = np.zeros(isa.F_MAX_BLOCKS, dtype=np.int64)
+            KERNELS["fused-seg-copy-narrow"][0][blocks, threads](w.ctypes.data, 1, blocks,
+                                                                 10_000_000, w.size,
+                                                                 counters.ctypes.data)
+            assert bufs.fused_error[isa.E_CODE] == 0, (n, each, strategy, bufs.fused_error)
+        for r, ((raw, at), out) in enumerate(zip(guarded, bufs.outputs)):
+            assert np.array_equal(bf16_floats(out), want[r]), (n, each, strategy, r)
+            assert _guards_intact(raw, at, out.nbytes), (n, each, strategy, r)
+    assert aligned > 0, aligned
 
 
 @case

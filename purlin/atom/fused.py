@@ -38,7 +38,7 @@ from purlin.kernels.occupancy import resident_blocks
 from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, F_ABORT,
                                 F_DIVISOR, F_DTYPE, F_ERROR, F_HEAD, F_MAX_BLOCKS, F_NOPS,
                                 F_OP_MOVE, F_OP_MOVES, F_OP_NORM, F_OP_NOTIFY, F_OP_PUT,
-                                F_OP_PUTS, F_OP_WAIT, F_RANK, SEG_COUNT, SEG_TABLE,
+                                F_OP_PUTS, F_OP_WAIT, F_RANK, SEG_COUNT, SEG_CUT, SEG_TABLE,
                                 F_REDOP, MAX_THREADS, MOVE_BYTES, MOVE_DST, MOVE_NSRC,
                                 MOVE_SOURCES, NARROW_SHIFT,
                                 F_UNIT, FLAG, ITEMSIZE, LL_GET, LL_PUT, NOTIFY, NSRC, OP, OP_KIND,
@@ -64,7 +64,7 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
 
 __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Segments",
            "Source", "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",
-           "copies_only", "fused_problems", "fused_unit", "grid", "kernel_name", "oneshot_problem",
+           "copies_only", "cut_segments", "fused_problems", "fused_unit", "grid", "kernel_name", "oneshot_problem",
            "program", "rank_ops",
            "row_grid", "row_sums_bytes", "round_blocks", "segmented_program", "threads_grid"]
 
@@ -624,7 +624,9 @@ def _segmented_row(words: np.ndarray, op: Segments, index_at: int, records_at: i
     holder = np.searchsorted(np.asarray(firsts, dtype=np.int64), bucket_firsts, "right") - 1
     words[index_at: index_at + buckets] = first + OP_WIDTH * holder
     kind = F_OP_PUTS if op.kind == "puts" else F_OP_MOVES
-    row = (kind, len(op.parts), first, start, rotation, index_at, shift)
+    cut = sum(part.kind == "move" and bool(part.narrow & NARROW_SHIFT)
+              and (part.dst_even % 16 != 0 or part.dst_odd % 16 != 0) for part in op.parts)
+    row = (kind, len(op.parts), first, start, rotation, index_at, shift, cut)
     return row, index_at + buckets, records_at, at
 
 
@@ -633,6 +635,14 @@ def segmented_program(words: np.ndarray) -> bool:
     ``isa.F_OP_MOVES``; then the ``fused_seg`` kernels run it, launcher name "fused-seg")?"""
     kinds = words[F_HEAD + OP_KIND: F_HEAD + OP_WIDTH * int(words[F_NOPS]): OP_WIDTH]
     return bool(np.isin(kinds, (F_OP_PUTS, F_OP_MOVES)).any())
+
+
+def cut_segments(words: np.ndarray) -> bool:
+    """Does the fused program ``words`` hold a segmented op with pieces cut at unaligned
+    destinations (``isa.SEG_CUT``; a copy-only launch then runs ``fused-seg-copy-narrow``)?"""
+    kinds = words[F_HEAD + OP_KIND: F_HEAD + OP_WIDTH * int(words[F_NOPS]): OP_WIDTH]
+    cuts = words[F_HEAD + SEG_CUT: F_HEAD + OP_WIDTH * int(words[F_NOPS]): OP_WIDTH]
+    return bool((np.isin(kinds, (F_OP_PUTS, F_OP_MOVES)) & (cuts != 0)).any())
 
 
 def copies_only(words: np.ndarray) -> bool:
@@ -667,7 +677,8 @@ def copies_only(words: np.ndarray) -> bool:
 def kernel_name(programs, traced: bool = False) -> str:
     """The Launcher name of the fused kernel that runs ``programs`` (one launch's words; no
     NORM): "fused", with "-seg" where one holds segmented ops, "-copy" where every one
-    :func:`copies_only`, else "-narrow" where one is a :func:`narrow_program`, and "-trace"
+    :func:`copies_only` (then "-narrow" where one has :func:`cut_segments`), else "-narrow"
+    where one is a :func:`narrow_program`, and "-trace"
     for the traced twin. Each is the one kernel source compiled with only the code its
     programs need (``purlin.kernels.fused``)."""
     programs = list(programs)
@@ -680,6 +691,8 @@ def kernel_name(programs, traced: bool = False) -> str:
                                "without): a bug, please report it")
     if programs and all(copies_only(w) for w in programs):
         name += "-copy"
+        if any(cut_segments(w) for w in programs):
+            name += "-narrow"
     elif any(narrow_program(w) for w in programs):
         name += "-narrow"
     return name + "-trace" if traced else name
