@@ -1214,8 +1214,9 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
     each done as its segment's row would do it -- a plain 16-byte copy's whole items four in
     flight, as a MOVE's (``copy_v16``); ``read``: this thread's first PUT item is ``p0`` ..
     ``p3``, read at block start; ``copies``: every segment is a plain copy (the fused_copy
-    kernels carry no other code), the partial slots of those cut at unaligned destinations
-    first. Sets ``status`` when a poll gave up."""
+    kernels carry no other code); with ``narrow`` too (``fused_seg_copy_narrow``) the
+    partial slots of those cut at unaligned destinations first. Sets ``status`` when a poll
+    gave up."""
     total = _word(meta, head, at + SEG_ITEMS)
     first_word = PUT_ROTATE if kind == F_OP_PUTS else MOVE_ROTATE
     bytes_word = PUT_BYTES if kind == F_OP_PUTS else MOVE_BYTES
@@ -1354,7 +1355,9 @@ def _entry(name, doc, norm=False, segs=False, copies=False, narrow=False, traced
     """The kernel ``name`` over :func:`_run` with its compile-time switches: ``norm`` (a NORM
     op may end the program), ``segs`` (segmented PUTs and MOVEs), ``copies`` (only plain
     16-byte copies: no PUT, no LL source, no reduction), ``narrow`` (8- and 4-byte units
-    copied, sent and summed at addresses of any alignment), ``traced`` (two more
+    copied, sent and summed at addresses of any alignment; with ``segs`` and ``copies``: the
+    partial slots of segments cut at unaligned destinations, one a thread, before the
+    union), ``traced`` (two more
     arguments: the trace buffer and its records per block), ``pdl`` (programmatic dependent
     launch, as ``executor_pdl``: it reads its program before it waits for the kernel before
     it). Each switch is a constant of the kernel it builds, so a kernel without it carries
