@@ -858,36 +858,41 @@ def test_the_standard_fused_kernels_compile_as_if_segments_were_not_there(tmp_pa
     ``fused_pdl`` and ``fused_norm_pdl`` to the same PTX bodies (symbol names aside): only the
     ``fused_seg`` kernels carry the segments' code, so the standard collectives' programs run
     the kernel they ran before."""
-    import importlib.util
-    import re
-    from pathlib import Path
+    from ptx_bodies import SOURCE, body, fused_module, module_of
 
-    cuda = pytest.importorskip("numba.cuda", reason="numba-cuda compiles the kernels")
-    if cuda.config.ENABLE_CUDASIM:
-        pytest.skip("NUMBA_ENABLE_CUDASIM=1 is set: PTX needs the compiler")
-    from purlin.kernels import fused
-    from purlin.kernels.compat import compile_ptx
-    from purlin.kernels.executor import MAX_THREADS
-
-    text = (Path(__file__).resolve().parents[1] / "kernels" / "fused.py").read_text()
+    fused = fused_module()
+    text = SOURCE.read_text()
     for piece, instead in SEG_HOOK:
         assert text.count(piece) == 1, f"the segments hook changed: update SEG_HOOK ({piece!r})"
         text = text.replace(piece, instead)
-    path = tmp_path / "fused_without_segments.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("fused_without_segments", path)
-    bare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bare)
-
-    def body(module, name):
-        ptx = compile_ptx(getattr(module, name).py_func, fused.SIGNATURE, cc=(9, 0),
-                          launch_bounds=MAX_THREADS)
-        return re.sub(r"_ZN\w+|_cudapy_smem_\d+", "SYM", ptx[ptx.index(".visible .entry"):])
-
+    bare = module_of(text, tmp_path, "fused_without_segments")
     for name in ("fused", "fused_pdl", "fused_norm_pdl"):
         assert body(fused, name) == body(bare, name), name
     seg = body(fused, "fused_seg")
     assert seg != body(fused, "fused") and len(seg) > len(body(fused, "fused"))
+
+
+def test_the_aligned_segmented_copy_build_carries_none_of_the_partial_slot_pass(tmp_path):
+    """kernels/fused.py without ``_segments``' partial-slot pass (the ``copies and narrow``
+    block before the union, and its test in the loop) compiles ``fused_seg_copy_pdl`` to the
+    same PTX body (symbol names aside): only ``fused_seg_copy_narrow``, which launches of
+    segments cut at unaligned destinations run, carries it, so aligned segmented copies (the
+    GQA all-gather at whole sizes) run the code they ran before it existed."""
+    from ptx_bodies import SOURCE, body, fused_module, module_of
+
+    fused = fused_module()
+    text = SOURCE.read_text()
+    guard, after = "    if copies and narrow:\n", "    rec, start, nbytes, end = np.int64(0)"
+    loop_test = "if not narrow or (dst0 & 15) == 0:"
+    assert text.count(guard) == text.count(loop_test) == 1 and after in text, \
+        "the partial-slot pass changed: update this test"
+    start = text.index(guard)
+    end = text.index(after, start)
+    bare = module_of(text[:start] + text[end:].replace(loop_test, "if True:"), tmp_path,
+                     "fused_without_pass")
+    plain = body(fused, "fused_seg_copy_pdl")
+    assert plain == body(bare, "fused_seg_copy_pdl")
+    assert len(body(fused, "fused_seg_copy_narrow_pdl")) > len(plain)  # (the pass is there)
 
 
 # ---------------------------------------------------------------- segmented ops: the programs

@@ -323,32 +323,14 @@ def test_the_untraced_fused_kernels_compile_as_if_the_hook_were_not_there(tmp_pa
     """kernels/fused.py with the trace hook cut out of its text compiles the untraced kernels
     to the same PTX bodies (symbol names aside): tracing costs them nothing. (Cut out, the
     text is the one before tracing existed, whose PTX these bodies also matched.)"""
-    import importlib.util
-    import re
+    from ptx_bodies import SOURCE, body, fused_module, module_of
 
-    cuda = pytest.importorskip("numba.cuda", reason="numba-cuda compiles the kernels")
-    if cuda.config.ENABLE_CUDASIM:
-        pytest.skip("NUMBA_ENABLE_CUDASIM=1 is set: PTX needs the compiler")
-    from purlin.kernels import fused
-    from purlin.kernels.compat import compile_ptx
-    from purlin.kernels.executor import MAX_THREADS
-
-    text = (ROOT / "kernels" / "fused.py").read_text()
+    fused = fused_module()
+    text = SOURCE.read_text()
     for piece in HOOK:
         assert text.count(piece) == 1, f"the trace hook changed: update HOOK ({piece!r})"
         text = text.replace(piece, "):" if piece.startswith(",") else "")
-    path = tmp_path / "fused_without_hook.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("fused_without_hook", path)
-    bare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bare)
-
-    def body(module, name):
-        ptx = compile_ptx(getattr(module, name).py_func, fused.SIGNATURE, cc=(9, 0),
-                          launch_bounds=MAX_THREADS)
-        # (names of symbols and shared arrays number what the process compiled before)
-        return re.sub(r"_ZN\w+|_cudapy_smem_\d+", "SYM", ptx[ptx.index(".visible .entry"):])
-
+    bare = module_of(text, tmp_path, "fused_without_hook")
     for name in ("fused", "fused_norm_pdl"):
         assert body(fused, name) == body(bare, name), name
 
