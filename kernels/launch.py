@@ -36,10 +36,10 @@ from purlin.kernels.occupancy import spread_shared_bytes
 # ``purlin.kernels.epilogue.kernel_name`` gave (``"epilogue-N"``) the one-shot kernel built for
 # an epilogue (programs ``purlin.atom.fused.oneshot_problem`` accepts).
 # ``kernel="fused-copy"`` (``"fused-seg-copy"``) is the one built for programs that only copy
-# plain memory (``"fused-seg-copy-narrow"`` where segments are cut at unaligned destinations), ``kernel="fused-narrow"`` (``"fused-seg-narrow"``) the one for programs whose
+# plain memory (``"fused-seg-copy-narrow"`` where segments are cut at unaligned
+# destinations), ``kernel="fused-narrow"`` (``"fused-seg-narrow"``) the one for programs whose
 # 8- and 4-byte units move pieces at addresses of any alignment or sum FP8
-# (``purlin.atom.fused.kernel_name``
-# names the kernel a launch's programs need).
+# (``purlin.atom.fused.kernel_name`` names the kernel a launch's programs need).
 # ``kernel="fused-trace"`` (``"fused-norm-trace"``, ...) is
 # ``"fused"`` (``"fused-norm"``, ...) with thread 0 of every block stamping each op into the
 # ``trace`` buffer given at construction, ``trace_rows`` records per block

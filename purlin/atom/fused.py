@@ -64,8 +64,8 @@ from purlin.kernels.isa import (COPY, COUNT, DIVISOR, DST, DTYPE, EPOCH_OFFSET, 
 
 __all__ = ["Epilogue", "FusedProgram", "Move", "Norm", "Notify", "Put", "Reduction", "Segments",
            "Source", "Span", "UNITS", "Wait", "epilogue_problem", "fuse_problem",
-           "copies_only", "cut_segments", "fused_problems", "fused_unit", "grid", "kernel_name", "oneshot_problem",
-           "program", "rank_ops",
+           "copies_only", "cut_segments", "fused_problems", "fused_unit", "grid", "kernel_name",
+           "oneshot_problem", "program", "rank_ops",
            "row_grid", "row_sums_bytes", "round_blocks", "segmented_program", "threads_grid"]
 
 FUSED_DTYPES = (0, 1, 2, 3)  # bfloat16, float16, float32, int32 (isa codes)
@@ -678,9 +678,8 @@ def kernel_name(programs, traced: bool = False) -> str:
     """The Launcher name of the fused kernel that runs ``programs`` (one launch's words; no
     NORM): "fused", with "-seg" where one holds segmented ops, "-copy" where every one
     :func:`copies_only` (then "-narrow" where one has :func:`cut_segments`), else "-narrow"
-    where one is a :func:`narrow_program`, and "-trace"
-    for the traced twin. Each is the one kernel source compiled with only the code its
-    programs need (``purlin.kernels.fused``)."""
+    where one is a :func:`narrow_program`, and "-trace" for the traced twin. Each is the one
+    kernel source compiled with only the code its programs need (``purlin.kernels.fused``)."""
     programs = list(programs)
     name = "fused"
     if any(segmented_program(w) for w in programs):
