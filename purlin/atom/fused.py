@@ -630,19 +630,27 @@ def _segmented_row(words: np.ndarray, op: Segments, index_at: int, records_at: i
     return row, index_at + buckets, records_at, at
 
 
+def _op_words(words: np.ndarray, k: int) -> np.ndarray:
+    """Word ``k`` of each op of the fused program ``words``."""
+    return words[F_HEAD + k: F_HEAD + OP_WIDTH * int(words[F_NOPS]): OP_WIDTH]
+
+
+def _segmented(words: np.ndarray) -> np.ndarray:
+    """Which ops of the fused program ``words`` are segmented (``isa.F_OP_PUTS``,
+    ``isa.F_OP_MOVES``)."""
+    return np.isin(_op_words(words, OP_KIND), (F_OP_PUTS, F_OP_MOVES))
+
+
 def segmented_program(words: np.ndarray) -> bool:
     """Does the fused program ``words`` hold segmented ops (``isa.F_OP_PUTS``,
     ``isa.F_OP_MOVES``; then the ``fused_seg`` kernels run it, launcher name "fused-seg")?"""
-    kinds = words[F_HEAD + OP_KIND: F_HEAD + OP_WIDTH * int(words[F_NOPS]): OP_WIDTH]
-    return bool(np.isin(kinds, (F_OP_PUTS, F_OP_MOVES)).any())
+    return bool(_segmented(words).any())
 
 
 def cut_segments(words: np.ndarray) -> bool:
     """Does the fused program ``words`` hold a segmented op with pieces cut at unaligned
     destinations (``isa.SEG_CUT``; a copy-only launch then runs ``fused-seg-copy-narrow``)?"""
-    kinds = words[F_HEAD + OP_KIND: F_HEAD + OP_WIDTH * int(words[F_NOPS]): OP_WIDTH]
-    cuts = words[F_HEAD + SEG_CUT: F_HEAD + OP_WIDTH * int(words[F_NOPS]): OP_WIDTH]
-    return bool((np.isin(kinds, (F_OP_PUTS, F_OP_MOVES)) & (cuts != 0)).any())
+    return bool((_segmented(words) & (_op_words(words, SEG_CUT) != 0)).any())
 
 
 def copies_only(words: np.ndarray) -> bool:
