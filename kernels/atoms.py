@@ -62,72 +62,28 @@ def copy_v16(dst, src, nvec, tid, nthreads):
         i = i3 + nthreads
 
 
-WHOLE = 0xF0  # copy_words: an entry's bytes are all 16 of it (byte_range(0, 16))
-ALL_WHOLE = 0xF0F0F0F0  # copy_words: all four entries' bytes are whole
-
-
 @device
-def byte_range(lo, hi):
-    """Bytes ``lo`` (0..15) to ``hi`` (1..16) of 16, as one ``copy_words`` entry's 8 bits."""
-    return lo | ((hi - 1) << 4)
-
-
-@device
-def copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3, ranges):
+def copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3):
     """The first ``n`` (1 to 4) 16 bytes at ``s0`` .. ``s3`` to ``d0`` .. ``d3``, any
-    alignment, of entry k only the bytes in its :func:`byte_range`, bits ``8k`` on of
-    ``ranges`` (:data:`ALL_WHOLE`: all 16 of each; a row's partial first or last 16 goes in
-    the same round as its whole ones): every load, then every store (in flight together).
-    Each source is read as the aligned words holding its first and its last byte
-    (:func:`part_words`) and funnel-shifted (:func:`funnel16`), all eight loads issued
-    before any is used: a load behind a branch on the alignment would wait for the one
-    before. An entry past ``n`` loads the first one's words again (no branch) and stores
-    nothing."""
-    r0 = ranges & 255
-    r1 = (ranges >> 8) & 255 if n > 1 else r0
-    r2 = (ranges >> 16) & 255 if n > 2 else r0
-    r3 = (ranges >> 24) & 255 if n > 3 else r0
+    alignment: every load, then every store (in flight together). Each source is read as
+    the two aligned words holding its first and its last byte (the same word twice where it
+    is aligned) and funnel-shifted (:func:`funnel16`), all eight loads issued before any is
+    used: a load behind a branch on the alignment would wait for the one before. An entry
+    past ``n`` loads the first one's words again (no branch) and stores nothing."""
     s1 = s1 if n > 1 else s0
     s2 = s2 if n > 2 else s0
     s3 = s3 if n > 3 else s0
-    a0, a1 = part_words(s0, r0)
-    b0, b1 = part_words(s1, r1)
-    c0, c1 = part_words(s2, r2)
-    e0, e1 = part_words(s3, r3)
-    store_part(d0, funnel16(a0, a1, s0 & 15), r0)
+    a0, a1 = load_v4_u32(s0 & -16), load_v4_u32((s0 + 15) & -16)
+    b0, b1 = load_v4_u32(s1 & -16), load_v4_u32((s1 + 15) & -16)
+    c0, c1 = load_v4_u32(s2 & -16), load_v4_u32((s2 + 15) & -16)
+    e0, e1 = load_v4_u32(s3 & -16), load_v4_u32((s3 + 15) & -16)
+    store16(d0, funnel16(a0, a1, s0 & 15))
     if n > 1:
-        store_part(d1, funnel16(b0, b1, s1 & 15), r1)
+        store16(d1, funnel16(b0, b1, s1 & 15))
     if n > 2:
-        store_part(d2, funnel16(c0, c1, s2 & 15), r2)
+        store16(d2, funnel16(c0, c1, s2 & 15))
     if n > 3:
-        store_part(d3, funnel16(e0, e1, s3 & 15), r3)
-
-
-@device
-def part_words(s, r):
-    """The aligned 16-byte words holding the first and the last byte of :func:`byte_range`
-    ``r`` of the 16 at ``s`` (for all 16, the same word twice where ``s`` is aligned).
-    Never a word the range leaves out (it may lie outside the buffer): where the range sits
-    in one word both are that word, and the bytes :func:`funnel16` then takes from the
-    wrong one are not stored. No branch, so a caller's loads are all issued before any is
-    used."""
-    return load_v4_u32((s + (r & 15)) & -16), load_v4_u32((s + (r >> 4)) & -16)
-
-
-@device
-def store_part(d, w, r):
-    """The bytes in :func:`byte_range` ``r`` of 16 bytes ``w`` (four uint32) at ``d`` ..
-    ``d + 15``: :func:`store16` for all 16, else byte by byte (a row's partial first or last
-    16: a few in a row, not worth wider stores)."""
-    if r == WHOLE:
-        store16(d, w)
-        return
-    k = r & 15
-    while k <= r >> 4:
-        q = k >> 2
-        x = w[0] if q == 0 else (w[1] if q == 1 else (w[2] if q == 2 else w[3]))
-        store_u8(d + k, (x >> (8 * (k & 3))) & 0xFF)
-        k += 1
+        store16(d3, funnel16(e0, e1, s3 & 15))
 
 
 @device

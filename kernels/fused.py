@@ -19,8 +19,8 @@ import math
 import numpy as np
 from numba import cuda
 
-from purlin.kernels.atoms import (ALL_WHOLE, avg_float, avg_int, byte_range, combine,
-                                  copy_v16, copy_words, ll_tag, pack_half2, unpack_half2)
+from purlin.kernels.atoms import (avg_float, avg_int, combine, copy_v16, copy_words, ll_tag,
+                                  pack_half2, unpack_half2)
 from purlin.kernels.intrinsics import (atomic_cas, bits_to_f32, device, f32_to_bits,
                                        fence_system, globaltimer, griddep_launch_dependents,
                                        griddep_wait, launch_bounded, load_acquire, load_i64,
@@ -1019,36 +1019,35 @@ def _copy_shifted(dst, src, nbytes, first, stride):
     """A copy of ``nbytes`` at addresses of any alignment, cut at the destination's 16-byte
     boundaries (``isa.NARROW_SHIFT``: the destination is aligned, so the cut is the items',
     or nothing else in the launch touches it). Its items are the destination's 16-byte slots
-    from ``dst & -16`` (``purlin.atom.fused.row_items``), the first and the last perhaps
-    partial (:func:`_slot_range`): this thread takes slots ``first``, ``first + stride``,
-    ..., four in flight (``copy_words``)."""
+    from ``dst & -16`` (``purlin.atom.fused.row_items``): this thread takes slots ``first``,
+    ``first + stride``, ..., the whole ones four in flight (``copy_words``), a partial first
+    or last slot on its own (:func:`_slot_edge`), so the rounds carry no byte ranges."""
+    if nbytes <= 0:
+        return
     base = dst & -16
-    slots = ((dst & 15) + nbytes + 15) >> 4 if nbytes > 0 else 0  # (no load for no bytes)
+    end = dst + nbytes
+    slots = (end - base + 15) >> 4
     diff = src - dst
-    j = first
-    while j < slots:
+    lo = 1 if (dst & 15) != 0 else 0  # the first whole slot
+    hi = slots - 1 if (end & 15) != 0 else slots  # past the last whole slot
+    if lo == 1 and first == 0:
+        _slot_edge(dst, diff, nbytes, base)
+    j = first if first >= lo else first + stride
+    while j < hi:
         j1 = j + stride
         j2 = j1 + stride
         j3 = j2 + stride
-        n = 4 if j3 < slots else (3 if j2 < slots else (2 if j1 < slots else 1))
+        n = 4 if j3 < hi else (3 if j2 < hi else (2 if j1 < hi else 1))
         d0 = base + (j << 4)
         d1 = base + (j1 << 4)
         d2 = base + (j2 << 4)
         d3 = base + (j3 << 4)
-        # (a slot past the row has a negative range, whose bits spill only into the fields
-        # of the slots after it: those past n, which copy_words never reads)
-        copy_words(n, d0 + diff, d1 + diff, d2 + diff, d3 + diff, d0, d1, d2, d3,
-                   _slot_range(d0, dst, nbytes) | (_slot_range(d1, dst, nbytes) << 8) |
-                   (_slot_range(d2, dst, nbytes) << 16) | (_slot_range(d3, dst, nbytes) << 24))
-        j = j3 + stride
-
-
-@device
-def _slot_range(d, dst, nbytes):
-    """The bytes of a row (``nbytes`` at ``dst``) in the destination's 16-byte slot at
-    ``d``, as ``copy_words`` takes them (``atoms.byte_range``: ``WHOLE`` inside the row,
-    less in its partial first or last slot)."""
-    return byte_range(max(dst - d, 0), min(dst + nbytes - d, 16))
+        copy_words(n, d0 + diff, d1 + diff, d2 + diff, d3 + diff, d0, d1, d2, d3)
+        j += n * stride
+    # j: this thread's first slot at or past hi, so it owns a partial last slot where j == hi
+    # (a one-slot row starting inside its slot: the first edge above)
+    if hi < slots and j == hi and (hi != 0 or lo == 0):
+        _slot_edge(dst, diff, nbytes, base + (hi << 4))
 
 
 @device
@@ -1310,12 +1309,12 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
                 store_v4_u32(d3, w3)
                 n = 0
             elif n == 4:
-                copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3, ALL_WHOLE)
+                copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
                 n = 0
             i += stride
             continue
         if n != 0:
-            copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3, ALL_WHOLE)
+            copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
             n = 0
         if copies:  # a copy's partial last item, at any alignment (the others: _move_one)
             _copy_edge(dst, src, nbytes - (j << shift))
@@ -1336,7 +1335,7 @@ def _segments(meta, head, at, kind, status, block, g, stride, odd, tag, dt, redo
             return
         i += stride
     if n != 0:
-        copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3, ALL_WHOLE)
+        copy_words(n, s0, s1, s2, s3, d0, d1, d2, d3)
 
 
 @device

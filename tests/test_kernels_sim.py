@@ -79,9 +79,10 @@ def shifted_copies_every_offset_and_length():
     """The fused kernel's copy of an odd-aligned piece into bytes nothing else touches
     (``_copy_shifted``): every source offset against every destination offset, lengths 0..50
     and longer, 1-5 threads; aligned 16-byte stores from funnel-shifted source words, the
-    row's partial first and last slots byte by byte in the same rounds (the simulator's
-    accesses are checked for alignment as a GPU's are). Every 16-byte word it loads holds a
-    byte of the row's source: a word past the row may lie outside the buffer."""
+    row's partial first and last slots in narrow words (the simulator's accesses are checked
+    for alignment as a GPU's are). Every byte is written by the thread that owns its slot
+    (a later row may wait for that block's flag alone), and every 16-byte word it loads
+    holds a byte of the row's source: a word past the row may lie outside the buffer."""
     from purlin.kernels import atoms
     from purlin.kernels.fused import _copy_shifted
 
@@ -104,16 +105,24 @@ def shifted_copies_every_offset_and_length():
                     dst_raw, dst = _aligned(n, dst_off)
                     src_raw[:] = rng.integers(0, 256, src_raw.size, dtype=np.uint8)
                     threads = int(rng.integers(1, 6))
+                    # every byte of the destination changes when written: who wrote it shows
+                    _view(dst_raw, dst, n, np.uint8)[:] = ~_view(src_raw, src, n, np.uint8)
                     loaded.clear()
                     for tid in range(threads):
+                        before = _view(dst_raw, dst, n, np.uint8).copy()
                         _copy_shifted(dst, src, n, tid, threads)
+                        wrote = np.flatnonzero(before != _view(dst_raw, dst, n, np.uint8))
+                        owner = ((dst & 15) + wrote) // 16 % threads
+                        assert (owner == tid).all(), (src_off, dst_off, n, threads, tid)
                     assert np.array_equal(_view(dst_raw, dst, n, np.uint8),
                                           _view(src_raw, src, n, np.uint8)), \
                         (src_off, dst_off, n, threads)
                     assert _guards_intact(dst_raw, dst, n), (src_off, dst_off, n, threads)
                     outside = [a - src for a in loaded if not (a < src + n and a + 16 > src)]
                     assert not outside, (src_off, dst_off, n, threads, outside[:4])
-                    assert loaded or n == 0, (src_off, dst_off, n)
+                    # a whole slot goes by 16-byte loads, partial slots by narrow words
+                    whole = (dst + n) // 16 - (dst + 15) // 16 > 0
+                    assert bool(loaded) == whole, (src_off, dst_off, n, loaded)
                     ran += 1
     finally:
         atoms.load_v4_u32 = load
