@@ -236,3 +236,31 @@ def test_checkpoint_keeps_the_points_before_one_that_never_returns(tmp_path, mon
     done = sweep.run(progress=False, checkpoint=path)
     assert len(Results.load(path).records) == len(done.records) == 3
     assert "running" not in Results.load(path).info
+
+
+def test_commit_names_a_tree_that_differs_from_its_head(monkeypatch):
+    """A results file names the commit it ran: PURLIN_COMMIT first, else git's HEAD, marked
+    +dirty where tracked files differ from it (a copied tree with a stale .git), else
+    "unknown"."""
+    import subprocess
+
+    from purlin.bench import sweep
+
+    answers = {}
+
+    def run(cmd, **kw):
+        out = answers[cmd[1]]
+        if isinstance(out, Exception):
+            raise out
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.delenv("PURLIN_COMMIT", raising=False)
+    monkeypatch.setattr(sweep.subprocess, "run", run)
+    answers.update({"rev-parse": "abc123\n", "status": ""})
+    assert sweep.commit() == "abc123"
+    answers["status"] = " M kernels/fused.py\n"
+    assert sweep.commit() == "abc123+dirty"
+    answers["rev-parse"] = subprocess.CalledProcessError(128, "git")
+    assert sweep.commit() == "unknown"
+    monkeypatch.setenv("PURLIN_COMMIT", "f00d")
+    assert sweep.commit() == "f00d"

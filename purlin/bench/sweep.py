@@ -698,16 +698,22 @@ def environment(datapath: str = "sm", nranks: int | None = None) -> dict:
 
 
 def commit() -> str:
-    """The commit being run: ``$PURLIN_COMMIT`` when set (a copied tree may carry a stale
-    ``.git``), else the checkout's git HEAD, else "unknown"."""
+    """The commit being run: ``$PURLIN_COMMIT`` when set, else the checkout's git HEAD, with
+    ``+dirty`` where tracked files differ from it (a copied tree may carry a stale ``.git``:
+    set ``PURLIN_COMMIT`` there), else "unknown"."""
     if os.environ.get("PURLIN_COMMIT"):
         return os.environ["PURLIN_COMMIT"]
+
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True, cwd=Path(__file__).resolve().parent, timeout=10)
-        return out.stdout.strip()
+        head = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except Exception:
         return "unknown"
+    return f"{head}+dirty" if changed else head
 
 
 def _is_sweep(obj) -> bool:
