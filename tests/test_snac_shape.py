@@ -185,6 +185,22 @@ def test_chunks_and_lanes_spread_steps_over_lanes(name, strategy, lanes):
     assert s.summary()["total_link_bytes"] == one.summary()["total_link_bytes"]
 
 
+def test_pieces_go_round_robin_over_the_whole_collective():
+    """One piece per segment still fills every lane: a two-root broadcast's halves (two
+    segments) take a lane each on every rank, as do an all-gather's ranks' chunks."""
+    n = 4
+    two_roots = Collective([["a"], ["b"]] + [[] for _ in range(n - 2)], [["a", "b"]] * n,
+                           "copy", name="two-root broadcast")
+    s = plan(two_roots, "direct-pull", count=64, lanes=2)
+    for r in range(n):
+        names = defaultdict(set)
+        for st in data_steps(s, r):
+            names[st.lane].update(st.names)
+        assert names == {0: {"a"}, 1: {"b"}}, f"rank {r}: {dict(names)}"
+    s = planned("all-gather", "direct-push", n, chunks=1, lanes=2, count=96)
+    assert {st.lane for st in data_steps(s, 0)} == {0, 1}
+
+
 def test_lanes_one_uses_lane_zero_only():
     s = planned("all-reduce", "ring", 5, chunks=4, lanes=1)
     assert {st.lane for steps in s.steps for st in steps} == {0}

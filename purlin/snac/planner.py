@@ -50,8 +50,8 @@ def plan(collective: Collective, strategy: str = "direct-push", *, count: int | 
     per chunk with ``chunk_sizes``, or as a ready ``sizing``; with none of them every chunk gets
     256 elements. ``chunks`` splits every transfer into that many pieces so hops pipeline;
     ``lanes`` spreads the pieces over that many parallel workers per rank: with
-    ``lanes_by="piece"`` every piece keeps one lane from its first hop to its last (pieces go
-    round-robin); with ``lanes_by="stage"`` a piece's hop at depth d runs in lane d % lanes, so
+    ``lanes_by="piece"`` every piece keeps one lane from its first hop to its last (the
+    collective's pieces, segment by segment, go round-robin); with ``lanes_by="stage"`` a piece's hop at depth d runs in lane d % lanes, so
     each lane does one kind of work for every piece in turn (on a datapath whose lane is a
     single in-order queue, such as copy engines, piece k+1's transfer then runs beside piece
     k's reduction instead of after it; on 2 x H200 that pipelined but did not beat the SMs).
@@ -167,9 +167,11 @@ def build_routes(sizing: Sizing, strategy: str, chunks: int, lanes: int) -> list
                 start += pstart
                 nodes = route_nodes(strategy, Piece(coll, seg, start, count, part, k,
                                                     len(parts), len(pieces)))
+                # (round-robin over every piece of the collective, not of each segment:
+                # a layout of several segments, one piece each, spreads over the lanes)
                 routes.append(Route(nodes, count, op, len(seg.sources),
                                     seg.names_in(start, start + count),
-                                    lane=(part * chunks + k) % lanes, seq=k))
+                                    lane=len(routes) % lanes, seq=k))
     if not routes:
         raise SpecError(f"{coll.name} moves no data: every chunk has 0 elements")
     return routes
