@@ -29,7 +29,7 @@ def test_plan_says_whether_the_fused_kernel_runs_it(capsys):
     assert code == 0 and "fused kernel (sm): fused: yes; fused-ll: yes" in out
     code, out, _ = run(capsys, "plan", "all-reduce", "-n", "2", "-s", "ring", "-b", "64KiB",
                        "--chunks", "2", "--lanes", "2")
-    assert code == 0  # (its lanes merged into one a rank: purlin.atom.fused_lanes)
+    assert code == 0  # (a program a lane: purlin.atom.fused_lanes)
     assert "fused kernel (sm): fused: yes" in out
 
 

@@ -193,12 +193,11 @@ def test_eight_byte_messages_fuse_in_four_byte_halves_of_ll_units(name):
                                           err_msg=f"{name} call {k} rank {r}")
 
 
-def test_several_lanes_fuse_merged_into_one():
-    from purlin.atom.fused_lanes import one_lane
-
+def test_several_lanes_fuse_a_program_each():
     low = lowered(collectives.all_reduce(2), chunks=2, lanes=2)
-    assert fuse_problem(low) == "rank 0 runs 2 lanes (the fused kernel runs one)"
-    assert fuse_problem(one_lane(low)) is None
+    assert fuse_problem(low) is None  # (purlin.atom.fused_lanes: a program a lane)
+    with pytest.raises(CapabilityError, match="rank 0 runs 2 lanes in one program"):
+        program(low[0], 0, 0, int)
 
 
 def test_a_rank_that_only_puts_to_a_peer_is_refused():

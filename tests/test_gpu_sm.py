@@ -393,9 +393,10 @@ def test_fused_virtual_ranks(torch, n):
 
 @pytest.mark.parametrize("kind,n", [("virtual", 4), ("virtual", 8), ("local", 2)])
 def test_several_lanes_run_on_the_fused_kernel(torch, kind, n):
-    """Multi-lane plans (pieces round-robin over lanes, or a lane per hop depth) run their
-    lanes merged into one a rank (``purlin.atom.fused_lanes``) on the fused kernel, the
-    default bind's fast path included, right over three calls and graph replays."""
+    """Multi-lane plans (pieces round-robin over lanes, or a lane per hop depth) run a
+    program a lane, side by side (``purlin.atom.fused_lanes``), on the fused kernel, the
+    default bind's fast path included, right over three calls and graph replays; the
+    two-root broadcast with each root's half in a lane of its own too."""
     cluster = _cluster(kind, n)
     gen = np.random.default_rng(31)
     for name, strategy, chunks, lanes, lanes_by, nbytes in (
@@ -411,12 +412,23 @@ def test_several_lanes_run_on_the_fused_kernel(torch, kind, n):
         assert bound.protocol.startswith("fused") and bound.schedule.lanes == lanes, \
             (name, strategy, bound.protocol)
         _check(torch, bound, sizing, gen, calls=3)
+    from purlin.spec import Collective
+
+    two_roots = Collective([["a"], ["b"]] + [[] for _ in range(n - 2)], [["a", "b"]] * n,
+                           "copy", name="two-root broadcast")
+    roots = two_roots.sized(chunk_sizes={"a": 32 << 10, "b": 32 << 10}, dtype="bfloat16")
+    for protocol in ("fused", "fused-ll"):
+        pulled = cluster.bind(two_roots, "direct-pull", sizing=roots, lanes=2,
+                              protocol=protocol)
+        assert pulled.launches[0].launcher.nranks_in_launch == \
+            2 * len(pulled.launches[0].ranks), protocol  # (a program a lane)
+        _check(torch, pulled, roots, gen, calls=3)
     graphs = bound.capture(ops=3)
     for _ in range(3):
         graphs.replay()
     _check(torch, bound, sizing, gen, calls=1)
-    # traced (notebook 03's ring): the traced twin runs the merged rows; the timeline names
-    # each step's own lane
+    # traced (notebook 03's ring): the traced twin runs each lane's program; the timeline
+    # names each step's own lane
     from purlin.trace import from_sm
 
     coll = standard("all-reduce", n)

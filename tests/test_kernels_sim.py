@@ -1329,6 +1329,57 @@ def fused_rotated_ll_pieces():
     assert ran >= 8, ran
 
 
+@case
+def fused_lanes_in_one_launch():
+    """Several lanes, a program each (``purlin.atom.fused_lanes``): a rank's programs run as
+    rank slots of one launch (every slot on the same grid) after the host ran call 0, and
+    give the reference -- the two-root broadcast with each root's half in a lane of its own,
+    an all-reduce of 2 lanes on LL units, an all-gather whose ranks' chunks alternate
+    lanes. (One rank at a time: the plans' data crosses one hop, so what call 0 left in the
+    peers' memory is all a rank reads.)"""
+    from purlin.atom.fused import fused_unit
+    from purlin.atom.host import HostBuffers, bf16_floats, fused_programs, run_fused_calls
+    from purlin.kernels import fused, isa
+    from purlin.snac import plan
+    from purlin.spec import Collective, collectives, reference
+
+    n = 4
+    two_roots = Collective([["a"], ["b"]] + [[] for _ in range(n - 2)], [["a", "b"]] * n,
+                           "copy")
+    for s, protocol in (
+            (plan(two_roots, "direct-pull", chunk_sizes={"a": 40, "b": 48}, dtype="bfloat16",
+                  lanes=2), "fused"),
+            (plan(collectives.all_reduce(n), "direct-push", count=96, dtype="float32",
+                  chunks=2, lanes=2), "fused-ll"),
+            (plan(collectives.all_gather(n), "direct-push", count=4 * 24, dtype="bfloat16",
+                  lanes=2), "fused")):
+        bufs = HostBuffers(s, ll=protocol == "fused-ll")
+        low = bufs.lower()
+        unit, problem = fused_unit(low, protocol)
+        assert problem is None, problem
+        programs = fused_programs(low, bufs, unit)
+        assert len(programs) > n, len(programs)
+        rng = np.random.default_rng(7)
+        xs = [[rng.integers(-40, 40, s.sizing.input_count(r)).astype(np.float64)
+               for r in range(n)]]
+        run_fused_calls(programs, bufs, xs, blocks=2, threads=3)
+        want = reference(s.sizing, xs[0])
+        for r in range(n):
+            mine = [w for w in programs if int(w[isa.F_RANK]) == r]
+            stride = max(w.size for w in mine)
+            table = np.zeros(stride * len(mine), dtype=np.int64)
+            for k, w in enumerate(mine):
+                table[k * stride:k * stride + w.size] = w
+            bufs.outputs[r][:] = 0
+            counters = np.zeros(len(mine) * isa.F_MAX_BLOCKS, dtype=np.int64)
+            fused.fused[2 * len(mine), 3](table.ctypes.data, len(mine), 2, 10_000_000,
+                                          stride, counters.ctypes.data)
+            assert bufs.fused_error[isa.E_CODE] == 0, (s.title(), r, bufs.fused_error)
+            got = bufs.outputs[r][:len(want[r])]
+            got = bf16_floats(got) if s.dtype == "bfloat16" else got.astype(np.float64)
+            assert np.array_equal(got, want[r]), (s.title(), r, got, want[r])
+
+
 # ------------------------------------------------------------------------ pytest entry points
 
 

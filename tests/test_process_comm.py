@@ -465,7 +465,7 @@ def test_each_size_gets_the_protocol_it_can_run_on_gpus_only():
     assert runs(small, "fused-ll") == ("fused-ll", True)
     assert runs(big, "fused-ll") == runs(big, "fused") == ("fused", True)
     assert runs(small, "fused", pdl=False) == ("fused", False)
-    # two lanes, merged into one (purlin.atom.fused_lanes); a ring relays what it received:
+    # two lanes, a program each (purlin.atom.fused_lanes); a ring relays what it received:
     # flags, not LL
     assert runs(ring, "fused-ll") == ("fused", True)
     assert runs(tail, "fused-ll") == ("fused-ll", True)

@@ -30,10 +30,12 @@ def _bench_cases():
 
 
 def _schedule(case: str, strategy: str):
+    lanes = 2 if case.endswith(", 2 lanes") else 1
+    case = case.removesuffix(", 2 lanes")
     if case in ("gqa all-gather", "gqa all-gather, odd pieces", "two-root broadcast",
                 "partial all-reduce to the others"):
         coll, sizes = _bench_cases()[case]
-        return plan(coll, strategy, chunk_sizes=sizes, dtype="bfloat16")
+        return plan(coll, strategy, chunk_sizes=sizes, dtype="bfloat16", lanes=lanes)
     coll, count = {"all-gather": (collectives.all_gather(N), 4096),
                    "reduce-scatter": (collectives.reduce_scatter(N), 4096),
                    "all-reduce + 1": (collectives.all_reduce(N), 8 * 4096 + 1)}[case]
@@ -48,13 +50,17 @@ CASES = [("all-gather", "direct-pull", "fused"), ("all-gather", "direct-push", "
          ("reduce-scatter", "direct-push", "fused"), ("all-reduce + 1", "two-phase", "fused"),
          # (ranks whose largest rows differ: every rank launches the largest one's grid)
          ("two-root broadcast", "direct-push", "fused-ll"),
-         ("partial all-reduce to the others", "direct-pull", "fused")]
+         ("partial all-reduce to the others", "direct-pull", "fused"),
+         # (a program a lane: each root's half in its own)
+         ("two-root broadcast, 2 lanes", "direct-pull", "fused"),
+         ("gqa all-gather, 2 lanes", "direct-push", "fused-ll")]
 
 
 class _Launcher:  # (the kernels' launchers, made without a GPU: their configuration)
     def __init__(self, **config):
         self.config = config
         self.head_words = config.get("stride_words", 0)
+        self.nranks_in_launch = config.get("nranks_in_launch", 1)
 
 
 def _prepared(monkeypatch, s, protocol: str, views=None) -> list:
@@ -93,15 +99,23 @@ def test_each_rank_builds_the_single_process_cluster_s_program_for_it(case, stra
     p0 = ps[0]
     want = launch_ops(s, p0.all_lowered, p0.unit).programs(lambda q: _error(ps[q]),
                                                            p0.abort_ptr, p0.flags.slot)
-    grid = fused_launch(Gpu(0, 132), max(w.items for w in want), 1, p0.unit, kind="process")
+    slots = len(want) // N
+    grid = fused_launch(Gpu(0, 132), max(w.items for w in want), 1, p0.unit, lanes=slots,
+                        kind="process")
     if len({w.items for w in want}) > 1:  # (its own largest row would give another grid)
-        assert any(fused_launch(Gpu(0, 132), w.items, 1, p0.unit, kind="process") != grid
+        assert any(fused_launch(Gpu(0, 132), w.items, 1, p0.unit, lanes=slots,
+                                kind="process") != grid
                    for w in want)
+    lanes = len(want) // N  # (every rank of these cases has rows in every lane)
+    assert len(want) == N * lanes and lanes == s.lanes, case
     for r, p in enumerate(ps):
-        assert np.array_equal(p.program.words, want[r].words), (case, r)
+        mine = want[r * lanes:(r + 1) * lanes]
+        assert len(p.programs) == lanes
+        assert all(np.array_equal(a.words, w.words) for a, w in zip(p.programs, mine)), (case, r)
         assert (p.blocks_per_lane, p.threads) == grid, (case, r)
-        assert p.kernel.launcher.config["kernel"] == kernel_name([want[r].words])
-        assert p.kernel.launcher.config["stride_words"] >= p.program.words.size
+        assert p.kernel.launcher.config["kernel"] == kernel_name([w.words for w in mine])
+        assert p.kernel.launcher.config["nranks_in_launch"] == lanes
+        assert p.kernel.launcher.config["stride_words"] >= max(w.words.size for w in mine)
     if case.startswith("gqa") and protocol == "fused":  # (before: the rank's own rows only)
         alone = [program(p.lowered, _error(p), p.abort_ptr, p.flags.slot, p.unit) for p in ps]
         assert any(segmented_program(w.words) for w in want)
@@ -138,7 +152,8 @@ def _like(region: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("case,strategy,protocol", [
     ("all-gather", "direct-push", "fused-ll"), ("gqa all-gather", "direct-push", "fused"),
     ("gqa all-gather, odd pieces", "direct-push", "fused"),
-    ("gqa all-gather", "direct-push", "fused-ll"), ("reduce-scatter", "direct-push", "fused")])
+    ("gqa all-gather", "direct-push", "fused-ll"), ("reduce-scatter", "direct-push", "fused"),
+    ("gqa all-gather, 2 lanes", "direct-push", "fused")])
 def test_a_relocated_program_is_the_cluster_s_program_of_the_moved_table(
         case, strategy, protocol, monkeypatch):
     """``zero_copy``: a rank reading the caller's input and writing its output in place runs
@@ -157,11 +172,13 @@ def test_a_relocated_program_is_the_cluster_s_program_of_the_moved_table(
                  if go}
         everyone = list(p.all_lowered)
         everyone[r] = relocate(p.lowered, moves)
-        want = launch_ops(s, everyone, p.unit).program(r, _error(p), p.abort_ptr,
-                                                       p.flags.slot).words
+        wants = launch_ops(s, everyone, p.unit).program(r, _error(p), p.abort_ptr,
+                                                        p.flags.slot)
         table, _ = p._moved[p._key(src if move_in else None, dst if move_out else None)]
-        got = table.numpy()
-        assert got.size == p.program_words
-        assert np.array_equal(got[:want.size], want) and not got[want.size:].any(), (case, r)
+        got = table.numpy().reshape(len(wants), -1)  # (a program a lane, at one stride)
+        assert got.shape[1] == p.program_words and len(wants) == s.lanes
+        for g, w in zip(got, wants):
+            assert np.array_equal(g[:w.words.size], w.words) and not g[w.words.size:].any(), \
+                (case, r)
         moved += 1
     assert moved, case

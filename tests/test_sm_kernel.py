@@ -83,6 +83,7 @@ class _Launcher:
         self.config, self.calls = config, []
         # the words of a program a block loads into shared memory (as Launcher's)
         self.head_words = config.get("stride_words", 0)
+        self.nranks_in_launch = config.get("nranks_in_launch", 1)
 
     def __call__(self, *args):
         self.calls.append(args)

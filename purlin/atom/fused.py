@@ -263,9 +263,9 @@ def rank_ops(low: LoweredRank, unit: int = 16, narrow_units: bool = True) -> lis
 
 def _rank_ops(low: LoweredRank, unit: int = 16, narrow_units: bool = True) -> list[tuple]:
     r = low.rank
-    if len(low.lane_offsets) != 2:
-        raise _Refused(f"rank {r} runs {len(low.lane_offsets) - 1} lanes (the fused kernel "
-                       "runs one)")
+    if len(low.lane_offsets) != 2:  # (fuse_problem and fused_rows take a program a lane)
+        raise _Refused(f"rank {r} runs {len(low.lane_offsets) - 1} lanes in one program (a "
+                       "fused program runs one lane: plan with lanes=1)")
     even, odd = low.tables[0], low.tables[-1]
     ops, gets, used = [], {}, set()
     for k, (a, b) in enumerate(zip(even, odd)):
@@ -354,9 +354,9 @@ class _Get(NamedTuple):
 
 
 def _check_rank(r: int, ops: list[tuple], gets: dict) -> None:
-    """Within the rank: one element type and reduction, LL areas read only through moves,
-    no two data rows between flag operations touching the same bytes, and every LL peer
-    heard from."""
+    """Within the rank (or one lane of it): one element type and reduction, LL areas read
+    only through moves, no two data rows between flag operations touching the same bytes
+    (every LL peer heard from: :func:`_check_heard`, on the whole rank)."""
     moves = [op for op in ops if op.kind == "move"]
     kinds = {(op.dtype, op.how) for op in moves if op.how is not None}
     if len({op.dtype for op in moves}) > 1 or len(kinds) > 1:
@@ -382,8 +382,16 @@ def _check_rank(r: int, ops: list[tuple], gets: dict) -> None:
             segment = []
         else:
             segment.append(_accesses(op))
+
+
+def _check_heard(r: int, programs: list[list[tuple]]) -> None:
+    """Rank ``r`` (its programs, one a lane) hears in the same call from every peer it sends
+    LL units to: a wait on the peer's flag or LL units read from it, in any lane -- the
+    rank's lanes run in one launch, so its next call starts after all of them ended."""
+    ops = [op for prog in programs for op in prog]
     put_peers = {op.peer for op in ops if op.kind == "put"}
-    heard = {g.peer for g in gets.values()} | {op.peer for op in ops if op.kind == "wait"}
+    heard = {op.peer for op in ops if op.kind == "wait"} | \
+        {s.peer for op in ops if op.kind == "move" for s in op.sources if s.is_ll}
     if put_peers - heard:
         raise _Refused(f"rank {r} puts to rank {min(put_peers - heard)} without hearing from "
                        "it in the same call")
@@ -468,9 +476,16 @@ def fuse_problem(lowered: list[LoweredRank], unit: int = 16,
     """Why the ranks of ``lowered`` cannot run as fused programs taking ``unit`` bytes per
     thread at a time (a sentence naming the rank and row), or None; ``narrow``: 8- and
     4-byte units may copy, send and sum pieces at addresses they are not aligned to (the
-    narrow builds, :func:`narrow_program`)."""
+    narrow builds, :func:`narrow_program`). Several lanes: each (rank, lane) judged as a
+    program of its own (:func:`purlin.atom.fused_lanes.lane_slots`)."""
+    from purlin.atom.fused_lanes import lane_slots
+
     try:
-        _check_ranks([_rank_ops(low, unit, narrow) for low in lowered])
+        slots = lane_slots(lowered)
+        ops = [_rank_ops(low, unit, narrow) for low in slots]
+        for low in lowered:
+            _check_heard(low.rank, [o for s, o in zip(slots, ops) if s.rank == low.rank])
+        _check_ranks(ops)
     except _Refused as exc:
         return str(exc)
     return None
@@ -879,10 +894,9 @@ def fused_problems(schedule) -> dict:
     >>> fused_problems(plan(collectives.all_reduce(2), "direct-push", count=64))
     {'fused': None, 'fused-ll': None}
     >>> ring = plan(collectives.all_reduce(2), "ring", count=64, chunks=2, lanes=2)
-    >>> fused_problems(ring)  # its two lanes merged into one (purlin.atom.fused_lanes)
+    >>> fused_problems(ring)  # a program per lane (purlin.atom.fused_lanes)
     {'fused': None, 'fused-ll': None}
     """
-    from purlin.atom.fused_lanes import one_lane
     from purlin.atom.lowering import lower, scratch_copy_bytes
 
     n = schedule.nranks
@@ -897,8 +911,5 @@ def fused_problems(schedule) -> dict:
     for protocol, ll_bases in (("fused", None), ("fused-ll", ll)):
         low = lower(schedule, bases, flags, blocks_per_lane=1, scratch_bytes=scratch,
                     ll_bases=ll_bases)
-        try:  # (several lanes: merged into one, purlin.atom.fused_lanes)
-            out[protocol] = fused_unit(one_lane(low), protocol)[1]
-        except CapabilityError as exc:
-            out[protocol] = str(exc)
+        out[protocol] = fused_unit(low, protocol)[1]
     return out

@@ -272,15 +272,16 @@ def _runs(row, out) -> int:
 
 def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
                      segments: bool = False, join: bool = True) -> list:
-    """:func:`purlin.atom.fused.program` of every rank of ``lowered`` on the ops of
-    :func:`cluster_ops` (``error_of(rank)``: the rank's error record address). A trace of
+    """:func:`purlin.atom.fused.program` of every rank of ``lowered`` (of every lane, for
+    several: :meth:`ClusterOps.programs`) on the ops of :func:`cluster_ops`
+    (``error_of(rank)``: the rank's error record address). A trace of
     the program names the table rows of each op (``purlin.atom.fused_trace.program_rows``)."""
     return cluster_ops(lowered, unit, segments, join).programs(error_of, abort, flag_slot)
 
 
 def launch_ops(schedule, lowered, unit: int) -> ClusterOps:
     """The ops every rank runs ``schedule`` with on the fused kernel (``lowered``: its
-    ranks' tables, lanes merged: ``purlin.atom.fused_lanes.one_lane``): :func:`cluster_ops`
+    ranks' tables; several lanes run a program each: ``purlin.atom.fused_lanes``): :func:`cluster_ops`
     with segmented ops for the layouts :func:`several_pieces` finds and LL rows joined --
     what a single-process cluster (``purlin.atom.sm``) and each process of process mode
     (``purlin.torch.sm_path``) build, so that a collective runs the same programs either way.
@@ -302,7 +303,12 @@ def cluster_ops(lowered, unit: int = 16, segments: bool = False,
     may (:func:`shifted_copies`); they join segmented ops as plain copies do (but
     :func:`_own_row`); where no segmented op holds them they spread over threads
     (:func:`rotations`). Each pass decides on every rank's ops at once (flags, partners,
-    races), from the tables alone: any process holding all of them gets the same ops."""
+    races), from the tables alone: any process holding all of them gets the same ops.
+    Several lanes: a program per (rank, lane) (:func:`purlin.atom.fused_lanes.lane_slots`),
+    each judged and rewritten as a rank's."""
+    from purlin.atom.fused_lanes import lane_slots
+
+    lowered = lane_slots(lowered)
     ops, rot = regrouped(lowered, unit)
     narrow = any(op.kind == "move" and op.narrow for rank in ops for op in rank)
     if narrow:  # (before segments: a copy cut at its destination's boundaries may join one)
@@ -331,7 +337,9 @@ def cluster_ops(lowered, unit: int = 16, segments: bool = False,
 @dataclass(frozen=True)
 class ClusterOps:
     """:func:`cluster_ops`' result: ``ops[i]`` and ``rotations[i]`` (move rotations by op
-    index) of rank ``lowered[i].rank``, for programs of ``unit``-byte items."""
+    index) of slot ``lowered[i]`` -- a rank's (one lane), or one lane of rank
+    ``lowered[i].rank`` (:func:`purlin.atom.fused_lanes.lane_slots`) -- for programs of
+    ``unit``-byte items."""
 
     lowered: tuple
     ops: tuple
@@ -339,21 +347,26 @@ class ClusterOps:
     unit: int
 
     def program(self, rank: int, error: int, abort: int, flag_slot,
-                moves: dict | None = None) -> FusedProgram:
-        """Rank ``rank``'s :func:`purlin.atom.fused.program` (``error``: its error record's
-        address); ``moves`` (``(old address, bytes)`` -> new address, as
-        ``lowering.relocate`` takes): of its table relocated there -- its ops with their
-        addresses moved, so that it keeps the flags and rotations its peers' programs were
-        written with (the caller checks the moved rows with ``fused.fuse_problem``)."""
-        i = next(i for i, low in enumerate(self.lowered) if low.rank == rank)
+                moves: dict | None = None) -> list[FusedProgram]:
+        """Rank ``rank``'s :func:`purlin.atom.fused.program` per slot, launched side by side
+        (one without lanes; ``error``: the rank's error record's address); ``moves`` (``(old
+        address, bytes)`` -> new address, as ``lowering.relocate`` takes): of its table
+        relocated there -- its ops with their addresses moved, so that it keeps the flags and
+        rotations its peers' programs were written with (the caller checks the moved rows
+        with ``fused.fuse_problem``)."""
+        return [self._program(i, error, abort, flag_slot, moves)
+                for i, low in enumerate(self.lowered) if low.rank == rank]
+
+    def _program(self, i: int, error: int, abort: int, flag_slot, moves=None):
         ops = self.ops[i] if not moves else [_relocated(op, moves) for op in self.ops[i]]
         return program(self.lowered[i], error, abort, flag_slot, self.unit, ops=ops,
                        rotation=self.rotations[i])
 
     def programs(self, error_of, abort: int, flag_slot) -> list[FusedProgram]:
-        """Every rank's :meth:`program` (``error_of(rank)``: its error record's address)."""
-        return [self.program(low.rank, error_of(low.rank), abort, flag_slot)
-                for low in self.lowered]
+        """Every slot's program, rank by rank (``error_of(rank)``: its error record's
+        address): a launch of all ranks."""
+        return [self._program(i, error_of(low.rank), abort, flag_slot)
+                for i, low in enumerate(self.lowered)]
 
     def items(self) -> int:
         """The largest program's items, every rank's: what a launch's grid is sized for, the

@@ -32,7 +32,7 @@ from purlin.atom.lowering import LoweredRank
 from purlin.errors import ExecutionError
 from purlin.kernels.isa import LL_GET, OP, OPCODE_NAMES, TRACE_WIDTH
 
-__all__ = ["as_row_records", "op_rows", "program_rows"]
+__all__ = ["as_row_records", "lane_records", "op_rows", "program_rows"]
 
 
 def op_rows(low: LoweredRank, ops: int | None = None) -> np.ndarray:
@@ -116,4 +116,23 @@ def as_row_records(records, rows, nrows: int) -> np.ndarray:
             for row in rows[op]:
                 if row >= 0:
                     out[b, row] = (row, sub, start, end)
+    return out
+
+
+def lane_records(low: LoweredRank, programs, records) -> np.ndarray:
+    """Rank ``low``'s records as the interpreter's (:func:`as_row_records`) from its fused
+    programs, one a lane (``purlin.atom.fused_lanes.lane_slots``; ``records[k]``: program
+    k's, int64[blocks, ops, 4]): int64[lanes * blocks, table rows, 4], lane l's blocks at
+    ``l * blocks``, each row at its index in the rank's table (a lane without rows: zeros)."""
+    from purlin.atom.fused_lanes import lane_slots, slot_lanes
+    from purlin.kernels.isa import F_UNIT
+
+    records = np.asarray(records, dtype=np.int64)
+    blocks, nrows = records.shape[1], len(low.tables[0])
+    out = np.zeros(((len(low.lane_offsets) - 1) * blocks, nrows, TRACE_WIDTH), np.int64)
+    for slot, lane, prog, rec in zip(lane_slots([low]), slot_lanes(low), programs, records):
+        first = int(low.lane_offsets[lane])
+        rows = [tuple(x + first if x >= 0 else x for x in r)
+                for r in program_rows(slot, prog.op_list, int(prog.words[F_UNIT]))]
+        out[lane * blocks:(lane + 1) * blocks] = as_row_records(rec, rows, nrows)
     return out

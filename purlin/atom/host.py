@@ -338,7 +338,8 @@ def _lane_guard(rows, pool, epoch, mem, rank, errors, block=0, blocks=1, delay=0
 def fused_programs(lowered, buffers: HostBuffers, unit: int = 16, epilogues=None,
                    threads: int = 1, segments: bool = True):
     """The fused programs (``purlin.atom.fused``, ``unit`` bytes per thread at a time) of
-    ``lowered`` on ``buffers``, with a flag slot per block (``buffers.block_flags``) and a
+    ``lowered`` on ``buffers`` (one a rank, or one a (rank, lane) for several lanes, rank by
+    rank), with a flag slot per block (``buffers.block_flags``) and a
     throw-away error record and abort word; ``epilogues[r]``: rank r's
     :class:`purlin.atom.fused.Epilogue` for blocks of ``threads`` threads, if any;
     segmented ops where the sm datapath makes them (``fused_rows.several_pieces``,
@@ -544,18 +545,20 @@ def _norm_block(head, op, tag, mem: _Memory, block: int, blocks: int, threads: i
 def run_fused_calls(programs, buffers: HostBuffers, inputs_per_call, blocks: int = 2,
                     threads: int = 1, timeout: float = 10.0, slow_block_delay: float = 0.0,
                     slow_rank: int = 0):
-    """:func:`run_calls` for fused programs: a thread per (rank, block), each rank's calls in
-    turn, so ranks drift apart; with ``slow_block_delay`` rank ``slow_rank``'s last block
-    sleeps before each MOVE, so its other blocks and the ranks that wait for it run ahead as
-    far as their own flag slots let them. Returns outputs[call][rank]; raises the first
-    error."""
+    """:func:`run_calls` for fused programs (a rank's: those whose header names it, one a
+    lane): a thread per (program, block), each rank's calls in turn, so ranks drift apart;
+    with ``slow_block_delay`` rank ``slow_rank``'s last block sleeps before each MOVE, so its
+    other blocks and the ranks that wait for it run ahead as far as their own flag slots let
+    them. Returns outputs[call][rank]; raises the first error."""
     mem = _Memory(timeout)
     errors: list = []
+    mine = {r: [w for w in programs if int(w[isa.F_RANK]) == r]
+            for r in range(buffers.schedule.nranks)}
 
-    def block_guard(rank, call, block):
+    def block_guard(words, rank, call, block):
         slow = rank == slow_rank and block == blocks - 1 and blocks > 1
         try:
-            _run_fused_block(programs[rank], call, mem, rank, block, blocks, threads,
+            _run_fused_block(words, call, mem, rank, block, blocks, threads,
                              slow_block_delay if slow else 0.0)
         except Exception as exc:  # noqa: BLE001 - reported to the caller
             errors.append(exc)
@@ -563,7 +566,7 @@ def run_fused_calls(programs, buffers: HostBuffers, inputs_per_call, blocks: int
                 mem.cond.notify_all()
 
     def workers(rank: int, call: int) -> list:
-        return [threading.Thread(target=block_guard, args=(rank, call, b))
-                for b in range(blocks)]
+        return [threading.Thread(target=block_guard, args=(w, rank, call, b))
+                for w in mine[rank] for b in range(blocks)]
 
     return _run_ranks(buffers, inputs_per_call, workers, errors, timeout)

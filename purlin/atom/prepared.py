@@ -53,17 +53,14 @@ class PreparedKernel:
         lowered = lower(schedule, bases, self.flags.flags, blocks_per_lane=self.blocks_per_lane,
                         scratch_bytes=scratch_bytes,
                         ll_bases={q: a for q, (a, _) in ll.items()} if ll else None)
-        if self.fused:  # several lanes: one each rank (purlin.atom.fused_lanes)
-            from purlin.atom.fused_lanes import one_lane
-
-            lowered = one_lane(lowered)
-        self.lowered = lowered
+        self.lowered = lowered  # (several lanes, fused: a program a lane, fused_lanes)
         # each rank's control words (epoch, done counter, error record): the interpreter's
         # sit in its executor block (interpreter_kernels), the fused kernel's alone
         self.control = {r: torch.zeros(2 + isa.ERR_WIDTH, dtype=torch.int64, device=device)
                         for device, ranks in self.groups for r in ranks} if self.fused else {}
         self.unit = self.ops = None  # the fused programs' item bytes and ops (fused_rows)
-        self.programs: dict = {}  # rank -> its fused program (purlin.atom.fused.FusedProgram)
+        # rank -> its fused programs, one a lane (purlin.atom.fused.FusedProgram)
+        self.programs: dict = {}
         self.launches: list[RankKernel] = []
         self.keep: list = []
 
@@ -112,27 +109,31 @@ class PreparedKernel:
         self.ops = launch_ops(self.schedule, self.lowered, unit)
         for r in self.ranks:
             self.programs[r] = self.ops.program(r, self.error_at(r), self.abort, self.flags.slot)
+        lanes = max(len(self.programs[r]) for r in self.ranks)  # (a program a lane)
         self.blocks_per_lane, self.threads = grid or fused_launch(
-            self.gpu, self.ops.items(), self.per_launch, unit, blocks=blocks, wish=wish,
-            threads=threads, kind=self.kind)
+            self.gpu, self.ops.items(), self.per_launch, unit, lanes=lanes, blocks=blocks,
+            wish=wish, threads=threads, kind=self.kind)
         self.launch_programs(self.programs, options or self._kernel_of, spare_words)
 
     def _kernel_of(self, device, ranks) -> dict:
         from purlin.atom.fused import kernel_name
 
-        return {"kernel": kernel_name(self.programs[r].words for r in ranks)}
+        return {"kernel": kernel_name(p.words for r in ranks for p in self.programs[r])}
 
     def launch_programs(self, programs, options, spare_words: int = 0) -> None:
-        """A fused launch per group of ``programs[r]`` (:class:`purlin.atom.fused.
-        FusedProgram`) on this grid; ``options(device, ranks)``: its launcher's kernel (and
-        trace) options."""
+        """A fused launch per group of ``programs[r]`` (rank r's
+        :class:`purlin.atom.fused.FusedProgram` per lane, each a rank slot of the launch) on
+        this grid; ``options(device, ranks)``: its launcher's kernel (and trace) options."""
         for device, ranks in self.groups:
-            words = [programs[r].words for r in ranks]
-            self.add(RankKernel.fused(
+            words = [p.words for r in ranks for p in programs[r]]
+            kernel = self.add(RankKernel.fused(
                 self.torch, device, ranks, words, [self.control[r] for r in ranks],
                 blocks=self.blocks_per_lane, threads=self.threads, pdl=self.pdl,
                 stride=max(w.size for w in words) + spare_words, cache=self.cache,
                 **options(device, ranks)))
+            if self.schedule.lanes > 1:  # (an error names its step's lane)
+                kernel.step_lanes = {r: [st.lane for st in self.schedule.steps[r]]
+                                     for r in ranks}
 
     def errors(self, sums: dict | None = None, ask: bool = False) -> list:
         """(rank, error code, sentence) of every launched rank that recorded an error

@@ -146,7 +146,7 @@ def fast_protocol(schedule) -> str:
     >>> fast_protocol(plan(collectives.all_reduce(4), "ring", nbytes=1 << 20, chunks=4, lanes=2))
     'fused'
 
-    (A plan of several lanes runs them merged into one a rank: ``purlin.atom.fused_lanes``.)
+    (A plan of several lanes runs a program a lane, side by side: ``purlin.atom.fused_lanes``.)
     """
     from purlin.atom.fused import fused_problems
     from purlin.atom.lowering import ll_transfers
@@ -314,35 +314,39 @@ def interpreter_launch(schedule, gpu: Gpu, ranks: int, *, ll: bool = False,
 
 
 def fit_blocks(gpu: Gpu, blocks: int, threads: int, ranks: int, kind: str = "local",
-               what: str = "blocks_per_lane") -> None:
-    """Refuse a fused launch of ``blocks`` blocks per rank that cannot all be resident."""
-    if blocks * ranks > gpu.resident(threads):
-        raise CapabilityError(_overflow(gpu, 1, ranks, blocks, threads, kind, what))
+               what: str = "blocks_per_lane", lanes: int = 1) -> None:
+    """Refuse a fused launch of ``blocks`` blocks per lane of ``ranks`` ranks of ``lanes``
+    programs each that cannot all be resident."""
+    if blocks * ranks * lanes > gpu.resident(threads):
+        raise CapabilityError(_overflow(gpu, lanes, ranks, blocks, threads, kind, what))
 
 
-def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, blocks=None, wish=None,
-                 threads=None, kind: str = "local") -> tuple[int, int]:
-    """(blocks per rank, threads) of a fused launch of ``ranks`` programs of ``items`` items
-    of ``unit`` bytes: :func:`purlin.atom.fused.grid`'s for the size where nothing is asked,
-    ``wish`` cut to what fits, ``blocks`` kept or refused with what would fit.
+def fused_launch(gpu: Gpu, items: int, ranks: int, unit: int = 16, *, lanes: int = 1,
+                 blocks=None, wish=None, threads=None,
+                 kind: str = "local") -> tuple[int, int]:
+    """(blocks per lane, threads) of a fused launch of ``ranks`` ranks of ``lanes`` programs
+    each (``purlin.atom.fused_lanes``) of ``items`` items of ``unit`` bytes:
+    :func:`purlin.atom.fused.grid`'s for the size where nothing is asked, ``wish`` cut to
+    what fits, ``blocks`` kept or refused with what would fit.
 
     >>> fused_launch(Gpu(0, 132), 1 << 16, 4), fused_launch(Gpu(0, 132), 1 << 20, 4, wish=132)
     ((32, 512), (33, 512))
     """
     from purlin.atom.fused import grid, round_blocks
 
-    default_blocks, default_threads = grid(items, ranks, gpu.sms, unit)
+    slots = ranks * lanes
+    default_blocks, default_threads = grid(items, slots, gpu.sms, unit)
     threads = int(threads or default_threads)
     if blocks is not None:
         blocks = int(blocks)
         if blocks > isa.F_MAX_BLOCKS:
             raise CapabilityError(f"the fused kernel runs at most {isa.F_MAX_BLOCKS} blocks per "
                                   f"rank, got blocks_per_lane={blocks}")
-        fit_blocks(gpu, blocks, threads, ranks, kind)
+        fit_blocks(gpu, blocks, threads, ranks, kind, lanes=lanes)
         return blocks, threads
-    most = min(isa.F_MAX_BLOCKS, gpu.resident(threads) // ranks)
+    most = min(isa.F_MAX_BLOCKS, gpu.resident(threads) // slots)
     if most < 1:
-        fit_blocks(gpu, 1, threads, ranks, kind)
+        fit_blocks(gpu, 1, threads, ranks, kind, lanes=lanes)
     chosen = max(1, min(int(wish or default_blocks), most))
     return round_blocks(items, chosen, threads, most), threads  # (an odd size's last item)
 
@@ -459,30 +463,33 @@ class SmBound:
         on), kept in ``self._fused_traces``; without, the untraced kernel."""
         from purlin.atom.fused import kernel_name
 
-        progs = self.core.programs
+        progs = [p for r in ranks for p in self.core.programs[r]]  # (a slot each)
         # (the kernel compiled with what the programs need; traced, its twin runs the same ops)
-        kernel = kernel_name((progs[r].words for r in ranks), traced=bool(self.trace_rows))
+        kernel = kernel_name((p.words for p in progs), traced=bool(self.trace_rows))
         if not self.trace_rows:
             return {"kernel": kernel}
-        ops = max(progs[r].ops for r in ranks)
-        buffer = self.torch.zeros(len(ranks) * self.blocks_per_lane * ops * isa.TRACE_WIDTH,
+        ops = max(p.ops for p in progs)
+        buffer = self.torch.zeros(len(progs) * self.blocks_per_lane * ops * isa.TRACE_WIDTH,
                                   dtype=self.torch.int64, device=device)
         self._fused_traces.append((ranks, buffer, progs))
         return dict(kernel=kernel, trace=buffer.data_ptr(), trace_rows=ops)
 
     def _read_fused_trace(self):
         """The traced fused kernel's records per rank, as the interpreter's (table row, block,
-        start, end): int64[blocks, table rows, 4] (:mod:`purlin.atom.fused_trace`)."""
-        from purlin.atom.fused_trace import as_row_records, program_rows
+        start, end): int64[blocks, table rows, 4], a lane's blocks after the lane before's
+        (:mod:`purlin.atom.fused_trace`)."""
+        from purlin.atom.fused_trace import lane_records
 
         out = [None] * self.schedule.nranks
         for ranks, buffer, progs in self._fused_traces:
-            records = buffer.cpu().numpy().reshape(len(ranks), self.blocks_per_lane, -1,
+            records = buffer.cpu().numpy().reshape(len(progs), self.blocks_per_lane, -1,
                                                    isa.TRACE_WIDTH)
-            for k, r in enumerate(ranks):
-                low = self.lowered[r]
-                rows = program_rows(low, progs[r].op_list, int(progs[r].words[isa.F_UNIT]))
-                out[r] = as_row_records(records[k], rows, len(low.tables[0]))
+            k = 0  # (rank r's slots: its programs, one a lane)
+            for r in ranks:
+                lanes = len(self.core.programs[r])
+                out[r] = lane_records(self.lowered[r], self.core.programs[r],
+                                      records[k:k + lanes])
+                k += lanes
         return out
 
     # -- running -----------------------------------------------------------------------------

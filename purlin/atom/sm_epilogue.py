@@ -63,7 +63,7 @@ def launch_epilogue(bound, blocks, wish, threads, epilogue) -> None:
             raise CapabilityError(f"epilogue {e.name!r} runs on the one-shot kernel, which "
                                   f"cannot run this program: {why}")
         names.append(name)
-        progs.append(prog)
+        progs.append([prog])  # (one lane: an epilogue's program is the rank's whole table)
     for device, ranks in core.groups:
         if len({names[r] for r in ranks}) != 1:
             raise SpecError(f"the ranks on GPU {device.index} share a launch: give them "

@@ -120,13 +120,15 @@ class RankKernel:
     interpreter's, in its control words); ``control[k]``: rank ``ranks[k]``'s control words
     (epoch, done counter, then the error record); ``keep``: the tensors behind the
     addresses; ``adds``: what one notify adds to a flag (the interpreter's blocks per lane; 1
-    on the fused kernel, a slot per block)."""
+    on the fused kernel, a slot per block); ``step_lanes[r]``: the lane of each of rank r's
+    steps, where the record's lane is not the step's (a fused program a lane records 0)."""
 
     def __init__(self, device: int, ranks, launcher, desc: int, counters: int, control,
                  keep=(), adds: int = 1):
         self.device, self.ranks, self.launcher = int(device), list(ranks), launcher
         self.desc, self.counters, self.control = int(desc), int(counters), list(control)
         self.keep, self.adds = [t for t in keep if t is not None], int(adds)
+        self.step_lanes: dict = {}
 
     @classmethod
     def interpreter(cls, torch, device, ranks, blobs, control, *, lanes: int,
@@ -154,10 +156,10 @@ class RankKernel:
               **trace):
         """``kernel`` (the fused kernel, with the NORM op, an epilogue's one-shot kernel, a
         traced one with ``trace``'s Launcher options) over ``ranks`` on ``device``: their
-        programs (word arrays) packed at one stride of at least ``stride`` words, ``blocks``
-        blocks of ``threads`` each per rank."""
+        programs (word arrays, one a lane: each a rank slot of the launch) packed at one
+        stride of at least ``stride`` words, ``blocks`` blocks of ``threads`` each per slot."""
         table, stride, counters = pack(torch, device, programs, stride)
-        run = launcher(cache, device=device.index, nranks_in_launch=len(ranks), nlanes=1,
+        run = launcher(cache, device=device.index, nranks_in_launch=len(programs), nlanes=1,
                        blocks_per_lane=blocks, threads=threads, pdl=pdl, kernel=kernel,
                        stride_words=stride, **trace)
         return cls(device.index, ranks, run, table.data_ptr(), counters.data_ptr(), control,
@@ -171,8 +173,16 @@ class RankKernel:
                                     self.counters)
 
     def records(self) -> list[tuple[int, np.ndarray]]:
-        """(rank, error record) of each rank of the launch (synchronize first)."""
-        return [(r, c[2:].cpu().numpy()) for r, c in zip(self.ranks, self.control)]
+        """(rank, error record) of each rank of the launch (synchronize first), its lane the
+        step's (``step_lanes``)."""
+        out = []
+        for r, c in zip(self.ranks, self.control):
+            rec = c[2:].cpu().numpy().copy()
+            lanes = self.step_lanes.get(r, ())
+            if 0 <= rec[isa.E_STEP] < len(lanes):
+                rec[isa.E_LANE] = lanes[rec[isa.E_STEP]]
+            out.append((r, rec))
+        return out
 
     def errors(self, flags: Flags, timeout: float, sums=None, ask: bool = False) -> list:
         """(rank, error code, sentence) of each rank of the launch that recorded an error

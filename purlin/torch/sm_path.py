@@ -85,7 +85,7 @@ class SmPrepared:
         self._refused: dict = {}  # keys the fused kernel cannot run relocated: why
         self.sums = None  # the epilogue's row sums (purlin.atom.fused.Epilogue), on demand
         self.program_words = None  # the fused programs' length
-        self.program = None  # this rank's fused program
+        self.programs = None  # this rank's fused programs, one a lane
         self.epilogue_kernel = epilogue_kernel  # "fused": the built-in on the NORM op everywhere
         self.norm_kernel = None  # what the last epilogue program made runs on (plans())
         tdt = getattr(torch, schedule.dtype)
@@ -121,8 +121,8 @@ class SmPrepared:
             rows = threads_grid(nbytes, unit, epilogue_grid, self.path.sms)
         core.fused_kernels(unit, blocks=blocks_per_lane, grid=rows,
                            spare_words=self.SPARE_WORDS)
-        self.program = core.programs[rank]
-        self.program_words = self.program.words.size + self.SPARE_WORDS
+        self.programs = core.programs[rank]  # (one a lane, each a rank slot of the launch)
+        self.program_words = max(p.words.size for p in self.programs) + self.SPARE_WORDS
 
     def launch(self, src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
                capturing: bool = False, norm: tuple | None = None) -> None:
@@ -139,9 +139,10 @@ class SmPrepared:
                            self.timeout_ns, desc, launcher)
 
     def _program(self, moves=None, epilogue=None):
-        """This rank's fused program on the device, and the
-        :class:`purlin.atom.fused.FusedProgram` it holds: the rank's program of ``self.ops``
-        (``purlin.atom.fused_rows.launch_ops``), of its table relocated by ``moves``
+        """This rank's fused programs on the device (one a lane, packed at the launch's
+        stride), and the :class:`purlin.atom.fused.FusedProgram` list they hold: the rank's
+        programs of ``self.ops`` (``purlin.atom.fused_rows.launch_ops``), of its table
+        relocated by ``moves``
         (``lowering.relocate``) where given; with ``epilogue`` (a
         :class:`purlin.atom.fused.Epilogue` to end with), the rank's own ops and the NORM op,
         as a single-process cluster builds a program ending with an epilogue
@@ -153,22 +154,24 @@ class SmPrepared:
 
         error = error_record(self.control)
         if epilogue is None:
-            prog = self.ops.program(self.path.rank, error, self.abort_ptr, self.flags.slot,
-                                    moves)
-        else:
+            progs = self.ops.program(self.path.rank, error, self.abort_ptr, self.flags.slot,
+                                     moves)
+        else:  # (one lane: epilogue_problem refuses more)
             low = relocate(self.lowered, moves) if moves else self.lowered
-            prog = program(low, error=error, abort=self.abort_ptr, flag_slot=self.flags.slot,
-                           unit=self.unit, epilogue=epilogue, threads=self.threads)
+            progs = [program(low, error=error, abort=self.abort_ptr,
+                             flag_slot=self.flags.slot, unit=self.unit, epilogue=epilogue,
+                             threads=self.threads)]
         # the launch reads stride_words words of a program: every program of this collective
         # (relocated: as long; with an epilogue: one op and one source entry more) is that
         # long, padded
         if self.program_words is None:
-            self.program_words = prog.words.size + self.SPARE_WORDS
+            self.program_words = max(p.words.size for p in progs) + self.SPARE_WORDS
         # (a program ending with an epilogue is written from the rank's own ops, which may
         # take more words than self.ops', and a user epilogue's extra words may run past it:
         # its launcher reads more, _grid_launcher)
-        table, _, _ = pack(torch, self.path.device, [prog.words], self.program_words, False)
-        return table, prog
+        table, _, _ = pack(torch, self.path.device, [p.words for p in progs],
+                           self.program_words, False)
+        return table, progs
 
     def _epilogue_kernel(self, moves, words: torch.Tensor, dst, norm):
         """(why not, program, launcher) for the program ``words`` that this rank's table,
@@ -322,7 +325,8 @@ class SmPrepared:
                 found, _ = rank_blob(torch, low, self.path.device, self.abort_ptr,
                                      self.schedule.lanes, control=self.control.data_ptr())
             run = launcher or self.kernel.launcher
-            if self.fused and found.numel() > run.head_words:  # its words past them: garbage
+            # (a program's words past what the launch reads of it: garbage)
+            if self.fused and found.numel() > run.head_words * run.nranks_in_launch:
                 raise ExecutionError(f"rank {self.path.rank}: a fused program of "
                                      f"{found.numel()} words under a launcher reading "
                                      f"{run.head_words} (a bug: please report it)")
