@@ -145,8 +145,9 @@ def cases(n: int, nbytes: int, item: int):
 # -- timing ---------------------------------------------------------------------------------
 def _binds(quick: bool, nbytes: int) -> list[tuple[str, str, str | None]]:
     """(label, plan, protocol) of the binds tried: ``cluster.bind(..., "auto")`` as a user
-    calls it, then direct-push with each protocol, and direct-pull and auto's plan with each
-    fused protocol (planned once each)."""
+    calls it, then direct-push with each protocol, and direct-pull (one lane and two: a
+    layout's segments alternate lanes, a program each on the fused kernel) and auto's plan
+    with each fused protocol (planned once each)."""
     out = [("auto", "auto", None)]
     for protocol in (("fused", "fused-ll") if quick else PROTOCOLS):
         if protocol.endswith("ll") and nbytes > LL_MAX:
@@ -154,6 +155,7 @@ def _binds(quick: bool, nbytes: int) -> list[tuple[str, str, str | None]]:
         out.append((f"direct-push {protocol}", "direct-push", protocol))
         if not quick and protocol in ("fused", "fused-ll"):
             out.append((f"direct-pull {protocol}", "direct-pull", protocol))
+            out.append((f"direct-pull 2 lanes {protocol}", "direct-pull 2 lanes", protocol))
             out.append((f"auto plan {protocol}", "auto plan", protocol))
     return out
 
@@ -171,6 +173,9 @@ def _schedule(cluster, coll, sizes, dtype, how, plans):
                 raise _NotHere("auto's plan is the direct-push or direct-pull bind's")
             plans[key] = plan(coll, c.strategy, chunk_sizes=sizes, dtype=dtype, chunks=c.chunks,
                               lanes=c.lanes, lanes_by=c.lanes_by)
+        elif how.endswith(" 2 lanes"):
+            plans[key] = plan(coll, how.removesuffix(" 2 lanes"), chunk_sizes=sizes,
+                              dtype=dtype, lanes=2)
         else:
             plans[key] = plan(coll, how, chunk_sizes=sizes, dtype=dtype)
     return plans[key]
@@ -188,7 +193,8 @@ def _bind_sm(torch, cluster, coll, sizes, dtype, how, protocol, plans):
         bound = sm.bind(cluster, schedule, protocol=protocol, pdl=protocol != "simple")
     wrong = count_wrong(torch, bound)
     kernel = bound.launches[0].launcher.kernel
-    how = (f"{bound.schedule.strategy} {bound.protocol}{' pdl' if bound.pdl else ''} "
+    lanes = f" {bound.schedule.lanes} lanes" if bound.schedule.lanes > 1 else ""
+    how = (f"{bound.schedule.strategy}{lanes} {bound.protocol}{' pdl' if bound.pdl else ''} "
            f"{kernel} b{bound.blocks_per_lane} t{bound.threads}")
     return bound, wrong, how
 
