@@ -33,6 +33,8 @@
 #   timeline tracecli notebooks                        timelines, `purlin trace`, notebooks
 # Either (one GPU is enough):
 #   fusedtrace   bench/timelines.py --fused: the fused kernel traced vs untraced, its timelines
+#   lanes        a program a lane: its GPU tests, then the two-root broadcast's rows of
+#                bench/custom_vs_standard.py (direct-pull with 2 lanes beside the one-lane binds)
 #   fp8det       bench/fp8_deterministic.py: FP8 vs bf16 all-gathers, deterministic all-reduces
 #   varlen       bench/moe.py (the MoE layer) and bench/all_to_all_v.py (skewed device counts)
 #   epilogues    bench/epilogues.py: user epilogues fused vs unfused, the built-in generic vs hand
@@ -239,6 +241,11 @@ for stage in "${stages[@]}"; do
             else
                 echo "bench/custom_vs_standard.py is not in this tree: skipped"
             fi
+            ;;
+        lanes)
+            pytest_gpu gpu_lanes_tests 200 120 tests/test_gpu_sm.py -k "lanes"
+            TAIL=30 step custom_lanes 200 python3 bench/custom_vs_standard.py --ranks 4,8 \
+                --cases two-root --out "$OUT/custom_lanes.json"
             ;;
         tests)  # all but the fused kernel's (fusedtests): ~5 minutes
             pytest_gpu gpu_tests 400 120 --maxfail 8 tests/test_gpu_sm.py tests/test_gpu_ce.py \
