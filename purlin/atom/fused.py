@@ -821,7 +821,8 @@ def grid(items: int, ranks_in_launch: int = 1, sms: int = 132,
     """(blocks per rank, threads) for fused programs of ``items`` items of ``unit`` bytes:
     about one item per thread, 128 threads per block up to 16 KiB, 256 up to 128 KiB, else
     512, at most 32 blocks per rank below 4 MiB and every SM above, and few enough for every
-    rank of the launch to be resident (:func:`purlin.kernels.occupancy.resident_blocks`).
+    rank slot of the launch (a rank's, or a lane's: ``purlin.atom.fused_lanes``) to be
+    resident (:func:`purlin.kernels.occupancy.resident_blocks`).
 
     >>> grid(512), grid(4096), grid(1 << 16), grid(1 << 16, ranks_in_launch=8), grid(1 << 24)
     ((4, 128), (16, 256), (32, 512), (16, 512), (132, 512))
