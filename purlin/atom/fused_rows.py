@@ -281,8 +281,8 @@ def cluster_programs(lowered, error_of, abort: int, flag_slot, unit: int = 16,
 
 def launch_ops(schedule, lowered, unit: int) -> ClusterOps:
     """The ops every rank runs ``schedule`` with on the fused kernel (``lowered``: its
-    ranks' tables; several lanes run a program each: ``purlin.atom.fused_lanes``): :func:`cluster_ops`
-    with segmented ops for the layouts :func:`several_pieces` finds and LL rows joined --
+    ranks' tables; several lanes run a program each: ``purlin.atom.fused_lanes``):
+    :func:`cluster_ops` with segmented ops for the layouts :func:`several_pieces` finds and LL rows joined --
     what a single-process cluster (``purlin.atom.sm``) and each process of process mode
     (``purlin.torch.sm_path``) build, so that a collective runs the same programs either way.
     (A program ending with an epilogue is its rank's own ops and a NORM op, built apart:

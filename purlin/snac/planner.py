@@ -51,10 +51,11 @@ def plan(collective: Collective, strategy: str = "direct-push", *, count: int | 
     256 elements. ``chunks`` splits every transfer into that many pieces so hops pipeline;
     ``lanes`` spreads the pieces over that many parallel workers per rank: with
     ``lanes_by="piece"`` every piece keeps one lane from its first hop to its last (the
-    collective's pieces, segment by segment, go round-robin); with ``lanes_by="stage"`` a piece's hop at depth d runs in lane d % lanes, so
-    each lane does one kind of work for every piece in turn (on a datapath whose lane is a
-    single in-order queue, such as copy engines, piece k+1's transfer then runs beside piece
-    k's reduction instead of after it; on 2 x H200 that pipelined but did not beat the SMs).
+    collective's pieces, segment by segment, go round-robin); with ``lanes_by="stage"`` a
+    piece's hop at depth d runs in lane d % lanes, so each lane does one kind of work for
+    every piece in turn (on a datapath whose lane is a single in-order queue, such as copy
+    engines, piece k+1's transfer then runs beside piece k's reduction instead of after it;
+    on 2 x H200 that pipelined but did not beat the SMs).
 
     >>> from purlin.spec import collectives
     >>> s = plan(collectives.all_reduce(2), "two-phase", count=64, chunks=2, lanes=3,

@@ -327,9 +327,10 @@ class SmPrepared:
             run = launcher or self.kernel.launcher
             # (a program's words past what the launch reads of it: garbage)
             if self.fused and found.numel() > run.head_words * run.nranks_in_launch:
-                raise ExecutionError(f"rank {self.path.rank}: a fused program of "
+                raise ExecutionError(f"rank {self.path.rank}: fused programs of "
                                      f"{found.numel()} words under a launcher reading "
-                                     f"{run.head_words} (a bug: please report it)")
+                                     f"{run.head_words * run.nranks_in_launch} (a bug: "
+                                     "please report it)")
             found = self._moved[key] = (found, launcher)
             if len(self._moved) > self.MAX_MOVED + len(self._pinned):
                 # a launch still queued may read the oldest table: let it finish (rare)
