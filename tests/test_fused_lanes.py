@@ -115,7 +115,6 @@ def test_two_roots_in_two_lanes_wait_for_one_root_a_program(n):
     assert [x.rank for x in ops.lowered] == [r for r in range(n) for _ in range(2)]
     for x, prog in zip(ops.lowered, ops.ops):
         waited = {op.peer for op in prog if op.kind == "wait"}
-        assert len(waited) <= 1 or x.rank < 2, (x.rank, waited)
         if x.rank >= 2:  # a receiver: one root a lane
             assert len(waited) == 1, (x.rank, waited)
     xs = [[np.arange(s.sizing.input_count(r), dtype=np.float64) % 97 + 7 * r for r in range(n)]
@@ -133,10 +132,11 @@ def test_a_rank_hears_from_a_peer_in_any_of_its_lanes():
     low = HostBuffers(s, ll=True).lower()
     assert fuse_problem(low, 8) is None
     slots = lane_slots(low)
-    heard = [{op.peer for op in rank_ops(x, 8) if op.kind == "wait"} |
-             {src.peer for op in rank_ops(x, 8) if op.kind == "move" for src in op.sources
-              if src.is_ll} for x in slots]
-    put = [{op.peer for op in rank_ops(x, 8) if op.kind == "put"} for x in slots]
+    ops = [rank_ops(x, 8) for x in slots]
+    heard = [{op.peer for op in o if op.kind == "wait"} |
+             {src.peer for op in o if op.kind == "move" for src in op.sources if src.is_ll}
+             for o in ops]
+    put = [{op.peer for op in o if op.kind == "put"} for o in ops]
     assert any(p - h for p, h in zip(put, heard))  # (some lane puts to a peer it never hears)
     for r in range(4):
         mine = [k for k, x in enumerate(slots) if x.rank == r]

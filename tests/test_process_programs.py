@@ -99,15 +99,14 @@ def test_each_rank_builds_the_single_process_cluster_s_program_for_it(case, stra
     p0 = ps[0]
     want = launch_ops(s, p0.all_lowered, p0.unit).programs(lambda q: _error(ps[q]),
                                                            p0.abort_ptr, p0.flags.slot)
-    slots = len(want) // N
-    grid = fused_launch(Gpu(0, 132), max(w.items for w in want), 1, p0.unit, lanes=slots,
-                        kind="process")
-    if len({w.items for w in want}) > 1:  # (its own largest row would give another grid)
-        assert any(fused_launch(Gpu(0, 132), w.items, 1, p0.unit, lanes=slots,
-                                kind="process") != grid
-                   for w in want)
     lanes = len(want) // N  # (every rank of these cases has rows in every lane)
     assert len(want) == N * lanes and lanes == s.lanes, case
+    grid = fused_launch(Gpu(0, 132), max(w.items for w in want), 1, p0.unit, lanes=lanes,
+                        kind="process")
+    if len({w.items for w in want}) > 1:  # (its own largest row would give another grid)
+        assert any(fused_launch(Gpu(0, 132), w.items, 1, p0.unit, lanes=lanes,
+                                kind="process") != grid
+                   for w in want)
     for r, p in enumerate(ps):
         mine = want[r * lanes:(r + 1) * lanes]
         assert len(p.programs) == lanes
